@@ -1,0 +1,206 @@
+"""Experiment schema, TOML loading, `--set` overrides and validation.
+
+Every key a user can write lives in one of the pydantic models below, so the
+schema is the documentation: unknown keys get a "did you mean" suggestion and
+a wrong type names the key, the value and the expected type, in one line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from plait.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    kind: Literal["gpt"] = "gpt"
+    layers: PosInt = 2
+    d_model: PosInt = 64
+    heads: PosInt = 4
+    d_ff: PosInt = 256
+    vocab: PosInt = 256
+    seq_len: PosInt = 64
+    tie_embeddings: bool = True
+    # Embedding rows are padded to a multiple of this (GPT-2's 50257 -> 50304),
+    # so vocabulary-parallel sharding divides and matmuls stay aligned.
+    vocab_multiple: PosInt = 128
+    norm_eps: PosFloat = 1e-5
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    remat: bool = False
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab + m - 1) // m * m
+
+
+class DataConfig(Section):
+    source: Literal["synthetic", "tokens"] = "synthetic"
+    path: str | None = None
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    # Synthetic streams: each token has this many possible successors.
+    successors: PosInt = 4
+
+
+class TrainConfig(Section):
+    steps: PosInt = 100
+    global_batch: PosInt = 8
+    microbatches: PosInt = 1
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw"] = "adamw"
+    lr: PosFloat = 3e-4
+    warmup_steps: NonNegInt = 0
+    decay_steps: PosInt | None = None
+    min_lr_ratio: NonNegFloat = 0.1
+    weight_decay: NonNegFloat = 0.1
+    b1: NonNegFloat = 0.9
+    b2: NonNegFloat = 0.95
+    eps: PosFloat = 1e-8
+    grad_clip: NonNegFloat = 1.0
+
+
+class PrecisionConfig(Section):
+    compute: Literal["float32", "bfloat16"] = "float32"
+
+
+class CheckpointConfig(Section):
+    enabled: bool = True
+    every_steps: NonNegInt = 100
+    keep: PosInt = 3
+    async_save: bool = True
+
+
+class LogConfig(Section):
+    every_steps: PosInt = 10
+    tensorboard: bool = True
+    console: Literal["auto", "bar", "line", "none"] = "auto"
+
+
+class Experiment(Section):
+    name: str = "experiment"
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    # Default mesh of the experiment: axis name -> size (see plait.mesh).
+    mesh: dict[str, int] | None = None
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.model_dump(exclude_none=True))
+
+
+def all_keys(model: type[BaseModel] = Experiment, prefix: str = "") -> list[str]:
+    """Every dotted key the schema accepts (for suggestions and docs)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += all_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: str) -> None:
+    for key, value in raw.items():
+        field = model.model_fields.get(key)
+        dotted = f"{prefix}{key}"
+        if field is None:
+            close = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
+            raise UserError(f"unknown config key '{dotted}' in {source}{hint}")
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            if not isinstance(value, dict):
+                raise UserError(
+                    f"config key '{dotted}' in {source} must be a table ([{dotted}]), "
+                    f"got {type(value).__name__}"
+                )
+            _check_unknown_keys(value, ann, f"{dotted}.", source)
+
+
+def _type_name(value: Any) -> str:
+    return {str: "string", int: "integer", float: "float", bool: "boolean", list: "array",
+            dict: "table"}.get(type(value), type(value).__name__)
+
+
+def validate(raw: dict, source: str) -> Experiment:
+    """Build an Experiment from a raw dict, with one-line errors."""
+    _check_unknown_keys(raw, Experiment, "", source)
+    try:
+        return Experiment.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        value = err.get("input")
+        raise UserError(
+            f"config key '{loc}' in {source}: {err['msg'].lower()}, "
+            f"got {value!r} ({_type_name(value)})"
+        ) from None
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` value is TOML (`3`, `1e-3`, `true`, `"x"`, `[1, 2]`); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise UserError(f"--set expects key=value, got '{assignment}' (e.g. --set train.steps=50)")
+    key, text = assignment.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {key}: '{part}' is a value, not a table")
+        node = child
+    node[parts[-1]] = parse_value(text.strip())
+
+
+def read_toml(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise UserError(f"{what} '{path}' not found; check the path")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{what} '{path}' is not valid TOML: {e}") from None
+
+
+def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
+    path = Path(path)
+    raw = read_toml(path, "experiment file")
+    raw.setdefault("name", path.stem)
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return validate(raw, str(path))

@@ -1,0 +1,79 @@
+"""File-backed token datasets: a flat binary of uint16/uint32 ids (nanoGPT style).
+
+Row r of step k starts at an offset drawn from (seed, k, r), so any process can
+read exactly its rows with no shared state, and a resumed run on any mesh sees
+the same batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from plait.errors import UserError
+
+
+class TokenFile:
+    def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab: int):
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(
+                f"data file '{path}' not found; make one with `plait data TEXT_FILE {path}` "
+                "or fix data.path"
+            )
+        itemsize = np.dtype(dtype).itemsize
+        size = path.stat().st_size
+        if size % itemsize:
+            raise UserError(
+                f"data file '{path}' is {size} bytes, not a whole number of {dtype} tokens; "
+                "check data.dtype"
+            )
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.seq_len, self.seed = seq_len, seed
+        if len(self.tokens) < seq_len + 2:
+            raise UserError(
+                f"data file '{path}' holds {len(self.tokens)} tokens, fewer than "
+                f"model.seq_len + 2 = {seq_len + 2}; use a longer file or shorter sequences"
+            )
+        top = int(self.tokens[: min(len(self.tokens), 1 << 20)].max())
+        if top >= vocab:
+            raise UserError(
+                f"data file '{path}' has token id {top} >= model.vocab = {vocab}; "
+                "raise model.vocab or re-tokenize"
+            )
+
+    def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+        length = self.seq_len + 1
+        hi = len(self.tokens) - length
+        out = np.empty((stop - start, length), np.int32)
+        for i, row in enumerate(range(start, stop)):
+            offset = int(np.random.default_rng([self.seed, step, row]).integers(0, hi + 1))
+            out[i] = self.tokens[offset : offset + length]
+        return out
+
+
+def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "uint16") -> int:
+    """Byte-level tokenization (vocab 256) of a UTF-8 text file into a flat binary.
+
+    Returns the number of tokens written. Byte tokens need no vocabulary file,
+    so this works offline; any tokenizer's ids can be written the same way with
+    `write_tokens`.
+    """
+    text_path = Path(text_path)
+    if not text_path.is_file():
+        raise UserError(f"text file '{text_path}' not found; check the path")
+    ids = np.frombuffer(text_path.read_bytes(), dtype=np.uint8)
+    return write_tokens(ids, out_path, dtype)
+
+
+def write_tokens(ids: np.ndarray, out_path: str | Path, dtype: str = "uint16") -> int:
+    ids = np.asarray(ids)
+    if ids.size and int(ids.max()) > np.iinfo(dtype).max:
+        raise UserError(f"token id {int(ids.max())} does not fit in {dtype}; use uint32")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_suffix(out_path.suffix + ".tmp")
+    ids.astype(dtype).tofile(tmp)
+    tmp.replace(out_path)
+    return int(ids.size)

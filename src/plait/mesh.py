@@ -1,0 +1,218 @@
+"""Mesh specs (files or inline `data=2,fsdp=2,tensor=2`) -> a jax Mesh.
+
+Nothing here touches the JAX backend until `provision_devices`, because on
+CPU the number of simulated devices must be fixed before JAX starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plait.errors import UserError
+
+# Every axis name of the design, in mesh order (outermost first: the innermost
+# axes talk most and should land on the fastest links).
+KNOWN_AXES = (
+    "data", "pipeline", "fsdp",
+    "tensor_depth", "tensor_row", "tensor_col",
+    "tensor_x", "tensor_y", "tensor_z",
+    "tensor",
+)
+# Axes this version can run; the others are accepted by name at size 1.
+IMPLEMENTED_AXES = ("data", "fsdp", "tensor")
+_FUTURE = {
+    "pipeline": "pipeline parallelism",
+    "tensor_row": "2-D tensor parallelism", "tensor_col": "2-D tensor parallelism",
+    "tensor_depth": "2.5-D tensor parallelism",
+    "tensor_x": "3-D tensor parallelism", "tensor_y": "3-D tensor parallelism",
+    "tensor_z": "3-D tensor parallelism",
+}
+
+
+@dataclass
+class MeshSpec:
+    """Axis sizes as the user wrote them (one may be -1), plus where they came from."""
+
+    axes: dict[str, int]
+    source: str
+    hardware: dict = field(default_factory=dict)
+
+    def inline(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.axes.items())
+
+
+def parse_inline(text: str) -> dict[str, int]:
+    axes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"([A-Za-z_]+)\s*=\s*(-?\d+)", part)
+        if not m:
+            raise UserError(
+                f"cannot read mesh spec '{text}' at '{part}'; write it like data=2,fsdp=2,tensor=2"
+            )
+        name, size = m.group(1), int(m.group(2))
+        if name in axes:
+            raise UserError(f"mesh spec '{text}' names axis '{name}' twice")
+        axes[name] = size
+    if not axes:
+        raise UserError("empty mesh spec; write it like data=2,fsdp=2,tensor=2")
+    return axes
+
+
+def load_spec(arg: str) -> MeshSpec:
+    """`arg` is a mesh file (meshes/x.toml) or an inline spec."""
+    path = Path(arg)
+    if path.suffix == ".toml" or path.is_file():
+        from plait.config import read_toml
+
+        raw = read_toml(path, "mesh file")
+        if "mesh" not in raw or not isinstance(raw["mesh"], dict):
+            raise UserError(f"mesh file '{path}' has no [mesh] table of axis sizes")
+        unknown = set(raw) - {"mesh", "hardware", "description"}
+        if unknown:
+            raise UserError(
+                f"mesh file '{path}' has unknown section '{sorted(unknown)[0]}'; "
+                "allowed: [mesh], [hardware], description"
+            )
+        axes = raw["mesh"]
+        for k, v in axes.items():
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise UserError(f"mesh file '{path}': axis '{k}' must be an integer, got {v!r}")
+        return MeshSpec(dict(axes), str(path), dict(raw.get("hardware", {})))
+    if "=" not in arg:
+        raise UserError(f"mesh file '{arg}' not found; pass a file or an inline spec like data=8")
+    return MeshSpec(parse_inline(arg), "--mesh")
+
+
+def check_axes(spec: MeshSpec) -> None:
+    for name, size in spec.axes.items():
+        if name not in KNOWN_AXES:
+            import difflib
+
+            close = difflib.get_close_matches(name, KNOWN_AXES, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise UserError(
+                f"unknown mesh axis '{name}' in {spec.source}{hint} "
+                f"(axes: {', '.join(KNOWN_AXES)})"
+            )
+        if size == 0 or size < -1:
+            raise UserError(f"mesh axis '{name}' has size {size} in {spec.source}; use >= 1 or -1")
+        if name not in IMPLEMENTED_AXES and size != 1:
+            raise UserError(
+                f"mesh axis '{name}' ({_FUTURE[name]}) is not implemented yet; "
+                f"remove it from {spec.source} or set it to 1"
+            )
+    if sum(1 for s in spec.axes.values() if s == -1) > 1:
+        raise UserError(f"only one mesh axis may be -1 in {spec.source}")
+
+
+def fixed_product(spec: MeshSpec) -> int:
+    return math.prod(s for s in spec.axes.values() if s != -1)
+
+
+def resolve(spec: MeshSpec, n_devices: int) -> dict[str, int]:
+    """Sizes of every implemented axis, with -1 replaced by the devices left."""
+    check_axes(spec)
+    fixed = fixed_product(spec)
+    sizes = {a: 1 for a in IMPLEMENTED_AXES}
+    for name, size in spec.axes.items():
+        if name in sizes:
+            sizes[name] = size
+    free = [a for a, s in sizes.items() if s == -1]
+    if free:
+        if n_devices % fixed:
+            raise UserError(
+                f"mesh {spec.inline()} cannot fill {n_devices} devices: the fixed axes "
+                f"multiply to {fixed}, which does not divide {n_devices}"
+            )
+        sizes[free[0]] = n_devices // fixed
+    total = math.prod(sizes.values())
+    if total != n_devices:
+        raise UserError(
+            f"mesh {spec.inline()} from {spec.source} needs {total} devices but {n_devices} "
+            f"are in use; make the sizes multiply to {n_devices} or give one axis as -1"
+        )
+    return sizes
+
+
+def inline(sizes: dict[str, int]) -> str:
+    """The `--mesh` form of resolved sizes, leaving out size-1 axes."""
+    parts = [f"{a}={s}" for a, s in sizes.items() if s != 1]
+    return ",".join(parts) or "data=1"
+
+
+def _xla_flag_device_count() -> int | None:
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    return int(m.group(1)) if m else None
+
+
+_PENDING_PROCESSES = 1
+
+
+def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
+    """Make sure JAX has the devices the mesh needs; return how many the mesh uses.
+
+    On CPU this asks for simulated devices (only possible before JAX starts).
+    A -1 axis takes `requested` devices if given, else every accelerator, else
+    one simulated device per CPU core.
+    """
+    import jax
+
+    check_axes(spec)
+    has_free = any(s == -1 for s in spec.axes.values())
+    if requested is not None:
+        want = requested
+    elif has_free:
+        want = max(fixed_product(spec), os.cpu_count() or 1)
+    else:
+        want = fixed_product(spec)
+    if not _backend_started() and _xla_flag_device_count() is None:
+        # Each process of a multi-process run simulates its share of the mesh.
+        per_process = max(1, want // _PENDING_PROCESSES)
+        current = getattr(jax.config, "jax_num_cpu_devices", -1)
+        if per_process > current:
+            jax.config.update("jax_num_cpu_devices", per_process)
+    devices = jax.devices()
+    platform = devices[0].platform
+    if has_free and requested is None and platform != "cpu":
+        want = len(devices)
+    if len(devices) < want:
+        if platform == "cpu":
+            raise UserError(
+                f"mesh {spec.inline()} needs {want} devices but this process has {len(devices)} "
+                "CPU devices (fixed when JAX started); run plait in a fresh process"
+            )
+        raise UserError(
+            f"mesh {spec.inline()} needs {want} devices but only {len(devices)} "
+            f"{platform} devices exist; shrink the mesh or use -1 for one axis"
+        )
+    return want
+
+
+def set_pending_process_count(n: int) -> None:
+    """Record that jax.distributed will join `n` processes (for per-process CPU devices)."""
+    global _PENDING_PROCESSES
+    _PENDING_PROCESSES = n
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:  # pragma: no cover - private API moved
+        return False
+
+
+def build_mesh(sizes: dict[str, int], n_devices: int):
+    """A Mesh over the first `n_devices` devices, with classic (Auto) GSPMD axes."""
+    import jax
+    from jax.sharding import AxisType
+
+    names = tuple(sizes)
+    shape = tuple(sizes[a] for a in names)
+    devices = jax.devices()[:n_devices]
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)

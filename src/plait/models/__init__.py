@@ -1,0 +1,95 @@
+"""Model registry and the bridge between NNX modules and plain parameter dicts.
+
+Training, sharding and checkpoints all work on a *pure dict* of arrays (string
+keys, e.g. params["blocks"]["0"]["attn"]["wqkv"]): canonical, independent of
+the mesh, and what a checkpoint stores. NNX modules are rebuilt from it inside
+the traced step with `apply`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from plait.config import ModelConfig
+from plait.models import gpt
+
+_KINDS = {"gpt": gpt.GPT}
+
+
+def _key(k: Any) -> str:
+    return str(getattr(k, "key", k))
+
+
+def flat_to_pure(flat) -> dict:
+    out: dict = {}
+    for path, leaf in flat:
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(_key(k), {})
+        node[_key(path[-1])] = leaf
+    return out
+
+
+def _lookup(tree: dict, path) -> Any:
+    for k in path:
+        tree = tree[_key(k)]
+    return tree
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """A model's structure without its values: graph, abstract state, config."""
+
+    cfg: ModelConfig
+    graphdef: Any
+    abstract: nnx.State
+
+    def variables(self) -> dict:
+        """Pure dict of the abstract nnx Variables (they carry `logical_axes`)."""
+        return flat_to_pure(nnx.to_flat_state(self.abstract))
+
+    def shapes(self) -> dict:
+        """Pure dict of ShapeDtypeStruct, one per parameter."""
+        return jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype),
+            self.variables(), is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+
+    def init(self, seed: int) -> dict:
+        """Fresh parameters; call under jit with out_shardings so they are born sharded."""
+        module = _KINDS[self.cfg.kind](self.cfg, nnx.Rngs(params=seed))
+        _, state = nnx.split(module)
+        return flat_to_pure((p, v.get_value()) for p, v in nnx.to_flat_state(state))
+
+    def module(self, params: dict, dtype: jnp.dtype | None = None) -> nnx.Module:
+        """The NNX module holding `params` (cast to `dtype` for low-precision compute)."""
+        flat = []
+        for path, var in nnx.to_flat_state(self.abstract):
+            value = _lookup(params, path)
+            if dtype is not None:
+                value = value.astype(dtype)
+            flat.append((path, var.replace(value)))
+        return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
+
+    def apply(self, params: dict, tokens: jax.Array, dtype: jnp.dtype | None = None):
+        return self.module(params, dtype)(tokens)
+
+    def num_params(self) -> int:
+        import math
+
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes()))
+
+
+def build(cfg: ModelConfig) -> ModelDef:
+    module = nnx.eval_shape(lambda: _KINDS[cfg.kind](cfg, nnx.Rngs(params=0)))
+    graphdef, abstract = nnx.split(module)
+    return ModelDef(cfg, graphdef, abstract)
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    return {"gpt": gpt.flops_per_token}[cfg.kind](cfg)

@@ -1,0 +1,138 @@
+"""Decoder-only transformer (GPT-2 layout) in Flax NNX.
+
+The model knows only logical axis names: each parameter carries
+`logical_axes` metadata and activations are pinned with `sharding.constrain`.
+Which mesh axes those names land on is decided in `plait.sharding`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from plait.config import ModelConfig
+from plait.sharding import constrain
+
+BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
+
+
+def _param(rngs: nnx.Rngs, shape, logical, std: float | None) -> nnx.Param:
+    if std is None:  # ones (norm scales)
+        value = jnp.ones(shape, jnp.float32)
+    elif std == 0.0:
+        value = jnp.zeros(shape, jnp.float32)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, logical_axes=tuple(logical))
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with statistics in float32 whatever the compute dtype."""
+
+    def __init__(self, d: int, eps: float, rngs: nnx.Rngs):
+        self.scale = _param(rngs, (d,), ("norm",), None)
+        self.bias = _param(rngs, (d,), ("norm",), 0.0)
+        self.eps = eps
+
+    def __call__(self, x):
+        dtype = x.dtype
+        x = x.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(dtype)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention; QKV column-split and output row-split by head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h = cfg.d_model, cfg.heads
+        hd = d // h
+        resid_std = 0.02 / math.sqrt(2 * cfg.layers)
+        self.wqkv = _param(rngs, (d, 3, h, hd), ("embed", "qkv", "heads", "head_dim"), 0.02)
+        self.bqkv = _param(rngs, (3, h, hd), ("qkv", "heads", "head_dim"), 0.0)
+        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), resid_std)
+        self.bo = _param(rngs, (d,), ("norm",), 0.0)
+        self.implementation = None if cfg.attention == "auto" else cfg.attention
+
+    def __call__(self, x):
+        qkv = jnp.einsum("bsd,dthk->tbshk", x, self.wqkv[...]) + self.bqkv[...][:, None, None]
+        q, k, v = (constrain(t, ("act_batch", "act_seq", "act_heads", "act_head_dim")) for t in qkv)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        o = constrain(o, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        y = jnp.einsum("bshk,hkd->bsd", o, self.wo[...]) + self.bo[...]
+        return constrain(y, BATCH_SEQ_EMBED)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
+        self.b1 = _param(rngs, (f,), ("mlp",), 0.0)
+        self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.layers))
+        self.b2 = _param(rngs, (d,), ("norm",), 0.0)
+
+    def __call__(self, x):
+        h = jnp.einsum("bsd,df->bsf", x, self.w1[...]) + self.b1[...]
+        h = constrain(jax.nn.gelu(h, approximate=True), ("act_batch", "act_seq", "act_mlp"))
+        y = jnp.einsum("bsf,fd->bsd", h, self.w2[...]) + self.b2[...]
+        return constrain(y, BATCH_SEQ_EMBED)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.ln1 = LayerNorm(cfg.d_model, cfg.norm_eps, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.ln2 = LayerNorm(cfg.d_model, cfg.norm_eps, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        v, d = cfg.padded_vocab, cfg.d_model
+        self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02)
+        self.pos_embed = _param(rngs, (cfg.seq_len, d), ("seq", "embed"), 0.01)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+        self.ln_f = LayerNorm(d, cfg.norm_eps, rngs)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02)
+        self.tied = cfg.tie_embeddings
+        self.remat = cfg.remat
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, seq] -> logits [batch, seq, padded_vocab] in the compute dtype."""
+        table = self.tok_embed[...]
+        # Gather the table's d_model shards (ZeRO-3) before the vocabulary-parallel
+        # lookup; a lookup into a table split both ways has no efficient partition.
+        x = jnp.take(constrain(table, ("vocab", "act_embed")), tokens, axis=0) + self.pos_embed[...][: tokens.shape[1]]
+        x = constrain(x, BATCH_SEQ_EMBED)
+        for block in self.blocks:
+            if self.remat:
+                x = nnx.remat(lambda b, y: b(y))(block, x)
+            else:
+                x = block(x)
+        x = self.ln_f(x)
+        head = table.T if self.tied else self.head[...]
+        logits = jnp.einsum("bsd,dv->bsv", x, head)
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Model FLOPs per trained token (forward + backward), PaLM-style.
+
+    6 x (parameters in matrix multiplies, head included) + 12 x layers x seq x d_model
+    for attention scores and values. Recomputation (remat) is not counted: this is
+    model FLOPs, the numerator of MFU.
+    """
+    d, f, L = cfg.d_model, cfg.d_ff, cfg.layers
+    matmul_params = L * (4 * d * d + 2 * d * f) + d * cfg.padded_vocab
+    return 6.0 * matmul_params + 12.0 * L * cfg.seq_len * d

@@ -1,0 +1,1 @@
+"""Train state, step, metrics and the training loop."""

@@ -1,0 +1,88 @@
+"""The train state (step, parameters, optimizer state), its shardings and its creation.
+
+The state is a plain dict of pure-dict pytrees so it is canonical on disk and
+the same whatever the mesh: resharding is only a matter of target shardings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from plait import sharding
+from plait.config import Experiment, OptimizerConfig
+from plait.models import ModelDef
+
+
+def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `decay_steps`."""
+    decay = max(opt.decay_steps or steps, opt.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if opt.warmup_steps else opt.lr,
+        peak_value=opt.lr,
+        warmup_steps=opt.warmup_steps,
+        decay_steps=decay,
+        end_value=opt.lr * opt.min_lr_ratio,
+    )
+
+
+def optimizer(exp: Experiment) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (no decay on vectors: norms and biases) with global-norm clipping."""
+    opt = exp.optimizer
+    schedule = lr_schedule(opt, exp.train.steps)
+    adamw = optax.adamw(
+        schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
+    parts = [optax.clip_by_global_norm(opt.grad_clip)] if opt.grad_clip > 0 else []
+    return optax.chain(*parts, adamw), schedule
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Abstract shapes and shardings of the whole train state."""
+
+    shapes: dict
+    shardings: dict
+
+    @property
+    def params(self) -> dict:
+        return self.shardings["params"]
+
+    def abstract(self) -> dict:
+        """ShapeDtypeStructs carrying the target shardings (for restore and AOT compile)."""
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            self.shapes, self.shardings,
+        )
+
+
+def layout(model: ModelDef, tx: optax.GradientTransformation, mesh: Mesh,
+           rules: sharding.Rules) -> StateLayout:
+    param_sh = sharding.param_shardings(model.variables(), mesh, rules)
+    param_shapes = model.shapes()
+    opt_shapes = jax.eval_shape(tx.init, param_shapes)
+    replicated = sharding.replicated(mesh)
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, s: s, opt_shapes, param_sh,
+        transform_non_params=lambda _: replicated,
+    )
+    shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": param_shapes,
+              "opt_state": opt_shapes}
+    shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
+    return StateLayout(shapes, shardings)
+
+
+def init_state(model: ModelDef, tx: optax.GradientTransformation, seed: int,
+               lay: StateLayout) -> dict:
+    """A fresh state, created directly in its shards (never whole on one device)."""
+
+    def init():
+        params = model.init(seed)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    return jax.jit(init, out_shardings=lay.shardings)()
