@@ -1,0 +1,101 @@
+"""Checkpoints with orbax: save asynchronously, restore the newest usable one, reshard on load.
+
+A checkpoint holds the whole train state (step, parameters, optimizer state)
+plus a JSON record of the step, the data position and the resolved config.
+orbax writes each step into a temporary directory and renames it when it is
+complete, so a run killed mid-save leaves nothing that looks finished; a
+checkpoint that fails to load (corrupt files) is skipped with a warning in
+favour of the previous one.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from plait.errors import UserError
+
+log = logging.getLogger("plait")
+
+# Model keys that change parameter shapes: a mismatch means another model.
+SHAPE_KEYS = ("kind", "layers", "d_model", "heads", "d_ff", "vocab", "seq_len",
+              "tie_embeddings", "vocab_multiple")
+
+
+class Checkpoints:
+    def __init__(self, directory: Path, keep: int, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=("state", "meta"))
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps(), reverse=True)
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                    meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
+
+    def read_meta(self, step: int) -> dict:
+        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
+    def check_model(self, model_cfg: dict, run_dir: Path) -> None:
+        """Refuse a run directory whose checkpoints come from another model shape."""
+        for step in self.steps():
+            try:
+                meta = self.read_meta(step)
+            except Exception:
+                continue  # judged (and skipped) when restoring
+            saved = meta.get("config", {}).get("model", {})
+            diff = [k for k in SHAPE_KEYS if k in saved and saved.get(k) != model_cfg.get(k)]
+            if diff:
+                k = diff[0]
+                raise UserError(
+                    f"run directory '{run_dir}' holds checkpoints of a different model "
+                    f"(model.{k} = {saved[k]!r} there, {model_cfg.get(k)!r} now); "
+                    "use a new --run-dir or the original model settings"
+                )
+            return
+
+    def restore_latest(self, abstract_state: dict) -> tuple[dict, dict] | None:
+        """Newest checkpoint that loads, resharded onto `abstract_state`'s shardings."""
+        steps = self.steps()
+        for step in steps:
+            try:
+                out = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    meta=ocp.args.JsonRestore()))
+                state, meta = out["state"], dict(out["meta"])
+                jax.block_until_ready(state)
+                return state, meta
+            except Exception as e:  # corrupt or unreadable: fall back
+                reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+                log.warning("checkpoint at step %d in %s is unusable (%s); trying an older one",
+                            step, self.directory, reason)
+        if steps:
+            raise UserError(
+                f"no usable checkpoint in '{self.directory}' (tried steps "
+                f"{', '.join(map(str, steps))}); move the directory away to start afresh"
+            )
+        return None
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()

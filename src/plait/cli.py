@@ -1,0 +1,166 @@
+"""`plait train | inspect | data`.
+
+Any mistake in the user's input ends in one line on stderr naming the problem
+and the fix, with exit status 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from plait.errors import UserError
+
+
+def _quiet_libraries() -> None:
+    """Keep the console for plait's own lines: orbax/absl INFO chatter off."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        import absl.logging
+
+        absl.logging.set_verbosity(absl.logging.WARNING)
+    except ImportError:  # pragma: no cover
+        pass
+    logging.basicConfig(format="plait: %(levelname)s: %(message)s", level=logging.WARNING)
+    for name in ("orbax", "absl", "jax"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("experiment", help="experiment file, e.g. experiments/quickstart.toml")
+    p.add_argument("--mesh", help="mesh file (meshes/x.toml) or inline spec like data=2,tensor=4")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (value parsed as TOML); repeatable")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices the mesh uses (default: what the mesh needs; with a -1 axis, "
+                        "every accelerator or one simulated device per CPU core)")
+    p.add_argument("--coordinator", help="host:port of process 0, to join a multi-process run")
+    p.add_argument("--num-processes", type=int, help="processes in the multi-process run")
+    p.add_argument("--process-id", type=int, help="this process's index in the run")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="plait", description="Train one model over any device mesh.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train an experiment (resumes from --run-dir)")
+    _common(t)
+    t.add_argument("--run-dir", help="run directory (default: runs/<experiment name>)")
+    t.add_argument("--steps", type=int, help="train to this many steps (sets train.steps)")
+
+    i = sub.add_parser("inspect", help="compile the train step and report FLOPs, "
+                                       "collective bytes and memory per device")
+    _common(i)
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+
+    d = sub.add_parser("data", help="turn a text file into a token file (byte-level ids)")
+    d.add_argument("text", help="UTF-8 text file")
+    d.add_argument("out", help="output token file (flat binary)")
+    d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16")
+    return ap
+
+
+def _join_cluster(args) -> None:
+    """Start jax.distributed from flags, or from a cluster launcher's environment."""
+    from plait import mesh as mesh_lib
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    env_cluster = any(os.environ.get(v) for v in ("JAX_COORDINATOR_ADDRESS",)) or (
+        int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ)
+    if not any(f is not None for f in flags) and not env_cluster:
+        return
+    import jax
+
+    if any(f is not None for f in flags):
+        if None in flags:
+            raise UserError("--coordinator, --num-processes and --process-id go together; "
+                            "give all three")
+        if not 0 <= args.process_id < args.num_processes:
+            raise UserError(f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if any(f is not None for f in flags):
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id)
+    else:
+        jax.distributed.initialize()
+    from jax._src import distributed
+
+    mesh_lib.set_pending_process_count(distributed.global_state.num_processes or 1)
+
+
+def _setup(args):
+    """Experiment, mesh spec, devices and Mesh: everything checked before any file is written."""
+    from plait import mesh as mesh_lib
+    from plait.config import load_experiment
+
+    sets = list(args.sets)
+    if getattr(args, "steps", None) is not None:
+        sets.append(f"train.steps={args.steps}")
+    exp = load_experiment(args.experiment, sets)
+    if args.mesh:
+        spec = mesh_lib.load_spec(args.mesh)
+    elif exp.mesh:
+        spec = mesh_lib.MeshSpec(dict(exp.mesh), f"[mesh] of {args.experiment}")
+    else:
+        spec = mesh_lib.MeshSpec({"data": -1}, "the default mesh")
+    mesh_lib.check_axes(spec)
+    if args.devices is not None and args.devices < 1:
+        raise UserError(f"--devices must be at least 1, got {args.devices}")
+    _join_cluster(args)
+    n = mesh_lib.provision_devices(spec, args.devices)
+    sizes = mesh_lib.resolve(spec, n)
+    from plait.train.build import check_fits
+
+    check_fits(exp, sizes)
+    return exp, mesh_lib.build_mesh(sizes, n)
+
+
+def cmd_train(args) -> int:
+    exp, mesh = _setup(args)
+    from plait.train.loop import train
+
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / exp.name
+    train(exp, mesh, run_dir)
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    exp, mesh = _setup(args)
+    from plait.inspect import inspect_step, render
+
+    report = inspect_step(exp, mesh)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        render(report)
+    return 0
+
+
+def cmd_data(args) -> int:
+    from plait.data.tokens import encode_text_file
+
+    n = encode_text_file(args.text, args.out, args.dtype)
+    print(f"plait: wrote {n:,} byte-level tokens ({args.dtype}) to {args.out}; "
+          f"use data.source = \"tokens\", data.path = \"{args.out}\", model.vocab >= 256")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data}[args.command](args)
+    except UserError as e:
+        print(f"plait: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("plait: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The training loop: resume, run steps, log, checkpoint, stop cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+from plait import data, mesh as mesh_lib
+from plait.checkpoint import Checkpoints
+from plait.config import Experiment
+from plait.hardware import peak_flops
+from plait.models import flops_per_token
+from plait.train.build import Job
+from plait.train.metrics import MetricsLog, StepTimer
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checkpoints at the next step boundary and exits."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.signal = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def write_config(run_dir: Path, exp: Experiment, resumed_step: int) -> None:
+    """Write the resolved config; a different earlier one is kept, never overwritten."""
+    path = run_dir / "config.toml"
+    text = exp.to_toml()
+    if path.exists() and path.read_text() != text:
+        backup = run_dir / f"config.step{resumed_step}.toml"
+        n = 1
+        while backup.exists():
+            backup = run_dir / f"config.step{resumed_step}.{n}.toml"
+            n += 1
+        path.replace(backup)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
+    """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint."""
+    run_dir = Path(run_dir)
+    is_writer = jax.process_index() == 0
+    job = Job(exp, mesh)
+    source = data.make_source(exp)
+    total = exp.train.steps
+    ckpt_dir = run_dir / "checkpoints"
+    resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
+
+    ckpts = None
+    if exp.checkpoint.enabled or ckpt_dir.exists():
+        if ckpt_dir.exists():
+            probe = Checkpoints(ckpt_dir, exp.checkpoint.keep, async_save=False)
+            probe.check_model(exp.model.model_dump(), run_dir)
+            probe.close()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpts = Checkpoints(ckpt_dir, exp.checkpoint.keep, exp.checkpoint.async_save)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    restored = ckpts.restore_latest(job.layout.abstract()) if ckpts else None
+    if restored is not None:
+        state, meta = restored
+        start = int(meta["step"])
+    else:
+        state, start = job.init_state(), 0
+    if is_writer:
+        write_config(run_dir, resolved, start)
+
+    log = MetricsLog(run_dir, start, total, exp.log.tensorboard, exp.log.console, is_writer)
+    mesh_text = mesh_lib.inline(dict(mesh.shape))
+    n_params = job.model.num_params()
+    log.note(
+        f"plait: {exp.name}: {n_params / 1e6:.2f}M parameters, mesh {mesh_text} "
+        f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices), run dir {run_dir}"
+    )
+    if restored is not None:
+        log.note(f"plait: resumed from the checkpoint at step {start}")
+    if start >= total:
+        log.note(f"plait: already trained to step {start} of {total}; nothing to do "
+                 "(raise --steps to continue)")
+        log.close()
+        if ckpts:
+            ckpts.close()
+        return {"steps_run": 0, "final_step": start, "records": []}
+
+    t0 = time.perf_counter()
+    compiled = job.compile()
+    compile_s = time.perf_counter() - t0
+    log.note(f"plait: step compiled in {compile_s:.1f}s")
+
+    device = mesh.devices.flat[0]
+    peak = peak_flops(device.device_kind, exp.precision.compute)
+    flops_tok = flops_per_token(exp.model)
+    n_dev = mesh.devices.size
+
+    stop = StopFlag()
+    stop.install()
+    timer = StepTimer()
+    every = exp.log.every_steps
+    ckpt_every = exp.checkpoint.every_steps
+    last_saved = start if restored is not None else None
+    step_times: list[float] = []
+
+    def meta_for(step: int) -> dict:
+        return {"step": step, "mesh": mesh_text,
+                "data": {"source": exp.data.source, "seed": exp.seed, "next_step": step,
+                         "samples_seen": step * exp.train.global_batch},
+                "config": json.loads(resolved.model_dump_json())}
+
+    def save(step: int) -> None:
+        nonlocal last_saved
+        if ckpts is not None and last_saved != step:
+            ckpts.save(step, state, meta_for(step))
+            last_saved = step
+
+    prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-data")
+    batch_of = lambda k: data.global_batch(source, k, job.batch_shape, job.batch_sharding)
+    next_batch = prefetch.submit(batch_of, start)
+    wall0 = time.perf_counter()
+    step = start
+    try:
+        timer.lap(step)
+        while step < total:
+            batch = next_batch.result()
+            if step + 1 < total:
+                next_batch = prefetch.submit(batch_of, step + 1)
+            state, metrics = compiled(state, batch)
+            step += 1
+            if step % every == 0 or step == total or step == start + 1:
+                metrics = jax.device_get(metrics)
+                dt = timer.lap(step)
+                record = {"step": step, "loss": float(metrics["loss"]),
+                          "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
+                if dt is not None:
+                    step_times.append(dt)
+                    tps = job.tokens_per_step / dt
+                    record.update(step_time_s=dt, tokens_per_s=tps,
+                                  mfu=(flops_tok * tps / (n_dev * peak)) if peak else None)
+                log.write(record)
+            if ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled:
+                save(step)
+            if stop.signal is not None:
+                break
+    finally:
+        stop.restore()
+        prefetch.shutdown(wait=True, cancel_futures=True)
+
+    preempted = stop.signal is not None and step < total
+    if exp.checkpoint.enabled or preempted:
+        save(step)
+    if ckpts:
+        ckpts.wait()
+        ckpts.close()
+    wall = time.perf_counter() - wall0
+    summary = {
+        "steps_run": step - start,
+        "final_step": step,
+        "final_loss": log.history[-1]["loss"] if log.history else None,
+        "compile_s": compile_s,
+        "wall_s": wall,
+        "median_step_time_s": statistics.median(step_times) if step_times else None,
+        "tokens_per_s": (job.tokens_per_step / statistics.median(step_times)
+                         if step_times else None),
+        "preempted": preempted,
+        "checkpoint_step": last_saved,
+        "records": log.history,
+    }
+    if summary["tokens_per_s"] and peak:
+        summary["mfu"] = flops_tok * summary["tokens_per_s"] / (n_dev * peak)
+    if is_writer:
+        (run_dir / "summary.json").write_text(
+            json.dumps({k: v for k, v in summary.items() if k != "records"}, indent=2) + "\n")
+    how = "stopped by signal" if preempted else "done"
+    final = summary["final_loss"]
+    log.note(
+        f"plait: {how} at step {step}/{total}: loss {final:.4f}, "
+        f"{summary['tokens_per_s'] or 0:,.0f} tokens/s (median), {wall:.1f}s wall"
+        + (f", checkpoint at step {last_saved}" if last_saved is not None else "")
+        if final is not None else f"plait: {how} at step {step}/{total}"
+    )
+    log.close()
+    return summary

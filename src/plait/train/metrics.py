@@ -1,0 +1,123 @@
+"""Where training metrics go: metrics.jsonl, TensorBoard event files and the console."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu")
+
+
+def trim_jsonl(path: Path, keep_through_step: int) -> None:
+    """Drop records after `keep_through_step` (and a torn last line) before a resume.
+
+    Those steps are about to be run again from the checkpoint, and will produce
+    the same records; keeping both would show every such step twice.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("step", 0) <= keep_through_step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, start_step: int, total_steps: int, tensorboard: bool,
+                 console_mode: str, is_writer: bool = True):
+        self.is_writer = is_writer
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if is_writer:
+            trim_jsonl(self.path, start_step)
+            self.file = self.path.open("a")
+            if tensorboard:
+                try:
+                    from tensorboardX import SummaryWriter
+
+                    self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+                except ImportError:  # pragma: no cover - optional on bare accelerator images
+                    print("plait: tensorboardX is not installed; no TensorBoard files",
+                          file=sys.stderr)
+        if console_mode == "auto":
+            console_mode = "bar" if sys.stdout.isatty() else "line"
+        self.mode = console_mode if is_writer else "none"
+        self.console = Console(highlight=False)
+        self.progress = None
+        if self.mode == "bar":
+            self.progress = Progress(
+                TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                console=self.console, transient=False,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                               status="compiling")
+            self.progress.start()
+        self.history: list[dict] = []
+
+    def note(self, text: str) -> None:
+        if self.mode != "none":
+            self.console.print(text, soft_wrap=True)
+
+    def write(self, record: dict) -> None:
+        self.history.append(record)
+        if not self.is_writer:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key in SCALARS:
+                if record.get(key) is not None:
+                    self.tb.add_scalar(f"train/{key}", record[key], record["step"])
+        status = format_status(record)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=record["step"], status=status)
+        elif self.mode == "line":
+            print(f"step {record['step']:>6}  {status}", flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.is_writer:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+def format_status(r: dict) -> str:
+    parts = [f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}"]
+    if r.get("tokens_per_s"):
+        parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+    if r.get("step_time_s"):
+        parts.append(f"{r['step_time_s'] * 1e3:.1f} ms/step")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    return "  ".join(parts)
+
+
+class StepTimer:
+    """Wall time per step between log points (device work is synchronised there)."""
+
+    def __init__(self) -> None:
+        self.last_time = time.perf_counter()
+        self.last_step: int | None = None
+
+    def lap(self, step: int) -> float | None:
+        now = time.perf_counter()
+        out = None
+        if self.last_step is not None and step > self.last_step:
+            out = (now - self.last_time) / (step - self.last_step)
+        self.last_time, self.last_step = now, step
+        return out
