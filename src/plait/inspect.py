@@ -41,7 +41,7 @@ def _gib(x: float) -> str:
 
 
 def render(r: dict) -> None:
-    c = Console(highlight=False)
+    c = Console(highlight=False, soft_wrap=True)
     c.print(f"[bold]{r['experiment']}[/bold] on mesh {r['mesh']} ({r['devices']} {r['platform']} "
             f"devices), {r['parameters'] / 1e6:.2f}M parameters, {r['tokens_per_step']:,} "
             f"tokens/step, compiled in {r['compile_s']:.1f}s")

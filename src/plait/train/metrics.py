@@ -54,7 +54,7 @@ class MetricsLog:
         if console_mode == "auto":
             console_mode = "bar" if sys.stdout.isatty() else "line"
         self.mode = console_mode if is_writer else "none"
-        self.console = Console(highlight=False)
+        self.console = Console(highlight=False, soft_wrap=True)
         self.progress = None
         if self.mode == "bar":
             self.progress = Progress(

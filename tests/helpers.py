@@ -1,0 +1,77 @@
+"""Tiny experiments and in-process runs shared by the tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from plait import mesh as mesh_lib
+from plait.config import Experiment
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny(**sections) -> Experiment:
+    """A 2-layer GPT that every test mesh divides (8 heads, d_model 64)."""
+    raw = {
+        "name": "tiny",
+        "seed": 0,
+        "model": {"layers": 2, "d_model": 64, "heads": 8, "d_ff": 128, "vocab": 256,
+                  "seq_len": 32},
+        "train": {"steps": 12, "global_batch": 16, "microbatches": 1},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+        "checkpoint": {"enabled": False, "every_steps": 4, "keep": 3, "async_save": True},
+        "log": {"every_steps": 1, "tensorboard": False, "console": "none"},
+    }
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            raw.setdefault(name, {}).update(values)
+        else:
+            raw[name] = values
+    return Experiment.model_validate(raw)
+
+
+def make_mesh(spec: str):
+    s = mesh_lib.load_spec(spec)
+    n = mesh_lib.provision_devices(s)
+    return mesh_lib.build_mesh(mesh_lib.resolve(s, n), n)
+
+
+def run(exp: Experiment, spec: str, run_dir: Path) -> dict:
+    from plait.train.loop import train
+
+    return train(exp, make_mesh(spec), run_dir)
+
+
+def losses(summary_or_dir) -> np.ndarray:
+    if isinstance(summary_or_dir, dict):
+        recs = summary_or_dir["records"]
+    else:
+        import json
+
+        recs = [json.loads(line) for line in (Path(summary_or_dir) / "metrics.jsonl")
+                .read_text().splitlines()]
+    return np.array([r["loss"] for r in recs])
+
+
+def plait_cmd(*args: str, devices: int | None = None, env: dict | None = None, **kw):
+    """Run the real console entry point in a fresh process."""
+    e = dict(os.environ)
+    e.pop("XLA_FLAGS", None)
+    e["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    if env:
+        e.update(env)
+    cmd = [sys.executable, "-m", "plait", *args]
+    if devices is not None:
+        cmd += ["--devices", str(devices)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=kw.pop("cwd", ROOT), env=e,
+                          timeout=kw.pop("timeout", 300), **kw)
+
+
+def write_experiment(path: Path, exp: Experiment) -> Path:
+    path.write_text(exp.to_toml())
+    return path
