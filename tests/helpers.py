@@ -23,7 +23,8 @@ def tiny(**sections) -> Experiment:
         "model": {"layers": 2, "d_model": 64, "heads": 8, "d_ff": 128, "vocab": 256,
                   "seq_len": 32},
         "train": {"steps": 12, "global_batch": 16, "microbatches": 1},
-        "optimizer": {"lr": 3e-3, "warmup_steps": 2},
+        # decay_steps fixed so runs of different lengths share one schedule.
+        "optimizer": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": 100},
         "checkpoint": {"enabled": False, "every_steps": 4, "keep": 3, "async_save": True},
         "log": {"every_steps": 1, "tensorboard": False, "console": "none"},
     }

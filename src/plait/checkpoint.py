@@ -75,6 +75,7 @@ class Checkpoints:
     def restore_latest(self, abstract_state: dict) -> tuple[dict, dict] | None:
         """Newest checkpoint that loads, resharded onto `abstract_state`'s shardings."""
         steps = self.steps()
+        unusable: list[int] = []
         for step in steps:
             try:
                 out = self.manager.restore(step, args=ocp.args.Composite(
@@ -82,17 +83,35 @@ class Checkpoints:
                     meta=ocp.args.JsonRestore()))
                 state, meta = out["state"], dict(out["meta"])
                 jax.block_until_ready(state)
+                self._move_aside(unusable)
                 return state, meta
             except Exception as e:  # corrupt or unreadable: fall back
                 reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
                 log.warning("checkpoint at step %d in %s is unusable (%s); trying an older one",
                             step, self.directory, reason)
+                unusable.append(step)
         if steps:
             raise UserError(
                 f"no usable checkpoint in '{self.directory}' (tried steps "
                 f"{', '.join(map(str, steps))}); move the directory away to start afresh"
             )
         return None
+
+    def _move_aside(self, steps: list[int]) -> None:
+        """Keep unusable checkpoints, renamed, so the resumed run can save those steps again."""
+        if jax.process_index() == 0:
+            for step in steps:
+                src = self.directory / str(step)
+                dst = self.directory / f"{step}.unusable"
+                n = 1
+                while dst.exists():
+                    dst = self.directory / f"{step}.unusable-{n}"
+                    n += 1
+                if src.exists():
+                    src.rename(dst)
+                    log.warning("moved the unusable checkpoint aside to %s", dst)
+        if steps:
+            self.manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -132,7 +132,9 @@ def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: 
         field = model.model_fields.get(key)
         dotted = f"{prefix}{key}"
         if field is None:
-            close = difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6)
+            siblings = [f"{prefix}{k}" for k in model.model_fields]
+            close = (difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.6)
+                     or difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6))
             hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
             raise UserError(f"unknown config key '{dotted}' in {source}{hint}")
         ann = field.annotation

@@ -27,6 +27,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(lse - label_logit)
 
 
+# optax.tree.norm replaced optax.global_norm; keep both optax generations working.
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+
 def compute_dtype(exp: Experiment):
     return jnp.bfloat16 if exp.precision.compute == "bfloat16" else None
 
@@ -63,7 +67,7 @@ def make_train_step(model: ModelDef, exp: Experiment, mesh: Mesh, rules: shardin
             loss = loss / n_micro
             grads = jax.tree.map(lambda g: g / n_micro, grads)
         grads = pin(grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = _global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {
             "step": state["step"] + 1,

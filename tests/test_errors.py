@@ -1,0 +1,145 @@
+"""Every user mistake: one line naming the problem and the fix, exit 2, nothing lost."""
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import losses, plait_cmd, tiny, write_experiment
+from plait.cli import main
+
+CKPT = {"enabled": True, "every_steps": 4, "keep": 2, "async_save": False}
+
+
+@pytest.fixture
+def exp_file(tmp_path):
+    return write_experiment(tmp_path / "tiny.toml", tiny())
+
+
+def fails(capsys, *argv) -> str:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plait: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def snapshot(run_dir: Path) -> dict:
+    return {str(p.relative_to(run_dir)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "optimizer.lrr=1e-3"], r"unknown config key 'optimizer.lrr'.*did you mean 'optimizer.lr'"),
+    (["--set", 'train.steps="ten"'], r"'train.steps'.*'ten' \(string\)"),
+    (["--mesh", "date=8"], r"unknown mesh axis 'date'.*did you mean 'data'"),
+    (["--mesh", "data=3", "--devices", "8"], r"needs 3 devices but 8 are in use"),
+    (["--mesh", "data=16"], r"needs 16 devices but this process has 8"),
+    (["--mesh", "pipeline=2,data=4"], r"'pipeline' .* not implemented yet"),
+    (["--mesh", "tensor=8", "--set", "model.heads=4"],
+     r"model.heads = 4 is not divisible by the tensor axis \(8\)"),
+    (["--mesh", "fsdp=8", "--set", "model.d_model=36", "--set", "model.heads=4"],
+     r"model.d_model = 36 is not divisible by the fsdp axis \(8\)"),
+    (["--mesh", "tensor=8", "--set", "model.d_ff=100"],
+     r"model.d_ff = 100 is not divisible by the tensor axis \(8\)"),
+    (["--mesh", "data=8", "--set", "train.global_batch=12"],
+     r"global_batch = 12 does not split over data x fsdp = 8"),
+    (["--mesh", "data=2", "--set", "train.microbatches=3"],
+     r"global_batch = 16 is not divisible by train.microbatches = 3"),
+    (["--set", 'data.source="tokens"', "--set", 'data.path="nope.bin"'],
+     r"data file 'nope.bin' not found"),
+    (["--mesh", "meshes/nope.toml"], r"mesh file 'meshes/nope.toml' not found"),
+])
+def test_bad_input(args, message, exp_file, tmp_path, capsys):
+    import re
+
+    line = fails(capsys, "train", exp_file, "--run-dir", tmp_path / "run", *args)
+    assert re.search(message, line), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_and_invalid_experiment(tmp_path, capsys):
+    assert "experiment file" in fails(capsys, "train", tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("model = [")
+    assert "is not valid TOML" in fails(capsys, "inspect", bad)
+
+
+def test_other_model_in_run_dir_is_refused_and_kept(exp_file, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", str(exp_file), "--mesh", "data=2", "--run-dir", str(run_dir),
+                 "--set", "checkpoint.enabled=true", "--set", "log.console='none'"]) == 0
+    before = snapshot(run_dir)
+    line = fails(capsys, "train", exp_file, "--mesh", "data=2", "--run-dir", run_dir,
+                 "--set", "model.d_model=128", "--steps", "20")
+    assert "holds checkpoints of a different model (model.d_model = 64 there, 128 now)" in line
+    assert snapshot(run_dir) == before
+    fails(capsys, "train", exp_file, "--mesh", "data=5", "--devices", "8", "--run-dir", run_dir)
+    assert snapshot(run_dir) == before
+
+
+def _checkpointed_run(tmp_path, exp_file):
+    exp = tiny(checkpoint=CKPT, train={"steps": 12},
+               log={"every_steps": 1, "tensorboard": False, "console": "line"})
+    path = write_experiment(exp_file, exp)
+    run_dir = tmp_path / "run"
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 0
+    return path, run_dir
+
+
+def _corrupt(step_dir: Path) -> None:
+    for f in step_dir.rglob("*"):
+        if f.is_file() and "state" in f.parts and f.stat().st_size > 0:
+            f.write_bytes(b"\x00garbage" * 8)
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(exp_file, tmp_path, capsys, caplog):
+    path, run_dir = _checkpointed_run(tmp_path, exp_file)
+    capsys.readouterr()
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.isdigit()) == ["12", "8"]
+    _corrupt(ckpts / "12")
+    ref_dir = tmp_path / "ref"
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir", str(ref_dir),
+                 "--steps", "16"]) == 0
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir", str(run_dir),
+                 "--steps", "16"]) == 0
+    out = capsys.readouterr()
+    assert "checkpoint at step 12" in caplog.text and "unusable" in caplog.text
+    assert "resumed from the checkpoint at step 8" in out.out, (out.out, out.err)
+    np.testing.assert_array_equal(losses(run_dir), losses(ref_dir))
+
+
+def test_all_checkpoints_corrupt_is_an_error_and_keeps_them(exp_file, tmp_path, capsys):
+    path, run_dir = _checkpointed_run(tmp_path, exp_file)
+    for step in ("8", "12"):
+        _corrupt(run_dir / "checkpoints" / step)
+    before = snapshot(run_dir)
+    line = fails(capsys, "train", path, "--mesh", "data=2", "--run-dir", run_dir, "--steps", "16")
+    assert "no usable checkpoint" in line and "tried steps 12, 8" in line
+    assert snapshot(run_dir) == before
+
+
+def test_half_written_checkpoint_is_ignored(exp_file, tmp_path, capsys):
+    path, run_dir = _checkpointed_run(tmp_path, exp_file)
+    ckpts = run_dir / "checkpoints"
+    # What a run killed mid-save leaves: orbax's temporary directory, never renamed.
+    partial = ckpts / "16.orbax-checkpoint-tmp-1795000000"
+    shutil.copytree(ckpts / "12", partial)
+    (partial / "_CHECKPOINT_METADATA").unlink()
+    _corrupt(partial)
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir", str(run_dir),
+                 "--steps", "14"]) == 0
+    assert "resumed from the checkpoint at step 12" in capsys.readouterr().out
+
+
+def test_real_process_exit_status_and_no_traceback(exp_file, tmp_path):
+    proc = plait_cmd("train", str(exp_file), "--mesh", "tensor=3", "--devices", "3",
+                     "--run-dir", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert "model.heads = 8 is not divisible by the tensor axis (3)" in proc.stderr
