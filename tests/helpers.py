@@ -59,11 +59,20 @@ def losses(summary_or_dir) -> np.ndarray:
     return np.array([r["loss"] for r in recs])
 
 
-def plait_cmd(*args: str, devices: int | None = None, env: dict | None = None, **kw):
-    """Run the real console entry point in a fresh process."""
+def subprocess_env() -> dict:
+    """Environment for a fresh plait process: no inherited device flags, shared compile cache."""
     e = dict(os.environ)
     e.pop("XLA_FLAGS", None)
     e["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    e["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("PLAIT_TEST_CACHE",
+                                                    "/tmp/plait-test-jax-cache")
+    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return e
+
+
+def plait_cmd(*args: str, devices: int | None = None, env: dict | None = None, **kw):
+    """Run the real console entry point in a fresh process."""
+    e = subprocess_env()
     if env:
         e.update(env)
     cmd = [sys.executable, "-m", "plait", *args]

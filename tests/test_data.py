@@ -1,0 +1,74 @@
+import jax
+import numpy as np
+import pytest
+
+from helpers import make_mesh, plait_cmd, tiny
+from plait import data, sharding
+from plait.data.synthetic import SyntheticTokens
+from plait.data.tokens import TokenFile, encode_text_file
+from plait.errors import UserError
+
+
+def test_rows_are_a_pure_function_of_seed_step_row():
+    src = SyntheticTokens(vocab=256, seq_len=32, seed=7)
+    whole = src.rows(3, 0, 16)
+    np.testing.assert_array_equal(src.rows(3, 5, 9), whole[5:9])
+    np.testing.assert_array_equal(SyntheticTokens(256, 32, 7).rows(3, 0, 16), whole)
+    assert not np.array_equal(src.rows(4, 0, 16), whole)
+    assert whole.min() >= 0 and whole.max() < 256
+
+
+@pytest.mark.parametrize("spec", ["data=8", "data=2,fsdp=2,tensor=2", "fsdp=4"])
+def test_global_batch_is_the_same_on_every_mesh(spec):
+    exp = tiny(train={"microbatches": 2})
+    src = data.make_source(exp)
+    shape = data.batch_shape(exp)
+    ref = np.asarray(data.global_batch(src, 5, shape, sharding.replicated(make_mesh("data=1"))))
+    mesh = make_mesh(spec)
+    sh = sharding.batch_sharding(mesh, sharding.rules_for(mesh), 3, batch_dim=1)
+    arr = data.global_batch(src, 5, shape, sh)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(arr)), ref)
+    # Each device holds only its rows.
+    n = mesh.shape["data"] * mesh.shape["fsdp"]
+    assert arr.addressable_shards[0].data.shape == (2, shape[1] // n, shape[2])
+
+
+def test_token_file_round_trip(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello plait " * 200)
+    out = tmp_path / "t.bin"
+    proc = plait_cmd("data", str(text), str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size == 2 * len("hello plait " * 200)
+    tf = TokenFile(out, "uint16", seq_len=16, seed=0, vocab=256)
+    rows = tf.rows(0, 0, 4)
+    assert rows.shape == (4, 17)
+    assert bytes(rows[0].astype(np.uint8)).decode() in "hello plait " * 200
+    np.testing.assert_array_equal(tf.rows(0, 2, 4), rows[2:4])
+
+
+def test_token_file_errors(tmp_path):
+    out = tmp_path / "t.bin"
+    encode_text_file(_write(tmp_path / "a.txt", "ÿ" * 50), out)
+    with pytest.raises(UserError, match=r"token id 195 >= model.vocab = 100"):
+        TokenFile(out, "uint16", seq_len=8, seed=0, vocab=100)
+    with pytest.raises(UserError, match=r"fewer than model.seq_len"):
+        TokenFile(out, "uint16", seq_len=500, seed=0, vocab=256)
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    with pytest.raises(UserError, match=r"not a whole number of uint16"):
+        TokenFile(tmp_path / "odd.bin", "uint16", seq_len=1, seed=0, vocab=256)
+
+
+def test_training_on_a_token_file(tmp_path):
+    from helpers import losses, run
+
+    text = _write(tmp_path / "a.txt", "the quick brown fox jumps over the lazy dog. " * 400)
+    encode_text_file(text, tmp_path / "a.bin")
+    exp = tiny(data={"source": "tokens", "path": str(tmp_path / "a.bin")})
+    got = losses(run(exp, "data=2,tensor=2", tmp_path / "run"))
+    assert got[-1] < got[0] - 0.5
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
