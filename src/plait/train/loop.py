@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from plait import data, mesh as mesh_lib
@@ -45,6 +46,11 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
+def _local_values(tree):
+    """Host values of replicated metrics; works when the mesh spans several processes."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), tree)
+
+
 def write_config(run_dir: Path, exp: Experiment, resumed_step: int) -> None:
     """Write the resolved config; a different earlier one is kept, never overwritten."""
     path = run_dir / "config.toml"
@@ -71,14 +77,11 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
 
+    # Every process makes the same orbax calls (they synchronise across processes).
     ckpts = None
     if exp.checkpoint.enabled or ckpt_dir.exists():
-        if ckpt_dir.exists():
-            probe = Checkpoints(ckpt_dir, exp.checkpoint.keep, async_save=False)
-            probe.check_model(exp.model.model_dump(), run_dir)
-            probe.close()
-        run_dir.mkdir(parents=True, exist_ok=True)
         ckpts = Checkpoints(ckpt_dir, exp.checkpoint.keep, exp.checkpoint.async_save)
+        ckpts.check_model(exp.model.model_dump(), run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     restored = ckpts.restore_latest(job.layout.abstract()) if ckpts else None
@@ -151,7 +154,7 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
             state, metrics = compiled(state, batch)
             step += 1
             if step % every == 0 or step == total or step == start + 1:
-                metrics = jax.device_get(metrics)
+                metrics = _local_values(metrics)
                 dt = timer.lap(step)
                 record = {"step": step, "loss": float(metrics["loss"]),
                           "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
