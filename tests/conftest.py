@@ -11,7 +11,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Many tests compile the same step on the same mesh: share compiled programs.
-_cache = Path(os.environ.get("PLAIT_TEST_CACHE", "/tmp/plait-test-jax-cache"))
-jax.config.update("jax_compilation_cache_dir", str(_cache))
+from helpers import CACHE_DIR  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

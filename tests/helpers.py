@@ -13,6 +13,10 @@ from plait import mesh as mesh_lib
 from plait.config import Experiment
 
 ROOT = Path(__file__).resolve().parent.parent
+# Compiled programs are cached per test worker (pytest-xdist runs two).
+CACHE_DIR = os.environ.get(
+    "PLAIT_TEST_CACHE",
+    f"/tmp/plait-test-jax-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
 
 
 def tiny(**sections) -> Experiment:
@@ -64,8 +68,7 @@ def subprocess_env() -> dict:
     e = dict(os.environ)
     e.pop("XLA_FLAGS", None)
     e["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    e["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("PLAIT_TEST_CACHE",
-                                                    "/tmp/plait-test-jax-cache")
+    e["JAX_COMPILATION_CACHE_DIR"] = CACHE_DIR
     e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return e
 

@@ -1,8 +1,8 @@
 import pytest
+from helpers import ROOT
 
 from plait.config import Experiment, apply_override, load_experiment, parse_value, validate
 from plait.errors import UserError
-from helpers import ROOT
 
 
 def test_every_shipped_experiment_loads():
@@ -55,3 +55,11 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     path.write_text(exp.to_toml())
     assert load_experiment(path) == exp
     assert isinstance(exp, Experiment)
+
+
+def test_docs_list_every_key():
+    from plait.config import all_keys
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    missing = [k for k in all_keys() if f"`{k}`" not in text]
+    assert not missing, f"docs/config.md does not document {missing}"

@@ -1,8 +1,8 @@
 import jax
 import numpy as np
 import pytest
-
 from helpers import make_mesh, plait_cmd, tiny
+
 from plait import data, sharding
 from plait.data.synthetic import SyntheticTokens
 from plait.data.tokens import TokenFile, encode_text_file

@@ -3,7 +3,6 @@
 import jax
 import numpy as np
 import pytest
-
 from helpers import losses, run, tiny
 
 MESHES = ["data=8", "fsdp=8", "tensor=8", "data=2,fsdp=2,tensor=2"]
@@ -40,6 +39,7 @@ def test_untied_head_and_remat_train_equally(tmp_path):
 
 def test_bfloat16_compute_keeps_float32_state(tmp_path):
     from helpers import make_mesh
+
     from plait.train.build import Job
 
     exp = tiny(precision={"compute": "bfloat16"})
@@ -56,6 +56,7 @@ def test_bfloat16_compute_keeps_float32_state(tmp_path):
 def test_state_is_born_sharded(tmp_path):
     """Parameters and optimizer moments carry the rule-set shardings from creation."""
     from helpers import make_mesh
+
     from plait.train.build import Job
 
     job = Job(tiny(), make_mesh("data=2,fsdp=2,tensor=2"))

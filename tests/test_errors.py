@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import losses, plait_cmd, tiny, write_experiment
+
 from plait.cli import main
 
 CKPT = {"enabled": True, "every_steps": 4, "keep": 2, "async_save": False}
@@ -34,7 +34,8 @@ def snapshot(run_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--set", "optimizer.lrr=1e-3"], r"unknown config key 'optimizer.lrr'.*did you mean 'optimizer.lr'"),
+    (["--set", "optimizer.lrr=1e-3"],
+     r"unknown config key 'optimizer.lrr'.*did you mean 'optimizer.lr'"),
     (["--set", 'train.steps="ten"'], r"'train.steps'.*'ten' \(string\)"),
     (["--mesh", "date=8"], r"unknown mesh axis 'date'.*did you mean 'data'"),
     (["--mesh", "data=3", "--devices", "8"], r"needs 3 devices but 8 are in use"),

@@ -6,8 +6,8 @@ import re
 
 import jax
 import pytest
-
 from helpers import make_mesh, plait_cmd, tiny, write_experiment
+
 from plait import analysis
 from plait.inspect import inspect_step
 from plait.models import build, flops_per_token
@@ -65,7 +65,8 @@ def test_fsdp_gathers_sharded_weights():
     r = inspect_step(exp, make_mesh("fsdp=8"))
     model = build(exp.model)
     sharded = sum(4 * math.prod(v.get_value().shape)
-                  for v in jax.tree.leaves(model.variables(), is_leaf=lambda x: hasattr(x, "get_metadata"))
+                  for v in jax.tree.leaves(model.variables(),
+                                           is_leaf=lambda x: hasattr(x, "get_metadata"))
                   if "embed" in v.get_metadata()["logical_axes"])
     assert r["collectives"]["all-gather"] >= sharded
     assert {a for op in r["collective_ops"] for a in op["axes"]} == {"fsdp"}
@@ -83,7 +84,8 @@ def test_hlo_parser_counts_loops_and_groups():
 }
 ENTRY %main (a: f32[8]) -> f32[32] {
   %a = f32[8]{0} parameter(0)
-  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"5"}}
   ROOT %ag = f32[32]{0} all-gather(%a), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
 }
 """

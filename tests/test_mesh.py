@@ -1,8 +1,8 @@
 import pytest
+from helpers import ROOT
 
 from plait import mesh as M
 from plait.errors import UserError
-from helpers import ROOT
 
 
 def test_inline_and_minus_one():
@@ -40,3 +40,16 @@ def test_future_axes_at_size_one_are_accepted():
 def test_missing_mesh_file():
     with pytest.raises(UserError, match=r"mesh file 'meshes/nope.toml' not found"):
         M.load_spec("meshes/nope.toml")
+
+
+def test_more_devices_than_accelerators_exist(monkeypatch):
+    import jax
+
+    class FakeGPU:
+        platform = "gpu"
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [FakeGPU()] * 4)
+    with pytest.raises(UserError, match=r"needs 8 devices but only 4 gpu devices exist"):
+        M.provision_devices(M.load_spec("data=2,tensor=4"))
+    # -1 takes every accelerator.
+    assert M.provision_devices(M.load_spec("data=-1")) == 4

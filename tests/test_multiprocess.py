@@ -6,7 +6,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from helpers import ROOT, losses, run, subprocess_env, tiny, write_experiment
 
 MESH = "data=2,fsdp=2,tensor=2"
@@ -36,7 +35,7 @@ def test_two_processes_equal_one(tmp_path):
         for i in range(2)
     ]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     assert "8 cpu devices" in outs[0][0]
     np.testing.assert_allclose(losses(run_dir), reference, rtol=1e-5)

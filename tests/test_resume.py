@@ -1,7 +1,6 @@
 """Checkpoint and resume: bit-identical on the same mesh, the same curve on another."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-
 from helpers import ROOT, losses, run, tiny, write_experiment
 
 CKPT = {"enabled": True, "every_steps": 4, "keep": 2, "async_save": True}

@@ -80,7 +80,8 @@ def _join_cluster(args) -> None:
             raise UserError("--coordinator, --num-processes and --process-id go together; "
                             "give all three")
         if not 0 <= args.process_id < args.num_processes:
-            raise UserError(f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
+            raise UserError(
+                f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if any(f is not None for f in flags):
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,

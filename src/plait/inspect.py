@@ -8,7 +8,8 @@ from jax.sharding import Mesh
 from rich.console import Console
 from rich.table import Table
 
-from plait import analysis, mesh as mesh_lib
+from plait import analysis
+from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.models import flops_per_token
 from plait.train.build import Job

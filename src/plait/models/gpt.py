@@ -63,7 +63,8 @@ class Attention(nnx.Module):
     def __call__(self, x):
         qkv = jnp.einsum("bsd,dthk->tbshk", x, self.wqkv[...]) + self.bqkv[...][:, None, None]
         q, k, v = (constrain(t, ("act_batch", "act_seq", "act_heads", "act_head_dim")) for t in qkv)
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=self.implementation)
         o = constrain(o, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
         y = jnp.einsum("bshk,hkd->bsd", o, self.wo[...]) + self.bo[...]
         return constrain(y, BATCH_SEQ_EMBED)
@@ -96,6 +97,10 @@ class Block(nnx.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _run_block(block: Block, x: jax.Array) -> jax.Array:
+    return block(x)
+
+
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         v, d = cfg.padded_vocab, cfg.d_model
@@ -113,13 +118,10 @@ class GPT(nnx.Module):
         table = self.tok_embed[...]
         # Gather the table's d_model shards (ZeRO-3) before the vocabulary-parallel
         # lookup; a lookup into a table split both ways has no efficient partition.
-        x = jnp.take(constrain(table, ("vocab", "act_embed")), tokens, axis=0) + self.pos_embed[...][: tokens.shape[1]]
-        x = constrain(x, BATCH_SEQ_EMBED)
+        x = jnp.take(constrain(table, ("vocab", "act_embed")), tokens, axis=0)
+        x = constrain(x + self.pos_embed[...][: tokens.shape[1]], BATCH_SEQ_EMBED)
         for block in self.blocks:
-            if self.remat:
-                x = nnx.remat(lambda b, y: b(y))(block, x)
-            else:
-                x = block(x)
+            x = nnx.remat(_run_block)(block, x) if self.remat else block(x)
         x = self.ln_f(x)
         head = table.T if self.tied else self.head[...]
         logits = jnp.einsum("bsd,dv->bsv", x, head)

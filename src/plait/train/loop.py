@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from plait import data, mesh as mesh_lib
+from plait import data
+from plait import mesh as mesh_lib
 from plait.checkpoint import Checkpoints
 from plait.config import Experiment
 from plait.hardware import peak_flops
@@ -110,6 +111,7 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
             ckpts.close()
         return {"steps_run": 0, "final_step": start, "records": []}
 
+    log.note("plait: compiling the train step ...")
     t0 = time.perf_counter()
     compiled = job.compile()
     compile_s = time.perf_counter() - t0

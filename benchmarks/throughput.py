@@ -1,0 +1,72 @@
+"""Tokens/s and MFU of plait's training loop for one experiment on the devices at hand.
+
+Runs `--steps` steps (no checkpoints), drops the first `--warmup` from the
+statistics, and prints one JSON object: median step time, tokens/s, MFU (null
+where the device's peak is unknown, e.g. CPUs), compile time and the machine.
+
+    python benchmarks/throughput.py experiments/gpt2-124m.toml --steps 30
+    python benchmarks/throughput.py experiments/gpt2-1.3b.toml --mesh data=1 --steps 20 \
+        --set train.global_batch=8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("experiment")
+    ap.add_argument("--mesh", default="data=1")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--json", help="write the result here too")
+    args = ap.parse_args()
+
+    import jax
+
+    from plait import mesh as mesh_lib
+    from plait.config import load_experiment
+    from plait.hardware import peak_flops
+    from plait.models import flops_per_token
+    from plait.train.loop import train
+
+    exp = load_experiment(args.experiment, [
+        *args.sets, f"train.steps={args.steps}", "checkpoint.enabled=false",
+        "log.every_steps=1", "log.tensorboard=false", "log.console='line'"])
+    spec = mesh_lib.load_spec(args.mesh)
+    n = mesh_lib.provision_devices(spec)
+    mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = train(exp, mesh, Path(tmp))
+    times = [r["step_time_s"] for r in summary["records"] if r.get("step_time_s")]
+    times = times[args.warmup:] or times
+    step = statistics.median(times)
+    tokens = exp.train.global_batch * exp.model.seq_len
+    device = jax.devices()[0]
+    peak = peak_flops(device.device_kind, exp.precision.compute)
+    tps = tokens / step
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "device": device.device_kind, "devices": n,
+        "jax": jax.__version__, "experiment": exp.name, "mesh": mesh_lib.inline(dict(mesh.shape)),
+        "precision": exp.precision.compute, "global_batch": exp.train.global_batch,
+        "seq_len": exp.model.seq_len, "remat": exp.model.remat,
+        "median_step_s": step, "tokens_per_s": tps,
+        "model_tflops_per_s_per_device": flops_per_token(exp.model) * tps / n / 1e12,
+        "mfu": flops_per_token(exp.model) * tps / (n * peak) if peak else None,
+        "compile_s": summary["compile_s"], "steps_timed": len(times),
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
