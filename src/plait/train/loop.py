@@ -91,9 +91,6 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
         start = int(meta["step"])
     else:
         state, start = job.init_state(), 0
-    if is_writer:
-        write_config(run_dir, resolved, start)
-
     log = MetricsLog(run_dir, start, total, exp.log.tensorboard, exp.log.console, is_writer)
     mesh_text = mesh_lib.inline(dict(mesh.shape))
     n_params = job.model.num_params()
@@ -110,6 +107,8 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
         if ckpts:
             ckpts.close()
         return {"steps_run": 0, "final_step": start, "records": []}
+    if is_writer:
+        write_config(run_dir, resolved, start)
 
     log.note("plait: compiling the train step ...")
     t0 = time.perf_counter()
@@ -199,6 +198,7 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     if is_writer:
         (run_dir / "summary.json").write_text(
             json.dumps({k: v for k, v in summary.items() if k != "records"}, indent=2) + "\n")
+    log.close()  # the progress bar ends before the summary line
     how = "stopped by signal" if preempted else "done"
     final = summary["final_loss"]
     log.note(
@@ -207,5 +207,4 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
         + (f", checkpoint at step {last_saved}" if last_saved is not None else "")
         if final is not None else f"plait: {how} at step {step}/{total}"
     )
-    log.close()
     return summary
