@@ -155,35 +155,39 @@ def main() -> int:
     bparams = jax.tree.map(jnp.array, job.init_state()["params"])
     bopt = tx.init(bparams)
 
-    def plait_round():
-        nonlocal state
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            state, m = plait_step(state, batch)
-        jax.block_until_ready(m["loss"])
-        return (time.perf_counter() - t0) / args.steps
+    carried = {"plait": state, "hand": (hparams, hopt), "bare": (bparams, bopt)}
 
-    def hand_round():
-        nonlocal hparams, hopt
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            hparams, hopt, loss = hstep(hparams, hopt, tokens)
-        jax.block_until_ready(loss)
-        return (time.perf_counter() - t0) / args.steps
+    def plait_advance():
+        carried["plait"], m = plait_step(carried["plait"], batch)
+        return m["loss"]
 
-    def bare_round():
-        nonlocal bparams, bopt
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            bparams, bopt, loss = bstep(bparams, bopt, tokens)
-        jax.block_until_ready(loss)
-        return (time.perf_counter() - t0) / args.steps
+    def pair_advance(name, step):
+        def advance():
+            params, opt_state, loss = step(*carried[name], tokens)
+            carried[name] = (params, opt_state)
+            return loss
+        return advance
+
+    def round_of(advance):
+        """Seconds per step over `args.steps` steps, device work included."""
+        def run():
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                last = advance()
+            jax.block_until_ready(last)
+            return (time.perf_counter() - t0) / args.steps
+        return run
+
+    plait_round = round_of(plait_advance)
+    hand_round = round_of(pair_advance("hand", hstep))
+    bare_round = round_of(pair_advance("bare", bstep))
 
     order = [("hand", hand_round), ("bare", bare_round), ("plait", plait_round)]
     if not args.hand_first:
         order.reverse()
     times: dict[str, list[float]] = {name: [] for name, _ in order}
-    for _, fn in order:  # warm up (compile, first-run allocations)
+    for _, fn in order:  # warm up: compile, and recompile once inputs come back committed
+        fn()
         fn()
     for _ in range(args.rounds):
         for name, fn in order:
