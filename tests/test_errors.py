@@ -144,3 +144,10 @@ def test_real_process_exit_status_and_no_traceback(exp_file, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert "model.heads = 8 is not divisible by the tensor axis (3)" in proc.stderr
+
+
+def test_xla_flags_device_count_is_named(exp_file, tmp_path):
+    proc = plait_cmd("train", str(exp_file), "--mesh", "data=8", "--run-dir", str(tmp_path / "r"),
+                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert proc.returncode == 2, proc.stderr
+    assert "XLA_FLAGS sets --xla_force_host_platform_device_count=2" in proc.stderr

@@ -69,8 +69,10 @@ def _join_cluster(args) -> None:
     from plait import mesh as mesh_lib
 
     flags = (args.coordinator, args.num_processes, args.process_id)
-    env_cluster = any(os.environ.get(v) for v in ("JAX_COORDINATOR_ADDRESS",)) or (
-        int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ)
+    # A launcher's environment: JAX's own variable, or one task of a multi-task srun
+    # (SLURM_PROCID is set by srun, not by salloc, so a lone plait never waits for peers).
+    env_cluster = bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or (
+        int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ)
     if not any(f is not None for f in flags) and not env_cluster:
         return
     import jax
@@ -88,9 +90,13 @@ def _join_cluster(args) -> None:
                                    process_id=args.process_id)
     else:
         jax.distributed.initialize()
-    from jax._src import distributed
+    try:  # known before the backend starts only through this private handle
+        from jax._src import distributed
 
-    mesh_lib.set_pending_process_count(distributed.global_state.num_processes or 1)
+        count = distributed.global_state.num_processes or 1
+    except (ImportError, AttributeError):  # pragma: no cover - JAX moved it
+        count = args.num_processes or 1
+    mesh_lib.set_pending_process_count(count)
 
 
 def _setup(args):

@@ -180,6 +180,12 @@ def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
     if has_free and requested is None and platform != "cpu":
         want = len(devices)
     if len(devices) < want:
+        if platform == "cpu" and _xla_flag_device_count() is not None:
+            raise UserError(
+                f"mesh {spec.inline()} needs {want} devices but XLA_FLAGS sets "
+                f"--xla_force_host_platform_device_count={_xla_flag_device_count()}; "
+                "raise it or unset XLA_FLAGS and let plait choose"
+            )
         if platform == "cpu":
             raise UserError(
                 f"mesh {spec.inline()} needs {want} devices but this process has {len(devices)} "
