@@ -30,6 +30,14 @@ def test_gradient_accumulation_equals_full_batch(reference, tmp_path):
     np.testing.assert_allclose(got, reference, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model", [{"scan_layers": True},
+                                   {"scan_layers": True, "remat": True, "layers": 3}])
+def test_scanned_layers_equal_the_unrolled_loop(model, tmp_path):
+    ref = losses(run(tiny(model={"layers": model.get("layers", 2)}), "data=1", tmp_path / "a"))
+    got = losses(run(tiny(model=model), "data=2,fsdp=2,tensor=2", tmp_path / "b"))
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
+
+
 def test_untied_head_and_remat_train_equally(tmp_path):
     base = losses(run(tiny(model={"tie_embeddings": False}), "data=1", tmp_path / "a"))
     remat = losses(run(tiny(model={"tie_embeddings": False, "remat": True}), "fsdp=2,tensor=4",

@@ -18,22 +18,25 @@ def _bsd_bytes(exp):
     return t.global_batch // t.microbatches * m.seq_len * m.d_model * 4
 
 
+@pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("layers", [2, 3])
-def test_tensor8_all_reduces_match_megatron(layers):
+def test_tensor8_all_reduces_match_megatron(layers, scan):
     """One all-reduce of the [B,S,D] activations per attention and per MLP block, each way.
 
     Plus the vocabulary-parallel embedding (forward) and output head (backward):
     4 x layers + 2 of them; everything else is a few [B,S] softmax statistics.
+    With scanned layers the block's all-reduces sit in a loop body and count once
+    per layer.
     """
-    exp = tiny(model={"layers": layers})
+    exp = tiny(model={"layers": layers, "scan_layers": scan})
     r = inspect_step(exp, make_mesh("tensor=8"))
     b, s, d = exp.train.global_batch, exp.model.seq_len, exp.model.d_model
     act = [op for op in r["collective_ops"]
            if op["kind"] == "all-reduce" and re.fullmatch(rf"f32\[{b},{s},{d}\]\S*", op["shape"])]
-    assert len(act) == 1 and act[0]["axes"] == ["tensor"]
-    assert act[0]["count"] == 4 * layers + 2
+    assert all(op["axes"] == ["tensor"] for op in act)
+    assert sum(op["count"] for op in act) == 4 * layers + 2
     act_bytes = (4 * layers + 2) * _bsd_bytes(exp)
-    assert act[0]["bytes"] == act_bytes
+    assert sum(op["bytes"] for op in act) == act_bytes
     rest = r["collectives"]["all-reduce"] - act_bytes
     assert 0 <= rest <= 4 * b * s * 4 + 1024
     assert r["collectives"]["all-gather"] == r["collectives"]["reduce-scatter"] == 0

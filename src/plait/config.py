@@ -47,6 +47,9 @@ class ModelConfig(Section):
     norm_eps: PosFloat = 1e-5
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     remat: bool = False
+    # Run the blocks as one lax.scan body (same parameters, same results): compile
+    # time no longer grows with the number of layers.
+    scan_layers: bool = False
 
     @property
     def padded_vocab(self) -> int:

@@ -112,6 +112,30 @@ class GPT(nnx.Module):
             self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02)
         self.tied = cfg.tie_embeddings
         self.remat = cfg.remat
+        self.scan_layers = cfg.scan_layers
+
+    def _loop_blocks(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = nnx.remat(_run_block)(block, x) if self.remat else block(x)
+        return x
+
+    def _scan_blocks(self, x: jax.Array) -> jax.Array:
+        """One compiled block body under lax.scan: compile time stops growing with depth.
+
+        Parameters stay one dict per layer (the canonical layout); they are
+        stacked here, inside the step, and the stack's gradient splits back.
+        """
+        graphdef, _ = nnx.split(self.blocks[0])
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
+                               *(nnx.state(b) for b in self.blocks))
+
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h), None
+
+        if self.remat:
+            body = jax.checkpoint(body)
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> logits [batch, seq, padded_vocab] in the compute dtype."""
@@ -120,8 +144,7 @@ class GPT(nnx.Module):
         # lookup; a lookup into a table split both ways has no efficient partition.
         x = jnp.take(constrain(table, ("vocab", "act_embed")), tokens, axis=0)
         x = constrain(x + self.pos_embed[...][: tokens.shape[1]], BATCH_SEQ_EMBED)
-        for block in self.blocks:
-            x = nnx.remat(_run_block)(block, x) if self.remat else block(x)
+        x = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
         x = self.ln_f(x)
         head = table.T if self.tied else self.head[...]
         logits = jnp.einsum("bsd,dv->bsv", x, head)
