@@ -119,11 +119,8 @@ def _setup(args):
         raise UserError(f"--devices must be at least 1, got {args.devices}")
     _join_cluster(args)
     n = mesh_lib.provision_devices(spec, args.devices)
-    sizes = mesh_lib.resolve(spec, n)
-    from plait.train.build import check_fits
-
-    check_fits(exp, sizes)
-    return exp, mesh_lib.build_mesh(sizes, n)
+    # Divisibility is checked by train.build.Job, before anything is written.
+    return exp, mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
 
 
 def cmd_train(args) -> int:
