@@ -16,3 +16,7 @@ from helpers import CACHE_DIR  # noqa: E402
 jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# Start the backend now: every test then sees the same fixed 8-device process,
+# whatever order the tests run in.
+assert len(jax.devices()) == 8
