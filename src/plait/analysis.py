@@ -218,9 +218,10 @@ class Collective:
         return factor * self.bytes
 
 
-def collectives(mod: Module, mesh_shape: dict[str, int]) -> list[Collective]:
+def collectives(mod: Module, mesh_shape: dict[str, int],
+                mult: dict[str, float] | None = None) -> list[Collective]:
     n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
-    mult = multiplicities(mod)
+    mult = multiplicities(mod) if mult is None else mult
     found = []
     for comp, instrs in mod.computations.items():
         times = mult.get(comp, 0.0)
@@ -240,9 +241,9 @@ def collectives(mod: Module, mesh_shape: dict[str, int]) -> list[Collective]:
     return found
 
 
-def dot_flops(mod: Module) -> float:
+def dot_flops(mod: Module, mult: dict[str, float] | None = None) -> float:
     """2 x output elements x contracted size, summed over every dot (loops counted)."""
-    mult = multiplicities(mod)
+    mult = multiplicities(mod) if mult is None else mult
     total = 0.0
     for comp, instrs in mod.computations.items():
         times = mult.get(comp, 0.0)
@@ -260,13 +261,14 @@ def dot_flops(mod: Module) -> float:
 def analyze(compiled, mesh_shape: dict[str, int]) -> dict:
     """Per-device figures of a compiled (jax `Compiled`) step."""
     mod = parse_hlo(compiled.as_text())
-    colls = collectives(mod, mesh_shape)
+    mult = multiplicities(mod)
+    colls = collectives(mod, mesh_shape, mult)
     by_kind = {k: 0.0 for k in KINDS}
     wire = {k: 0.0 for k in KINDS}
     for c in colls:
         by_kind[c.kind] += c.bytes * c.count
         wire[c.kind] += c.wire_bytes * c.count
-    flops = dot_flops(mod)
+    flops = dot_flops(mod, mult)
     try:
         xla_flops = float(compiled.cost_analysis().get("flops", 0.0))
     except Exception:  # some backends have no cost model

@@ -69,15 +69,16 @@ def _join_cluster(args) -> None:
     from plait import mesh as mesh_lib
 
     flags = (args.coordinator, args.num_processes, args.process_id)
+    explicit = any(f is not None for f in flags)
     # A launcher's environment: JAX's own variable, or one task of a multi-task srun
     # (SLURM_PROCID is set by srun, not by salloc, so a lone plait never waits for peers).
     env_cluster = bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or (
         int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ)
-    if not any(f is not None for f in flags) and not env_cluster:
+    if not explicit and not env_cluster:
         return
     import jax
 
-    if any(f is not None for f in flags):
+    if explicit:
         if None in flags:
             raise UserError("--coordinator, --num-processes and --process-id go together; "
                             "give all three")
@@ -85,7 +86,7 @@ def _join_cluster(args) -> None:
             raise UserError(
                 f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if any(f is not None for f in flags):
+    if explicit:
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id)
     else:

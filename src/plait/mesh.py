@@ -169,7 +169,8 @@ def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
         want = max(fixed_product(spec), os.cpu_count() or 1)
     else:
         want = fixed_product(spec)
-    if not _backend_started() and _xla_flag_device_count() is None:
+    flag_count = _xla_flag_device_count()
+    if not _backend_started() and flag_count is None:
         # Each process of a multi-process run simulates its share of the mesh.
         per_process = max(1, want // _PENDING_PROCESSES)
         current = getattr(jax.config, "jax_num_cpu_devices", -1)
@@ -180,10 +181,10 @@ def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
     if has_free and requested is None and platform != "cpu":
         want = len(devices)
     if len(devices) < want:
-        if platform == "cpu" and _xla_flag_device_count() is not None:
+        if platform == "cpu" and flag_count is not None:
             raise UserError(
                 f"mesh {spec.inline()} needs {want} devices but XLA_FLAGS sets "
-                f"--xla_force_host_platform_device_count={_xla_flag_device_count()}; "
+                f"--xla_force_host_platform_device_count={flag_count}; "
                 "raise it or unset XLA_FLAGS and let plait choose"
             )
         if platform == "cpu":

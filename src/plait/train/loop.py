@@ -121,6 +121,11 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     flops_tok = flops_per_token(exp.model)
     n_dev = mesh.devices.size
 
+    def throughput(step_time: float) -> tuple[float, float | None]:
+        """Tokens/s and MFU (None where the device's peak is unknown)."""
+        tps = job.tokens_per_step / step_time
+        return tps, (flops_tok * tps / (n_dev * peak)) if peak else None
+
     stop = StopFlag()
     stop.install()
     timer = StepTimer()
@@ -129,11 +134,13 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     last_saved = start if restored is not None else None
     step_times: list[float] = []
 
+    resolved_json = json.loads(resolved.model_dump_json())
+
     def meta_for(step: int) -> dict:
         return {"step": step, "mesh": mesh_text,
                 "data": {"source": exp.data.source, "seed": exp.seed, "next_step": step,
                          "samples_seen": step * exp.train.global_batch},
-                "config": json.loads(resolved.model_dump_json())}
+                "config": resolved_json}
 
     def save(step: int) -> None:
         nonlocal last_saved
@@ -161,9 +168,8 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
                           "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
                 if dt is not None:
                     step_times.append(dt)
-                    tps = job.tokens_per_step / dt
-                    record.update(step_time_s=dt, tokens_per_s=tps,
-                                  mfu=(flops_tok * tps / (n_dev * peak)) if peak else None)
+                    tps, mfu = throughput(dt)
+                    record.update(step_time_s=dt, tokens_per_s=tps, mfu=mfu)
                 log.write(record)
             if ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled:
                 save(step)
@@ -180,21 +186,22 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
         ckpts.wait()
         ckpts.close()
     wall = time.perf_counter() - wall0
+    median_dt = statistics.median(step_times) if step_times else None
+    tps, mfu = throughput(median_dt) if median_dt else (None, None)
     summary = {
         "steps_run": step - start,
         "final_step": step,
         "final_loss": log.history[-1]["loss"] if log.history else None,
         "compile_s": compile_s,
         "wall_s": wall,
-        "median_step_time_s": statistics.median(step_times) if step_times else None,
-        "tokens_per_s": (job.tokens_per_step / statistics.median(step_times)
-                         if step_times else None),
+        "median_step_time_s": median_dt,
+        "tokens_per_s": tps,
         "preempted": preempted,
         "checkpoint_step": last_saved,
         "records": log.history,
     }
-    if summary["tokens_per_s"] and peak:
-        summary["mfu"] = flops_tok * summary["tokens_per_s"] / (n_dev * peak)
+    if mfu is not None:
+        summary["mfu"] = mfu
     if is_writer:
         (run_dir / "summary.json").write_text(
             json.dumps({k: v for k, v in summary.items() if k != "records"}, indent=2) + "\n")

@@ -69,7 +69,7 @@ class MetricsLog:
 
     def note(self, text: str) -> None:
         if self.mode != "none":
-            self.console.print(text, soft_wrap=True)
+            self.console.print(text)
 
     def write(self, record: dict) -> None:
         self.history.append(record)
