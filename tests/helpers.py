@@ -19,6 +19,10 @@ CACHE_DIR = os.environ.get(
     f"/tmp/plait-test-jax-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
 
 
+# Log every step to the console as plain lines (for tests that read stdout).
+LINE_LOG = {"every_steps": 1, "tensorboard": False, "console": "line"}
+
+
 def tiny(**sections) -> Experiment:
     """A 2-layer GPT that every test mesh divides (8 heads, d_model 64)."""
     raw = {

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import losses, plait_cmd, tiny, write_experiment
+from helpers import LINE_LOG, losses, plait_cmd, tiny, write_experiment
 
 from plait.cli import main
 
@@ -85,7 +85,7 @@ def test_other_model_in_run_dir_is_refused_and_kept(exp_file, tmp_path, capsys):
 
 def _checkpointed_run(tmp_path, exp_file):
     exp = tiny(checkpoint=CKPT, train={"steps": 12},
-               log={"every_steps": 1, "tensorboard": False, "console": "line"})
+               log=LINE_LOG)
     path = write_experiment(exp_file, exp)
     run_dir = tmp_path / "run"
     assert main(["train", str(path), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 0

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import ROOT, losses, run, subprocess_env, tiny, write_experiment
+from helpers import LINE_LOG, ROOT, losses, run, subprocess_env, tiny, write_experiment
 
 MESH = "data=2,fsdp=2,tensor=2"
 
@@ -20,7 +20,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     exp = tiny(checkpoint={"enabled": True, "every_steps": 6, "keep": 2, "async_save": True},
-               log={"every_steps": 1, "tensorboard": False, "console": "line"})
+               log=LINE_LOG)
     path = write_experiment(tmp_path / "tiny.toml", exp)
     reference = losses(run(exp, MESH, tmp_path / "one"))
     port = _free_port()

@@ -8,10 +8,9 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ROOT, losses, run, tiny, write_experiment
+from helpers import LINE_LOG, ROOT, losses, run, subprocess_env, tiny, write_experiment
 
 CKPT = {"enabled": True, "every_steps": 4, "keep": 2, "async_save": True}
-LINE = {"every_steps": 1, "tensorboard": False, "console": "line"}
 
 
 def test_resume_is_bit_identical(tmp_path):
@@ -44,12 +43,6 @@ def _train_cmd(exp_path, run_dir, mesh="data=2,fsdp=2,tensor=2"):
             "--run-dir", str(run_dir)]
 
 
-def _env():
-    from helpers import subprocess_env
-
-    return subprocess_env()
-
-
 def _wait_for_step(run_dir, step, proc, timeout=120):
     path = run_dir / "metrics.jsonl"
     t0 = time.time()
@@ -68,21 +61,22 @@ def _wait_for_step(run_dir, step, proc, timeout=120):
 def test_kill_9_then_resume_is_bit_identical(tmp_path):
     """SIGKILL at several moments (mid-step, mid-save); every resume lands on the same curve."""
     exp = tiny(checkpoint={"enabled": True, "every_steps": 2, "keep": 2, "async_save": True},
-               train={"steps": 24}, log=LINE)
+               train={"steps": 24}, log=LINE_LOG)
     path = write_experiment(tmp_path / "exp.toml", exp)
     ref = tmp_path / "ref"
-    subprocess.run(_train_cmd(path, ref), check=True, env=_env(), cwd=ROOT, capture_output=True)
+    subprocess.run(_train_cmd(path, ref), check=True, env=subprocess_env(), cwd=ROOT,
+                   capture_output=True)
     run_dir = tmp_path / "killed"
     rng = np.random.default_rng(0)
     for kill_after in (3, 9, 15):
-        proc = subprocess.Popen(_train_cmd(path, run_dir), env=_env(), cwd=ROOT,
+        proc = subprocess.Popen(_train_cmd(path, run_dir), env=subprocess_env(), cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         _wait_for_step(run_dir, kill_after, proc)
         time.sleep(float(rng.uniform(0, 0.05)))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    done = subprocess.run(_train_cmd(path, run_dir), env=_env(), cwd=ROOT, capture_output=True,
-                          text=True)
+    done = subprocess.run(_train_cmd(path, run_dir), env=subprocess_env(), cwd=ROOT,
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "resumed from the checkpoint at step" in done.stdout
     np.testing.assert_array_equal(losses(run_dir), losses(ref))
@@ -91,10 +85,10 @@ def test_kill_9_then_resume_is_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     exp = tiny(checkpoint={"enabled": True, "every_steps": 1000, "keep": 2}, train={"steps": 400},
-               log=LINE)
+               log=LINE_LOG)
     path = write_experiment(tmp_path / "exp.toml", exp)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_train_cmd(path, run_dir), env=_env(), cwd=ROOT,
+    proc = subprocess.Popen(_train_cmd(path, run_dir), env=subprocess_env(), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(run_dir, 5, proc)
     proc.send_signal(signal.SIGTERM)
