@@ -48,7 +48,7 @@ def snapshot(run_dir: Path) -> dict:
     (["--mesh", "tensor=8", "--set", "model.d_ff=100"],
      r"model.d_ff = 100 is not divisible by the tensor axis \(8\)"),
     (["--mesh", "data=8", "--set", "train.global_batch=12"],
-     r"global_batch = 12 does not split over data x fsdp = 8"),
+     r"global_batch = 12 does not split over data = 8"),
     (["--mesh", "data=2", "--set", "train.microbatches=3"],
      r"global_batch = 16 is not divisible by train.microbatches = 3"),
     (["--set", 'data.source="tokens"', "--set", 'data.path="nope.bin"'],

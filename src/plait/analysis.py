@@ -171,7 +171,35 @@ def multiplicities(mod: Module) -> dict[str, float]:
     return mult
 
 
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+    r"(?: \{([^}]*)\})?")
+
+
+def _mesh_groups(m: re.Match) -> list[list[int]]:
+    """Groups of the `mesh['axis_0'=2,...] {'axis_1'}` form: devices varying over the named axes."""
+    sizes = [int(v) for v in re.findall(r"'[^']+'=(\d+)", m.group(1))]
+    names = re.findall(r"'([^']+)'=", m.group(1))
+    if m.group(2):
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape(sizes)
+    else:
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+    over = re.findall(r"'([^']+)'", m.group(4)) if m.group(4) else names
+    varying = [names.index(a) for a in over]
+    fixed = [i for i in range(len(names)) if i not in varying]
+    size = math.prod(sizes[i] for i in varying)
+    return ids.transpose(fixed + varying).reshape(-1, size).tolist()
+
+
 def _group_ids(attrs: str, n_devices: int) -> list[list[int]] | None:
+    m = _MESH_GROUPS.search(attrs)
+    if m:
+        return _mesh_groups(m)
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:
         shape = [int(x) for x in m.group(1).split(",")]
@@ -289,9 +317,16 @@ def analyze(compiled, mesh_shape: dict[str, int]) -> dict:
     for c in colls:
         key = (c.kind, c.shape, c.group_size, tuple(c.axes))
         row = detail.setdefault(key, {"kind": c.kind, "shape": c.shape, "group_size": c.group_size,
-                                      "axes": list(c.axes), "count": 0.0, "bytes": 0.0})
+                                      "axes": list(c.axes), "count": 0.0, "bytes": 0.0,
+                                      "wire_bytes": 0.0})
         row["count"] += c.count
         row["bytes"] += c.bytes * c.count
+        row["wire_bytes"] += c.wire_bytes * c.count
+    by_axes: dict[str, float] = {}
+    for c in colls:
+        if c.wire_bytes:
+            name = ",".join(c.axes) or "-"
+            by_axes[name] = by_axes.get(name, 0.0) + c.wire_bytes * c.count
     return {
         # Matmul FLOPs from the HLO; XLA's estimate is the fallback where dots are
         # hidden in library calls (GPU cuBLAS custom calls).
@@ -299,6 +334,8 @@ def analyze(compiled, mesh_shape: dict[str, int]) -> dict:
         "xla_cost_flops": xla_flops,
         "collectives": by_kind,
         "collectives_wire": wire,
+        # Ring wire bytes per group of mesh axes the collectives run over.
+        "wire_by_axes": dict(sorted(by_axes.items(), key=lambda kv: -kv[1])),
         "collective_ops": sorted(detail.values(), key=lambda r: -r["bytes"]),
         "memory": memory,
     }

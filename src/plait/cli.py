@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
                                        "collective bytes and memory per device")
     _common(i)
     i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument("--compare-tensor-modes", action="store_true",
+                   help="compile the step under 1-D, 2-D, 2.5-D and 3-D tensor parallelism on "
+                        "the mesh's device count (or --devices) and compare bytes and memory")
 
     d = sub.add_parser("data", help="turn a text file into a token file (byte-level ids)")
     d.add_argument("text", help="UTF-8 text file")
@@ -135,8 +138,16 @@ def cmd_train(args) -> int:
 
 def cmd_inspect(args) -> int:
     exp, mesh = _setup(args)
-    from plait.inspect import inspect_step, render
+    from plait.inspect import compare_tensor_modes, inspect_step, render, render_comparison
 
+    if args.compare_tensor_modes:
+        rows = compare_tensor_modes(exp, mesh.devices.size)
+        if args.json:
+            print(json.dumps({"experiment": exp.name, "devices": mesh.devices.size,
+                              "modes": rows}))
+        else:
+            render_comparison(exp, rows)
+        return 0
     report = inspect_step(exp, mesh)
     if args.json:
         print(json.dumps(report))

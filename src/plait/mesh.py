@@ -23,13 +23,21 @@ KNOWN_AXES = (
     "tensor",
 )
 # Axes this version can run; the others are accepted by name at size 1.
-IMPLEMENTED_AXES = ("data", "fsdp", "tensor")
+IMPLEMENTED_AXES = (
+    "data", "fsdp",
+    "tensor_depth", "tensor_row", "tensor_col",
+    "tensor_x", "tensor_y", "tensor_z",
+    "tensor",
+)
 _FUTURE = {
     "pipeline": "pipeline parallelism",
-    "tensor_row": "2-D tensor parallelism", "tensor_col": "2-D tensor parallelism",
-    "tensor_depth": "2.5-D tensor parallelism",
-    "tensor_x": "3-D tensor parallelism", "tensor_y": "3-D tensor parallelism",
-    "tensor_z": "3-D tensor parallelism",
+}
+# Tensor-parallel modes and the axes that make them (a mesh uses at most one).
+TENSOR_MODES = {
+    "1d": ("tensor",),
+    "2d": ("tensor_row", "tensor_col"),
+    "2.5d": ("tensor_depth", "tensor_row", "tensor_col"),
+    "3d": ("tensor_x", "tensor_y", "tensor_z"),
 }
 
 
@@ -135,7 +143,52 @@ def resolve(spec: MeshSpec, n_devices: int) -> dict[str, int]:
             f"mesh {spec.inline()} from {spec.source} needs {total} devices but {n_devices} "
             f"are in use; make the sizes multiply to {n_devices} or give one axis as -1"
         )
+    tensor_mode(sizes)
     return sizes
+
+
+def tensor_mode(sizes: dict[str, int]) -> str | None:
+    """Which tensor-parallel mode the axis sizes select ('1d', '2d', '2.5d', '3d' or None).
+
+    Raises a UserError for shapes no mode can run: a grid that is not square, a
+    cube that is not a cube, a depth without a grid, or two modes at once.
+    """
+    def size(axis: str) -> int:
+        return sizes.get(axis, 1)
+
+    used = [m for m in ("1d", "2d", "3d") if any(size(a) > 1 for a in TENSOR_MODES[m])]
+    if size("tensor_depth") > 1 and "2d" not in used:
+        raise UserError(
+            f"tensor_depth={size('tensor_depth')} stacks 2-D grids but the mesh has none; "
+            "add tensor_row = tensor_col > 1 (2.5-D), or drop tensor_depth"
+        )
+    if len(used) > 1:
+        names = {"1d": "tensor (1-D)", "2d": "tensor_row/tensor_col (2-D)",
+                 "3d": "tensor_x/y/z (3-D)"}
+        raise UserError(
+            f"the mesh mixes tensor modes {' and '.join(names[m] for m in used)}; "
+            "use the axes of one mode only"
+        )
+    if not used:
+        return None
+    mode = used[0]
+    if mode == "2d":
+        r, c = size("tensor_row"), size("tensor_col")
+        if r != c:
+            raise UserError(
+                f"the 2-D tensor grid tensor_row={r} x tensor_col={c} is not square; "
+                f"use equal sizes (e.g. tensor_row={max(r, c)},tensor_col={max(r, c)})"
+            )
+        return "2.5d" if size("tensor_depth") > 1 else "2d"
+    if mode == "3d":
+        x, y, z = size("tensor_x"), size("tensor_y"), size("tensor_z")
+        if not x == y == z:
+            q = max(x, y, z)
+            raise UserError(
+                f"the 3-D tensor mesh tensor_x={x} x tensor_y={y} x tensor_z={z} is not a "
+                f"cube; use equal sizes (e.g. tensor_x={q},tensor_y={q},tensor_z={q})"
+            )
+    return mode
 
 
 def inline(sizes: dict[str, int]) -> str:

@@ -11,65 +11,150 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from plait import mesh as mesh_lib
+
 MeshAxes = str | tuple[str, ...] | None
-Rules = Mapping[str, MeshAxes]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How one tensor mode lays logical names onto mesh axes.
+
+    `names` covers activations and parameter dimensions; `inputs` overrides it
+    for the dimensions of a weight that a matmul contracts (the parameter's
+    `fan_in` metadata), because 2-D and 3-D layouts split a weight's input and
+    output features over different axes.
+    """
+
+    mode: str | None
+    names: Mapping[str, MeshAxes]
+    inputs: Mapping[str, MeshAxes] = field(default_factory=dict)
+
+    def param_axes(self, logical: Sequence[str], fan_in: Sequence[str] = ()) -> list:
+        return [self.inputs.get(n, self.names.get(n)) if n in fan_in else self.names.get(n)
+                for n in logical]
+
+    def get(self, name: str) -> MeshAxes:
+        return self.names.get(name)
+
+
+_PARAM_NONE = {"head_dim": None, "qkv": None, "seq": None}
+_ACT_NONE = {"act_seq": None, "act_head_dim": None}
 
 # Data parallel over `data`, ZeRO-3 over `fsdp` (parameters and optimizer state
 # sharded along d_model, batch split over data x fsdp), Megatron 1-D over
 # `tensor` (column-split QKV and first MLP matrix, row-split output
-# projections, heads / MLP hidden / vocabulary sharded).
-RULES_1D: Rules = {
-    # parameters
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "heads": "tensor",
-    "head_dim": None,
-    "qkv": None,
-    "mlp": "tensor",
-    "seq": None,
-    "norm": None,
-    # activations
-    "act_batch": ("data", "fsdp"),
-    "act_seq": None,
-    "act_embed": None,
-    "act_heads": "tensor",
-    "act_head_dim": None,
-    "act_mlp": "tensor",
-    "act_vocab": "tensor",
-}
+# projections, heads / MLP hidden / vocabulary sharded). GSPMD inserts the
+# collectives: one all-reduce per block each way, as in Megatron.
+RULES_1D = Rules("1d", {
+    **_PARAM_NONE, **_ACT_NONE,
+    "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "mlp": "tensor", "norm": None,
+    "act_batch": ("data", "fsdp"), "act_embed": None,
+    "act_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor",
+})
+
+
+def _rules_2d(mode: str) -> Rules:
+    """2-D (Optimus/SUMMA) and 2.5-D (Tesseract) on a tensor_row x tensor_col grid.
+
+    Every activation: tokens over (data, fsdp, depth, row), features over col.
+    Every weight: input features over row (plus fsdp), output features over col;
+    replicated over depth. `parallel.tensor.gathered_matmul` gathers the input
+    over col and the weight over row, so each device computes a [T/q, n/q] block.
+    """
+    c = "tensor_col"
+    return Rules(mode, {
+        **_PARAM_NONE, **_ACT_NONE,
+        "vocab": c, "embed": c, "heads": c, "mlp": c, "norm": c,
+        "act_batch": ("data", "fsdp", "tensor_depth", "tensor_row"),
+        "act_embed": c, "act_heads": c, "act_mlp": c, "act_vocab": c,
+    }, inputs={
+        "embed": ("tensor_row", "fsdp"), "heads": ("tensor_row", "fsdp"),
+        "mlp": ("tensor_row", "fsdp"), "head_dim": None,
+    })
+
+
+# 3-D (Bian et al. 2021) on a tensor_x x tensor_y x tensor_z cube. The residual
+# stream has tokens over (x, y) and d_model over z; the hidden side of each
+# block (heads, MLP hidden, vocabulary) has tokens over (x, z) and features
+# over y. A weight's input features are split over (its side's feature axis,
+# x) and its output features over the other side's feature axis, so a linear
+# layer gathers the input over one axis, the weight over x, and reduce-scatters
+# the product over the third: every collective moves O(1/q^3) of the matrices.
+RULES_3D = Rules("3d", {
+    **_PARAM_NONE, **_ACT_NONE,
+    "vocab": "tensor_y", "heads": "tensor_y", "mlp": "tensor_y",
+    "embed": "tensor_z", "norm": "tensor_z",
+    "act_batch": ("data", "fsdp", "tensor_x", "tensor_y", "tensor_z"),
+    "act_embed": "tensor_z", "act_heads": "tensor_y", "act_mlp": "tensor_y",
+    "act_vocab": "tensor_y",
+}, inputs={
+    "embed": ("tensor_z", "tensor_x", "fsdp"), "heads": "tensor_y",
+    "head_dim": ("tensor_x", "fsdp"), "mlp": ("tensor_y", "tensor_x", "fsdp"),
+})
+
+# act_batch takes the mesh axes the other dimensions leave free: in 3-D the
+# residual stream and the hidden side split tokens over different axes.
+_FILL_LAST = "act_batch"
 
 
 def rules_for(mesh: Mesh) -> Rules:
-    """The rule set for a mesh (one today; 2-D/3-D tensor modes add theirs)."""
+    """The rule set of the tensor mode the mesh selects."""
+    mode = mesh_lib.tensor_mode(dict(mesh.shape))
+    if mode in ("2d", "2.5d"):
+        return _rules_2d(mode)
+    if mode == "3d":
+        return RULES_3D
     return RULES_1D
+
+
+def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def axes_spec(per_dim: Sequence[MeshAxes], mesh: Mesh, fill_last: Sequence[bool] = ()) -> P:
+    """PartitionSpec from mesh axes per dimension; size-1 axes and repeats dropped.
+
+    Dimensions flagged in `fill_last` are resolved after the others, so they
+    take only the axes the others left free.
+    """
+    used: set[str] = set()
+    out: list = [None] * len(per_dim)
+    flags = list(fill_last) + [False] * (len(per_dim) - len(fill_last))
+    order = [i for i in range(len(per_dim)) if not flags[i]] + \
+            [i for i in range(len(per_dim)) if flags[i]]
+    for i in order:
+        keep = tuple(a for a in axes_tuple(per_dim[i])
+                     if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
+        used.update(keep)
+        out[i] = None if not keep else keep[0] if len(keep) == 1 else keep
+    return P(*out)
 
 
 def spec(logical: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
     """PartitionSpec for logical names; size-1 mesh axes and repeats are dropped."""
-    used: set[str] = set()
-    out = []
-    for name in logical:
-        axes = rules.get(name) if name is not None else None
-        if axes is None:
-            out.append(None)
-            continue
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        keep = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
-        used.update(keep)
-        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
-    return P(*out)
+    return axes_spec([rules.get(n) if n is not None else None for n in logical], mesh,
+                     [n == _FILL_LAST for n in logical])
+
+
+def param_spec(logical: Sequence[str], fan_in: Sequence[str], rules: Rules, mesh: Mesh) -> P:
+    return axes_spec(rules.param_axes(logical, fan_in), mesh)
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int, batch_dim: int = 0) -> NamedSharding:
-    names = [None] * ndim
+    """Token batches split like the residual stream (in 3-D: over x and y, not z)."""
+    names: list[str | None] = [None] * ndim
     names[batch_dim] = "act_batch"
-    return NamedSharding(mesh, spec(names, rules, mesh))
+    full = spec([*names, "act_embed"], rules, mesh)
+    return NamedSharding(mesh, P(*tuple(full)[:ndim]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -80,10 +165,15 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def param_meta(v: nnx.Variable) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    meta = v.get_metadata()
+    return tuple(meta["logical_axes"]), tuple(meta.get("fan_in", ()))
+
+
 def param_shardings(variables: dict, mesh: Mesh, rules: Rules) -> dict:
     """NamedSharding per parameter, from a pure dict of abstract nnx Variables."""
     return jax.tree.map(
-        lambda v: NamedSharding(mesh, spec(v.get_metadata()["logical_axes"], rules, mesh)),
+        lambda v: NamedSharding(mesh, param_spec(*param_meta(v), rules, mesh)),
         variables,
         is_leaf=_is_var,
     )
@@ -111,3 +201,68 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, rules, mesh)))
+
+
+def _letters(n: int, skip: str = "") -> list[str]:
+    return [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in skip][:n]
+
+
+def dense(x: jax.Array, w: nnx.Variable) -> jax.Array:
+    """x [..., *fan_in] times weight `w` (contracting its `fan_in` dimensions).
+
+    The output has x's leading dimensions followed by w's other dimensions, in
+    w's order. Under 1-D (or no) tensor parallelism this is an einsum that GSPMD
+    partitions; under 2-D / 2.5-D / 3-D it is the explicit gathered matmul of
+    `parallel.tensor`, laid out by the active rules.
+    """
+    logical, fan_in = param_meta(w)
+    value = w[...]
+    lead = x.ndim - len(fan_in)
+    names = dict(zip(logical, _letters(len(logical), skip="bs"), strict=True))
+    lead_l = _letters(lead, skip="".join(names.values()))
+    x_l = lead_l + [names[n] for n in fan_in]
+    out_names = [n for n in logical if n not in fan_in]
+    eq = f"{''.join(x_l)},{''.join(names[n] for n in logical)}->" \
+         f"{''.join(lead_l + [names[n] for n in out_names])}"
+    active = _ACTIVE.get()
+    if active is None or active[1].mode in (None, "1d"):
+        return jnp.einsum(eq, x, value)
+    mesh, rules = active
+    from plait.parallel import tensor
+
+    x_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in fan_in], rules, mesh)
+    out_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in out_names],
+                    rules, mesh)
+    w_spec = axes_spec([_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)], mesh)
+    contracted = [logical.index(n) for n in fan_in]
+    return tensor.gathered_matmul(eq, x, value, mesh=mesh, x_spec=x_spec, w_spec=w_spec,
+                                  out_spec=out_spec, x_contracted=list(range(lead, x.ndim)),
+                                  w_contracted=contracted)
+
+
+def lookup(table: nnx.Variable, ids: jax.Array) -> jax.Array:
+    """Rows of an embedding table [vocab, embed] for integer ids [batch, seq].
+
+    The result is laid out like the residual stream. 1-D gathers the table's
+    fsdp shards and lets GSPMD do a vocabulary-parallel lookup; 2-D / 3-D use
+    `parallel.tensor.sharded_lookup`, which never gathers the whole table.
+    """
+    logical, fan_in = param_meta(table)
+    value = table[...]
+    active = _ACTIVE.get()
+    if active is None or active[1].mode in (None, "1d"):
+        # Gather the table's d_model shards (ZeRO-3) before the vocabulary-parallel
+        # lookup; a lookup into a table split both ways has no efficient partition.
+        return jnp.take(constrain(value, ("vocab", "act_embed")), ids, axis=0)
+    mesh, rules = active
+    from plait.parallel import tensor
+
+    t_spec = axes_spec([_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)], mesh)
+    out_spec = spec(["act_batch"] + [None] * (ids.ndim - 1) + ["act_embed"], rules, mesh)
+    return tensor.sharded_lookup(value, ids, mesh=mesh, table_spec=t_spec, out_spec=out_spec)
+
+
+def _without(axes: MeshAxes, drop: str) -> MeshAxes:
+    """Axes minus `drop`: fsdp shards are gathered by GSPMD before a shard_map."""
+    kept = tuple(a for a in axes_tuple(axes) if a != drop)
+    return kept or None

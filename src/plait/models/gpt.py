@@ -1,8 +1,11 @@
 """Decoder-only transformer (GPT-2 layout) in Flax NNX.
 
 The model knows only logical axis names: each parameter carries
-`logical_axes` metadata and activations are pinned with `sharding.constrain`.
-Which mesh axes those names land on is decided in `plait.sharding`.
+`logical_axes` metadata (and, for weights, `fan_in`: the dimensions a matmul
+contracts), activations are pinned with `sharding.constrain`, and matmuls and
+the embedding lookup go through `sharding.dense` / `sharding.lookup`. Which
+mesh axes the names land on, and which tensor-parallel layer runs, is decided
+in `plait.sharding` from the mesh.
 """
 
 from __future__ import annotations
@@ -14,19 +17,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from plait.config import ModelConfig
-from plait.sharding import constrain
+from plait.sharding import constrain, dense, lookup
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
 
 
-def _param(rngs: nnx.Rngs, shape, logical, std: float | None) -> nnx.Param:
+def _param(rngs: nnx.Rngs, shape, logical, std: float | None, fan_in=()) -> nnx.Param:
     if std is None:  # ones (norm scales)
         value = jnp.ones(shape, jnp.float32)
     elif std == 0.0:
         value = jnp.zeros(shape, jnp.float32)
     else:
         value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value, logical_axes=tuple(logical))
+    return nnx.Param(value, logical_axes=tuple(logical), fan_in=tuple(fan_in))
 
 
 class LayerNorm(nnx.Module):
@@ -54,34 +57,38 @@ class Attention(nnx.Module):
         d, h = cfg.d_model, cfg.heads
         hd = d // h
         resid_std = 0.02 / math.sqrt(2 * cfg.layers)
-        self.wqkv = _param(rngs, (d, 3, h, hd), ("embed", "qkv", "heads", "head_dim"), 0.02)
+        self.wqkv = _param(rngs, (d, 3, h, hd), ("embed", "qkv", "heads", "head_dim"), 0.02,
+                           fan_in=("embed",))
         self.bqkv = _param(rngs, (3, h, hd), ("qkv", "heads", "head_dim"), 0.0)
-        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), resid_std)
+        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), resid_std,
+                         fan_in=("heads", "head_dim"))
         self.bo = _param(rngs, (d,), ("norm",), 0.0)
         self.implementation = None if cfg.attention == "auto" else cfg.attention
 
     def __call__(self, x):
-        qkv = jnp.einsum("bsd,dthk->tbshk", x, self.wqkv[...]) + self.bqkv[...][:, None, None]
-        q, k, v = (constrain(t, ("act_batch", "act_seq", "act_heads", "act_head_dim")) for t in qkv)
+        qkv = dense(x, self.wqkv) + self.bqkv[...]
+        q, k, v = (constrain(qkv[:, :, i], ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+                   for i in range(3))
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                          implementation=self.implementation)
         o = constrain(o, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        y = jnp.einsum("bshk,hkd->bsd", o, self.wo[...]) + self.bo[...]
+        y = dense(o, self.wo) + self.bo[...]
         return constrain(y, BATCH_SEQ_EMBED)
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
-        self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02)
+        self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02, fan_in=("embed",))
         self.b1 = _param(rngs, (f,), ("mlp",), 0.0)
-        self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.layers))
+        self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.layers),
+                         fan_in=("mlp",))
         self.b2 = _param(rngs, (d,), ("norm",), 0.0)
 
     def __call__(self, x):
-        h = jnp.einsum("bsd,df->bsf", x, self.w1[...]) + self.b1[...]
+        h = dense(x, self.w1) + self.b1[...]
         h = constrain(jax.nn.gelu(h, approximate=True), ("act_batch", "act_seq", "act_mlp"))
-        y = jnp.einsum("bsf,fd->bsd", h, self.w2[...]) + self.b2[...]
+        y = dense(h, self.w2) + self.b2[...]
         return constrain(y, BATCH_SEQ_EMBED)
 
 
@@ -104,12 +111,13 @@ def _run_block(block: Block, x: jax.Array) -> jax.Array:
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         v, d = cfg.padded_vocab, cfg.d_model
-        self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02)
+        # fan_in: the tied output head contracts the table's embed dimension.
+        self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",))
         self.pos_embed = _param(rngs, (cfg.seq_len, d), ("seq", "embed"), 0.01)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
         self.ln_f = LayerNorm(d, cfg.norm_eps, rngs)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02)
+            self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02, fan_in=("embed",))
         self.tied = cfg.tie_embeddings
         self.remat = cfg.remat
         self.scan_layers = cfg.scan_layers
@@ -139,15 +147,11 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> logits [batch, seq, padded_vocab] in the compute dtype."""
-        table = self.tok_embed[...]
-        # Gather the table's d_model shards (ZeRO-3) before the vocabulary-parallel
-        # lookup; a lookup into a table split both ways has no efficient partition.
-        x = jnp.take(constrain(table, ("vocab", "act_embed")), tokens, axis=0)
+        x = constrain(lookup(self.tok_embed, tokens), BATCH_SEQ_EMBED)
         x = constrain(x + self.pos_embed[...][: tokens.shape[1]], BATCH_SEQ_EMBED)
         x = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
         x = self.ln_f(x)
-        head = table.T if self.tied else self.head[...]
-        logits = jnp.einsum("bsd,dv->bsv", x, head)
+        logits = dense(x, self.tok_embed if self.tied else self.head)
         return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
 
 

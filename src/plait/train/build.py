@@ -6,6 +6,7 @@ compiles is exactly the step that training runs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -20,47 +21,70 @@ from plait.models import ModelDef, build
 from plait.train.state import StateLayout, init_state, layout, optimizer
 from plait.train.step import make_train_step
 
+# What each logical dimension is in the config, for error messages, checked in
+# this order so the most actionable key is named first.
+_DIM_KEYS = {
+    "heads": ("model.heads", lambda m: m.heads),
+    "embed": ("model.d_model", lambda m: m.d_model),
+    "mlp": ("model.d_ff", lambda m: m.d_ff),
+    "head_dim": ("the head size model.d_model / model.heads", lambda m: m.d_model // m.heads),
+    "seq": ("model.seq_len", lambda m: m.seq_len),
+    "vocab": ("the padded vocabulary", lambda m: m.padded_vocab),
+}
 
-def check_fits(exp: Experiment, sizes: dict[str, int]) -> None:
-    """Divisibility of the model and the batch by the mesh, as one-line errors."""
+
+def _axes_text(axes: tuple[str, ...], n: int) -> str:
+    return f"the {axes[0]} axis ({n})" if len(axes) == 1 else f"{' x '.join(axes)} = {n}"
+
+
+def check_fits(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules,
+               model: ModelDef) -> None:
+    """Divisibility of the model and the batch by the mesh, as one-line errors.
+
+    Every parameter dimension is checked against the mesh axes its rules split
+    it over, so a new tensor mode needs no new checks here.
+    """
     m, t = exp.model, exp.train
     if m.d_model % m.heads:
         raise UserError(
             f"model.d_model = {m.d_model} is not divisible by model.heads = {m.heads}; "
             "pick sizes with d_model a multiple of heads"
         )
-    tensor = sizes.get("tensor", 1)
-    for key, value in (("model.heads", m.heads), ("model.d_model", m.d_model),
-                       ("model.d_ff", m.d_ff)):
-        if value % tensor:
-            raise UserError(
-                f"{key} = {value} is not divisible by the tensor axis ({tensor}); "
-                f"use a tensor size that divides {value}"
-            )
-    if m.padded_vocab % tensor:
-        raise UserError(
-            f"the padded vocabulary ({m.padded_vocab}) is not divisible by the tensor axis "
-            f"({tensor}); set model.vocab_multiple to a multiple of {tensor}"
-        )
-    fsdp = sizes.get("fsdp", 1)
-    if m.d_model % fsdp:
-        raise UserError(
-            f"model.d_model = {m.d_model} is not divisible by the fsdp axis ({fsdp}); "
-            f"use an fsdp size that divides {m.d_model}"
-        )
+    failures: dict[str, tuple[tuple[str, ...], int]] = {}
+    for var in jax.tree.leaves(model.variables(), is_leaf=lambda v: hasattr(v, "get_metadata")):
+        logical, fan_in = sharding.param_meta(var)
+        for name, dim, axes in zip(logical, var.get_value().shape,
+                                   rules.param_axes(logical, fan_in), strict=True):
+            split = tuple(a for a in sharding.axes_tuple(axes) if sizes.get(a, 1) > 1)
+            n = math.prod(sizes[a] for a in split)
+            if dim % n and name not in failures:
+                failures[name] = (split, n)
+    for name, (key, get) in _DIM_KEYS.items():
+        if name in failures:
+            value = get(m)
+            axes, n = failures[name]
+            hint = (f"set model.vocab_multiple to a multiple of {n}" if name == "vocab"
+                    else f"use sizes where {n} divides {value}")
+            raise UserError(f"{key} = {value} is not divisible by {_axes_text(axes, n)}; {hint}")
     if t.global_batch % t.microbatches:
         raise UserError(
             f"train.global_batch = {t.global_batch} is not divisible by train.microbatches = "
             f"{t.microbatches}"
         )
-    replicas = sizes.get("data", 1) * fsdp
     per_micro = t.global_batch // t.microbatches
-    if per_micro % replicas:
-        raise UserError(
-            f"train.global_batch = {t.global_batch} does not split over data x fsdp = {replicas} "
-            f"replicas x train.microbatches = {t.microbatches}; make global_batch a multiple of "
-            f"{replicas * t.microbatches}"
-        )
+    for feature in ("act_embed", "act_heads"):
+        batch_axes = rules.get("act_batch")
+        taken = set(sharding.axes_tuple(rules.get(feature)))
+        split = tuple(a for a in sharding.axes_tuple(batch_axes)
+                      if sizes.get(a, 1) > 1 and a not in taken)
+        n = math.prod(sizes[a] for a in split)
+        if per_micro % n:
+            what = " x ".join(split)
+            raise UserError(
+                f"train.global_batch = {t.global_batch} does not split over {what} = {n} "
+                f"in each of train.microbatches = {t.microbatches}; make global_batch a "
+                f"multiple of {n * t.microbatches}"
+            )
 
 
 @dataclass
@@ -69,9 +93,9 @@ class Job:
     mesh: Mesh
 
     def __post_init__(self) -> None:
-        check_fits(self.exp, dict(self.mesh.shape))
         self.rules = sharding.rules_for(self.mesh)
         self.model: ModelDef = build(self.exp.model)
+        check_fits(self.exp, dict(self.mesh.shape), self.rules, self.model)
         self.tx, self.schedule = optimizer(self.exp)
         self.layout: StateLayout = layout(self.model, self.tx, self.mesh, self.rules)
         self.batch_shape = data.batch_shape(self.exp)

@@ -1,0 +1,145 @@
+"""2-D, 2.5-D and 3-D tensor-parallel linear layers and embedding lookups.
+
+GSPMD partitions a matmul whose operands are split over a grid by gathering
+whole operands, not by the SUMMA / 3-D patterns of the papers (see
+docs/architecture.md for the HLO evidence), so these layers say the pattern
+explicitly with `shard_map`. One routine serves every mode: from the layouts
+of the input, the weight and the wanted output it derives which axes to
+all-gather the input over, which to all-gather the weight over, and which
+partial sums to reduce-scatter:
+
+- 2-D / 2.5-D: input [T/q, k/q] gathered over col, weight [k/q, n/q] gathered
+  over row, product [T/q, n/q] complete (Optimus / Tesseract).
+- 3-D: input [T/q^2, k/q] gathered over one axis, weight [k/q^2, n/q] over
+  x, partial product [T/q, n/q] reduce-scattered over the third axis
+  (Bian et al. 2021).
+
+Autodiff turns every all-gather into a reduce-scatter and back, so the
+backward pass moves the same volumes. A weight replicated over the batch axes
+(data, fsdp, depth) is cast to varying *before* its gather, so its gradient is
+summed over those axes on the small local block rather than the gathered one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+
+def _dims(spec: P, ndim: int) -> list[tuple[str, ...]]:
+    out = []
+    for i in range(ndim):
+        a = spec[i] if i < len(spec) else None
+        out.append(() if a is None else (a,) if isinstance(a, str) else tuple(a))
+    return out
+
+
+def _spec(dims: Sequence[tuple[str, ...]]) -> P:
+    return P(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
+
+
+def _gather(x: jax.Array, dims: list[tuple[str, ...]], axis: str, dim: int) -> jax.Array:
+    """all_gather `axis` on `dim`; it must be the dimension's minor axis (tiled order)."""
+    if dims[dim][-1] != axis:
+        raise AssertionError(f"cannot gather {axis} from {dims[dim]}: not the minor axis")
+    dims[dim] = dims[dim][:-1]
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def _vary(w: jax.Array, axes: set[str]) -> jax.Array:
+    return jax.lax.pcast(w, tuple(sorted(axes)), to="varying") if axes else w
+
+
+def gathered_matmul(eq: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, x_spec: P, w_spec: P,
+                    out_spec: P, x_contracted: Sequence[int], w_contracted: Sequence[int]
+                    ) -> jax.Array:
+    """einsum(eq, x, w) with x, w and the result laid out as the three specs say.
+
+    x's leading (non-contracted) dimensions come first in the output, then w's
+    output dimensions, as `eq` spells.
+    """
+    xd, wd = _dims(x_spec, x.ndim), _dims(w_spec, w.ndim)
+    x_lead = [i for i in range(x.ndim) if i not in x_contracted]
+    w_out = [i for i in range(w.ndim) if i not in w_contracted]
+    ax_c = {a for i in x_contracted for a in xd[i]}
+    aw_c = {a for i in w_contracted for a in wd[i]}
+    aw_o = {a for i in w_out for a in wd[i]}
+    vary = {a for d in xd for a in d} - {a for d in wd for a in d}
+    partial = sorted(ax_c & aw_c)
+
+    # The layout the body produces, for shard_map's out_specs.
+    xd_after = [tuple(a for a in xd[i] if a not in aw_o) for i in x_lead]
+    res = xd_after + [wd[i] for i in w_out]
+    for axis in partial:
+        target = [i for i, d in enumerate(_dims(out_spec, len(res))) if axis in d]
+        if len(target) != 1:
+            raise AssertionError(f"output spec {out_spec} does not place partial axis {axis}")
+        res[target[0]] = res[target[0]] + (axis,)
+    if _spec(res) != _spec(_dims(out_spec, len(res))):
+        raise AssertionError(f"gathered matmul makes {_spec(res)}, wanted {out_spec}")
+
+    def body(xb: jax.Array, wb: jax.Array) -> jax.Array:
+        xdims, wdims = list(xd), list(wd)
+        for i in x_contracted:
+            for a in reversed(xd[i]):
+                if a not in aw_c:
+                    xb = _gather(xb, xdims, a, i)
+        for i in x_lead:
+            for a in reversed(xd[i]):
+                if a in aw_o:
+                    xb = _gather(xb, xdims, a, i)
+        wb = _vary(wb, vary)
+        for i in w_contracted:
+            for a in reversed(wd[i]):
+                if a not in ax_c:
+                    wb = _gather(wb, wdims, a, i)
+        y = jnp.einsum(eq, xb, wb)
+        for axis in partial:
+            dim = next(i for i, d in enumerate(res) if axis in d)
+            y = jax.lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True)
+        return y
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)(x, w)
+
+
+def sharded_lookup(table: jax.Array, ids: jax.Array, *, mesh: Mesh, table_spec: P,
+                   out_spec: P) -> jax.Array:
+    """table[ids] for a table [vocab, embed] split over the grid, result laid out as `out_spec`.
+
+    The lookup is the matmul one_hot(ids) @ table with the one-hot never built:
+    each device gathers its table block over the axes the output does not keep
+    on the embedding dimension, looks up the ids that fall in its vocabulary
+    block (the others give zeros), and reduce-scatters the partial rows over
+    the vocabulary axis.
+    """
+    vocab_axes, embed_axes = _dims(table_spec, 2)
+    od = _dims(out_spec, ids.ndim + 1)
+    if len(vocab_axes) > 1:
+        raise AssertionError(f"vocabulary split over several axes {vocab_axes}")
+    vaxis = vocab_axes[0] if vocab_axes else None
+    ids_dims = [tuple(a for a in d if a != vaxis) for d in od[:-1]]
+    ids_spec = _spec(ids_dims)
+    vary = {a for d in ids_dims for a in d} - set(vocab_axes) - set(embed_axes)
+
+    def body(tb: jax.Array, ib: jax.Array) -> jax.Array:
+        tdims = [vocab_axes, embed_axes]
+        tb = _vary(tb, vary)
+        for a in reversed(embed_axes):
+            if a not in od[-1]:
+                tb = _gather(tb, tdims, a, 1)
+        if vaxis is None:
+            return jnp.take(tb, ib, axis=0)
+        rows = tb.shape[0]
+        local = ib - jax.lax.axis_index(vaxis) * rows
+        hit = (local >= 0) & (local < rows)
+        found = jnp.take(tb, jnp.where(hit, local, 0), axis=0)
+        found = jnp.where(hit[..., None], found, jnp.zeros((), found.dtype))
+        dim = next(i for i, d in enumerate(od) if vaxis in d)
+        return jax.lax.psum_scatter(found, vaxis, scatter_dimension=dim, tiled=True)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(table_spec, ids_spec),
+                         out_specs=out_spec)(table, ids)
