@@ -28,6 +28,10 @@ def tensor_wire_bytes(report: dict) -> float:
                if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)
 
 
+def report_platform(mesh: Mesh) -> str:
+    return mesh.devices.flat[0].platform
+
+
 def param_bytes_per_device(job: Job) -> int:
     """Bytes of this device's shards of the parameters (fp32 master weights)."""
     total = 0
@@ -51,14 +55,14 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
         mesh=mesh_lib.inline(dict(mesh.shape)),
         mesh_shape=dict(mesh.shape),
         devices=n,
-        platform=mesh.devices.flat[0].platform,
+        platform=report_platform(mesh),
         parameters=job.model.num_params(),
         tokens_per_step=job.tokens_per_step,
         model_flops_per_device=flops_per_token(exp.model) * job.tokens_per_step / n,
         compile_s=compile_s,
         tensor_mode=MODE_NAMES[mesh_lib.tensor_mode(sizes)],
         tensor_wire_bytes=tensor_wire_bytes(report),
-        tensor_formula_bytes=formulas.tensor_bytes(exp, sizes),
+        tensor_formula_bytes=formulas.tensor_bytes(exp, sizes, report_platform(mesh)),
         param_bytes_per_device=param_bytes_per_device(job),
     )
     return report

@@ -105,7 +105,14 @@ def tensor_elements(exp: Experiment, sizes: dict[str, int]) -> Counts:
     return Counts(L * layer, emb)
 
 
-def tensor_bytes(exp: Experiment, sizes: dict[str, int]) -> float:
+def collective_width(exp: Experiment, platform: str = "gpu") -> int:
+    """Bytes per element on the wire: the compute dtype, except that XLA's CPU backend
+    runs bf16 collectives in fp32 (the compiled program upcasts them)."""
+    if exp.precision.compute == "bfloat16" and platform != "cpu":
+        return 2
+    return 4
+
+
+def tensor_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu") -> float:
     """Bytes per device per step; activations and gathered weights travel in the compute dtype."""
-    width = 2 if exp.precision.compute == "bfloat16" else 4
-    return tensor_elements(exp, sizes).total * width
+    return tensor_elements(exp, sizes).total * collective_width(exp, platform)
