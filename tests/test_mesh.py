@@ -6,9 +6,14 @@ from plait.errors import UserError
 
 
 def test_inline_and_minus_one():
+    def used(sizes):
+        return {a: s for a, s in sizes.items() if s != 1}
+
     spec = M.load_spec("data=2,fsdp=-1,tensor=2")
-    assert M.resolve(spec, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert M.resolve(M.load_spec("tensor=-1"), 8) == {"data": 1, "fsdp": 1, "tensor": 8}
+    assert used(M.resolve(spec, 8)) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert used(M.resolve(M.load_spec("tensor=-1"), 8)) == {"tensor": 8}
+    assert used(M.resolve(M.load_spec("tensor_x=2,tensor_y=2,tensor_z=-1"), 8)) == \
+        {"tensor_x": 2, "tensor_y": 2, "tensor_z": 2}
     assert M.inline({"data": 2, "fsdp": 1, "tensor": 4}) == "data=2,tensor=4"
 
 
@@ -16,13 +21,18 @@ def test_mesh_files_load():
     for path in (ROOT / "meshes").glob("*.toml"):
         spec = M.load_spec(str(path))
         M.check_axes(spec)
+        if -1 not in spec.axes.values():
+            M.resolve(spec, M.fixed_product(spec))
 
 
 @pytest.mark.parametrize("spec,n,message", [
     ("data=3", 8, r"needs 3 devices but 8"),
     ("date=8", 8, r"unknown mesh axis 'date'.*did you mean 'data'"),
     ("pipeline=2,data=4", 8, r"'pipeline' \(pipeline parallelism\) is not implemented yet"),
-    ("tensor_x=2,tensor_y=2,tensor_z=2", 8, r"'tensor_x' \(3-D tensor parallelism\)"),
+    ("tensor_x=2,tensor_y=2,tensor_z=1,data=2", 8, r"is not a cube"),
+    ("tensor_row=4,tensor_col=2", 8, r"is not square"),
+    ("tensor_depth=2,tensor_row=1,data=4", 8, r"stacks 2-D grids"),
+    ("tensor=2,tensor_x=2,tensor_y=2,tensor_z=2", 16, r"mixes tensor modes"),
     ("data=-1,fsdp=-1", 8, r"only one mesh axis may be -1"),
     ("data=3,fsdp=-1", 8, r"fixed axes multiply to 3"),
     ("data=2;fsdp=4", 8, r"cannot read mesh spec"),
@@ -35,6 +45,15 @@ def test_bad_meshes(spec, n, message):
 
 def test_future_axes_at_size_one_are_accepted():
     assert M.resolve(M.load_spec("data=8,pipeline=1,tensor_row=1"), 8)["data"] == 8
+
+
+@pytest.mark.parametrize("spec,mode", [
+    ("data=8", None), ("tensor=8", "1d"), ("data=2,tensor_row=2,tensor_col=2", "2d"),
+    ("tensor_depth=2,tensor_row=2,tensor_col=2", "2.5d"),
+    ("tensor_x=2,tensor_y=2,tensor_z=2", "3d"),
+])
+def test_tensor_mode_of_a_mesh(spec, mode):
+    assert M.tensor_mode(M.resolve(M.load_spec(spec), 8)) == mode
 
 
 def test_missing_mesh_file():
