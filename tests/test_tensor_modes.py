@@ -59,7 +59,7 @@ def _grads(spec: str, exp):
     return jax.tree.map(np.asarray, grads)
 
 
-@pytest.mark.parametrize("spec", ["tensor_row=2,tensor_col=2",
+@pytest.mark.parametrize("spec", ["tensor=8", "tensor_row=2,tensor_col=2",
                                   "tensor_depth=2,tensor_row=2,tensor_col=2",
                                   "tensor_x=2,tensor_y=2,tensor_z=2"])
 def test_parameter_gradients_equal_dense(spec):
