@@ -60,6 +60,15 @@ def parser() -> argparse.ArgumentParser:
                    help="compile the step under 1-D, 2-D, 2.5-D and 3-D tensor parallelism on "
                         "the mesh's device count (or --devices) and compare bytes and memory")
 
+    sc = sub.add_parser("schedule", help="print a pipeline schedule's table and figures")
+    sc.add_argument("name", metavar="SCHEDULE",
+                    help="gpipe, 1f1b, interleaved, chimera or zb-h1")
+    sc.add_argument("--stages", type=int, required=True, help="pipeline ranks D")
+    sc.add_argument("--microbatches", type=int, required=True, help="microbatches N")
+    sc.add_argument("--virtual-stages", type=int, default=None,
+                    help="stages per rank for interleaved (default 2)")
+    sc.add_argument("--json", action="store_true", help="print one JSON object")
+    sc.add_argument("--png", help="also draw the table into this PNG file")
     d = sub.add_parser("data", help="turn a text file into a token file (byte-level ids)")
     d.add_argument("text", help="UTF-8 text file")
     d.add_argument("out", help="output token file (flat binary)")
@@ -156,6 +165,13 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_schedule(args) -> int:
+    from plait.schedule_cli import run
+
+    v = args.virtual_stages or (2 if args.name == "interleaved" else 1)
+    return run(args.name, args.stages, args.microbatches, v, args.json, args.png)
+
+
 def cmd_data(args) -> int:
     from plait.data.tokens import encode_text_file
 
@@ -169,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _quiet_libraries()
     try:
-        return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data}[args.command](args)
+        return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
+                "schedule": cmd_schedule}[args.command](args)
     except UserError as e:
         print(f"plait: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,300 @@
+"""Pipeline schedules as plain tables, built in pure Python.
+
+A schedule gives each pipeline rank a program: an ordered list of actions
+(forward, backward, or for zero-bubble schedules input-gradient and
+weight-gradient) on (pipe, stage, microbatch). Two simulations of those
+programs give
+
+- the figures, from a timed run in the papers' units (forward 1, whole
+  backward 2, input-gradient 1, weight-gradient 1; each rank starts its next
+  action as soon as its inputs exist): bubble (idle share of the makespan),
+  bubble_ratio (idle over compute, Megatron's definition), idle time;
+- the table the SPMD executor runs, from a lockstep run in ticks: one action
+  per rank per tick, an action's inputs produced at an earlier tick, so one
+  exchange with each neighbour between ticks carries every message; and each
+  rank's peak number of stashed microbatches.
+
+Stages: a pipe has S = D * v stages (v > 1 only for interleaved). Stage s of
+pipe 0 runs on rank s mod D; pipe 1 (Chimera's upward pipe) runs stage s on
+rank D - 1 - s. A rank's local stages are numbered `chunk` (interleaved:
+s // D; Chimera: the pipe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.errors import UserError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1")
+F, B, BX, W = "F", "B", "Bx", "W"  # forward, whole backward, input grad, weight grad
+DURATION = {F: 1, B: 2, BX: 1, W: 1}
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    pipe: int
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f".{self.pipe}" if self.pipe else "")
+
+
+@dataclass
+class Schedule:
+    name: str
+    stages: int  # D: pipeline ranks
+    microbatches: int  # N
+    virtual: int  # v: stages per rank per pipe
+    pipes: int
+    programs: list[list[Action]]  # per rank, in order
+    table: list[list[Action | None]] = field(default_factory=list)  # [tick][rank]
+    figures: dict = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages * self.virtual
+
+    def rank_of(self, pipe: int, stage: int) -> int:
+        return stage % self.stages if pipe == 0 else self.stages - 1 - stage
+
+    def chunk_of(self, pipe: int, stage: int) -> int:
+        return pipe if self.pipes == 2 else stage // self.stages
+
+    def pipe_of(self, mb: int) -> int:
+        return 0 if self.pipes == 1 else int(mb >= self.microbatches // 2)
+
+    def deps(self, a: Action) -> list[Action]:
+        last = self.num_stages - 1
+        if a.kind == F:
+            return [Action(F, a.pipe, a.stage - 1, a.mb)] if a.stage else []
+        if a.kind == W:
+            return [Action(BX, a.pipe, a.stage, a.mb)]
+        before = [Action(F, a.pipe, a.stage, a.mb)]
+        if a.stage < last:
+            before.append(Action(a.kind, a.pipe, a.stage + 1, a.mb))
+        return before
+
+
+def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
+    warmup = min(warmup, len(fwd))
+    out = fwd[:warmup]
+    for i in range(len(fwd) - warmup):
+        out += [fwd[warmup + i], bwd[i]]
+    return out + bwd[len(fwd) - warmup:]
+
+
+def _programs(name: str, D: int, N: int, v: int) -> tuple[list[list[Action]], int]:
+    if name in ("gpipe", "1f1b", "zb-h1"):
+        progs = []
+        for r in range(D):
+            fwd = [Action(F, 0, r, m) for m in range(N)]
+            bwd = [Action(BX if name == "zb-h1" else B, 0, r, m) for m in range(N)]
+            if name == "gpipe":
+                progs.append(fwd + bwd)
+            else:
+                progs.append(_one_f_one_b(fwd, bwd, D - 1 - r))
+        return progs, 1
+    if name == "interleaved":
+        progs = []
+        groups = [range(g, g + D) for g in range(0, N, D)]
+        for r in range(D):
+            fwd = [Action(F, 0, c * D + r, m) for grp in groups for c in range(v) for m in grp]
+            bwd = [Action(B, 0, c * D + r, m) for grp in groups for c in reversed(range(v))
+                   for m in grp]
+            progs.append(_one_f_one_b(fwd, bwd, (D - r - 1) * 2 + (v - 1) * D))
+        return progs, 1
+    # chimera: built by the greedy scheduler below (no fixed program).
+    return [], 2
+
+
+def _check(name: str, D: int, N: int, v: int) -> None:
+    if name not in SCHEDULES:
+        raise UserError(f"unknown pipeline schedule '{name}'; choose one of {', '.join(SCHEDULES)}")
+    if D < 1 or N < 1:
+        raise UserError(f"a pipeline needs at least 1 stage and 1 microbatch (got {D}, {N})")
+    if name == "interleaved":
+        if v < 2:
+            raise UserError("the interleaved schedule needs pipeline.virtual_stages >= 2")
+        if N % D:
+            raise UserError(f"the interleaved schedule needs pipeline.microbatches ({N}) to be a "
+                            f"multiple of the pipeline stages ({D})")
+    elif v != 1:
+        raise UserError(f"pipeline.virtual_stages = {v} is only for the interleaved schedule; "
+                        "set it to 1")
+    if name == "chimera" and (D % 2 or N % D):
+        raise UserError(f"Chimera needs an even number of stages and microbatches a multiple of "
+                        f"the stages (got {D} stages, {N} microbatches)")
+
+
+def _greedy(s: Schedule, pending: dict[int, list[Action]], key, may_start) -> list[list[Action]]:
+    """Build programs by a lockstep run: each tick, each rank starts its best ready action."""
+    done: set[Action] = set()
+    progs: list[list[Action]] = [[] for _ in range(s.stages)]
+    ticks = 0
+    while any(pending.values()):
+        started = []
+        for r in range(s.stages):
+            ready = [a for a in pending[r]
+                     if all(d in done for d in s.deps(a)) and may_start(r, a, progs[r])]
+            if ready:
+                a = min(ready, key=key)
+                pending[r].remove(a)
+                progs[r].append(a)
+                started.append(a)
+        done.update(started)
+        ticks += 1
+        if ticks > 8 * sum(len(p) for p in progs) + 64:
+            raise AssertionError(f"{s.name} schedule does not make progress")
+    return progs
+
+
+def _inflight(prog: list[Action]) -> int:
+    return sum(1 for a in prog if a.kind == F) - sum(1 for a in prog if a.kind in (B, W))
+
+
+def _chimera_programs(s: Schedule) -> list[list[Action]]:
+    """Each basic unit of D microbatches is split between the down and the up pipe.
+    Greedy: backward first, then the oldest unit, then the stage nearest the end of
+    its pipe; at most D microbatches in flight per rank (1F1B's peak)."""
+    D, N = s.stages, s.microbatches
+    pending: dict[int, list[Action]] = {r: [] for r in range(D)}
+    for m in range(N):
+        p = int(m % D >= D // 2)
+        for st in range(D):
+            pending[s.rank_of(p, st)] += [Action(F, p, st, m), Action(B, p, st, m)]
+    return _greedy(s, pending, key=lambda a: (a.kind != B, a.mb // D, -a.stage, a.mb),
+                   may_start=lambda r, a, prog: a.kind == B or _inflight(prog) < D)
+
+
+def _zb_h1(s: Schedule) -> list[list[Action]]:
+    """ZB-H1: the backward split into input gradient (Bx) and weight gradient (W).
+    Greedy: Bx first, then F (at most D - rank forwards past their Bx, 1F1B's
+    activation count), then W, which may wait while a rank owes fewer than D - 1:
+    the deferred weight gradients fill the cooldown, where 1F1B idles."""
+    D, N = s.stages, s.microbatches
+    pending = {r: [Action(k, 0, r, m) for k in (F, BX, W) for m in range(N)] for r in range(D)}
+
+    def may_start(r: int, a: Action, prog: list[Action]) -> bool:
+        if a.kind == W:
+            return True
+        n_bx = sum(1 for x in prog if x.kind == BX)
+        if n_bx - sum(1 for x in prog if x.kind == W) > D - 1:
+            return False
+        return a.kind == BX or sum(1 for x in prog if x.kind == F) - n_bx < D - r
+
+    return _greedy(s, pending, key=lambda a: ({BX: 0, F: 1, W: 2}[a.kind], a.mb),
+                   may_start=may_start)
+
+
+def _timed(s: Schedule) -> dict:
+    """Run the programs with the papers' durations; idle time and makespan per rank.
+
+    Forward 1, whole backward 2, input and weight gradient 1 each (the zero-bubble
+    paper's T_F = T_B = T_W). Chimera's published bubble assumes forward and
+    backward of equal length, so its figures use 1 and 1.
+    """
+    duration = {**DURATION, B: 1} if s.name == "chimera" else DURATION
+    finish: dict[Action, int] = {}
+    free = [0] * s.stages
+    pos = [0] * s.stages
+    remaining = sum(len(p) for p in s.programs)
+    t = 0
+    busy = [0] * s.stages
+    while remaining:
+        for r in range(s.stages):
+            if pos[r] >= len(s.programs[r]) or free[r] > t:
+                continue
+            a = s.programs[r][pos[r]]
+            if all(d in finish and finish[d] <= t for d in s.deps(a)):
+                finish[a] = t + duration[a.kind]
+                free[r] = finish[a]
+                busy[r] += duration[a.kind]
+                pos[r] += 1
+                remaining -= 1
+        t += 1
+    makespan = max(finish.values())
+    idle = [makespan - b for b in busy]
+    return {"makespan": makespan, "idle": idle, "busy": busy}
+
+
+def _lockstep(s: Schedule) -> list[list[Action | None]]:
+    done_at: dict[Action, int] = {}
+    pos = [0] * s.stages
+    table: list[list[Action | None]] = []
+    total = sum(len(p) for p in s.programs)
+    while len(done_at) < total:
+        t = len(table)
+        row: list[Action | None] = []
+        for r in range(s.stages):
+            a = s.programs[r][pos[r]] if pos[r] < len(s.programs[r]) else None
+            if a is not None and all(done_at.get(d, t) < t for d in s.deps(a)):
+                row.append(a)
+                pos[r] += 1
+            else:
+                row.append(None)
+        for a in row:
+            if a is not None:
+                done_at[a] = t
+        table.append(row)
+        if t > 4 * total + 16:  # a program order that deadlocks is a bug here
+            raise AssertionError(f"{s.name} schedule does not make progress")
+    return table
+
+
+def peak_inflight(s: Schedule) -> list[int]:
+    """Per rank, most microbatches whose forward ran and whose weight gradient has not."""
+    peaks = []
+    for r in range(s.stages):
+        live = peak = 0
+        for row in s.table:
+            a = row[r]
+            if a is None:
+                continue
+            if a.kind == F:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind in (B, W):
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The schedule `name` for D = stages ranks and N microbatches, with its figures."""
+    D, N, v = stages, microbatches, virtual
+    _check(name, D, N, v)
+    progs, pipes = _programs(name, D, N, v)
+    s = Schedule(name, D, N, v, pipes, progs)
+    if name == "chimera":
+        s.programs = _chimera_programs(s)
+    if name == "zb-h1":
+        s.programs = _zb_h1(s)
+    s.table = _lockstep(s)
+    timed = _timed(s)
+    idle, busy = max(timed["idle"]), timed["busy"][0]
+    s.figures = {
+        "schedule": name, "stages": D, "microbatches": N, "virtual_stages": v,
+        "bubble": idle / timed["makespan"],
+        "bubble_ratio": idle / busy,
+        "idle_time": idle,
+        "makespan": timed["makespan"],
+        "ticks": len(s.table),
+        "peak_inflight": peak_inflight(s),
+    }
+    return s
+
+
+def timeline(s: Schedule) -> str:
+    """The lockstep table as text: one row per rank, one column per tick."""
+    width = max(len(str(a)) for row in s.table for a in row if a is not None) + 1
+    lines = []
+    for r in range(s.stages):
+        cells = []
+        for row in s.table:
+            a = row[r]
+            cells.append((str(a) if a is not None else ".").ljust(width))
+        lines.append(f"rank {r}: " + "".join(cells).rstrip())
+    return "\n".join(lines)

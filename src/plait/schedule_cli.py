@@ -1,0 +1,65 @@
+"""`plait schedule`: print a pipeline schedule's table and figures, optionally draw it."""
+
+from __future__ import annotations
+
+import json
+
+from plait.parallel import schedules
+
+_COLORS = {"F": "#4c72b0", "B": "#dd8452", "Bx": "#c44e52", "W": "#55a868"}
+
+
+def draw(s: schedules.Schedule, path: str) -> None:
+    """One row per rank, one box per tick, coloured by action (like the Chimera paper's figures)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ticks = len(s.table)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.45 * s.stages + 1.4))
+    for t, row in enumerate(s.table):
+        for r, a in enumerate(row):
+            if a is None:
+                continue
+            # The up pipe of Chimera is drawn hatched.
+            ax.add_patch(plt.Rectangle((t, r), 0.95, 0.9, color=_COLORS[a.kind],
+                                       hatch="//" if a.pipe else None, alpha=0.9))
+            ax.text(t + 0.47, r + 0.45, str(a.mb), ha="center", va="center", fontsize=7,
+                    color="white")
+    ax.set_xlim(0, ticks)
+    ax.set_ylim(s.stages, 0)
+    ax.set_yticks([r + 0.45 for r in range(s.stages)], [f"rank {r}" for r in range(s.stages)])
+    ax.set_xlabel("tick")
+    f = s.figures
+    ax.set_title(f"{s.name}: D={s.stages}, N={s.microbatches}"
+                 + (f", v={s.virtual}" if s.virtual > 1 else "")
+                 + f" - bubble {f['bubble']:.3f}, {f['ticks']} ticks, "
+                 f"peak in flight {max(f['peak_inflight'])}")
+    kinds = sorted({a.kind for row in s.table for a in row if a is not None},
+                   key=list(_COLORS).index)
+    ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in kinds],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(name: str, stages: int, microbatches: int, virtual: int, as_json: bool,
+        png: str | None) -> int:
+    s = schedules.build(name, stages, microbatches, virtual)
+    if png:
+        draw(s, png)
+    if as_json:
+        print(json.dumps({**s.figures,
+                          "table": [[str(a) if a else None for a in row] for row in s.table]}))
+        return 0
+    f = s.figures
+    print(schedules.timeline(s))
+    print(f"{name}: {stages} stages, {microbatches} microbatches"
+          + (f", {virtual} virtual stages" if virtual > 1 else "")
+          + f"; bubble {f['bubble']:.4f} of the makespan ({f['bubble_ratio']:.4f} of the "
+          f"compute), {f['ticks']} lockstep ticks, peak in flight per rank "
+          f"{f['peak_inflight']}" + (f"; drawn to {png}" if png else ""))
+    return 0
