@@ -71,6 +71,18 @@ class TrainConfig(Section):
     microbatches: PosInt = 1
 
 
+class PipelineConfig(Section):
+    """Used when the mesh has a `pipeline` axis larger than 1."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved", "chimera", "zb-h1"] = "1f1b"
+    # Microbatches per step the pipeline splits the global batch into; 0 = pipeline size.
+    microbatches: NonNegInt = 0
+    # Stages per rank for the interleaved schedule (v).
+    virtual_stages: PosInt = 2
+    # Recompute each stage's forward in its backward instead of keeping residuals.
+    recompute: bool = False
+
+
 class OptimizerConfig(Section):
     name: Literal["adamw"] = "adamw"
     lr: PosFloat = 3e-4
@@ -107,6 +119,7 @@ class Experiment(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -24,14 +24,12 @@ KNOWN_AXES = (
 )
 # Axes this version can run; the others are accepted by name at size 1.
 IMPLEMENTED_AXES = (
-    "data", "fsdp",
+    "data", "pipeline", "fsdp",
     "tensor_depth", "tensor_row", "tensor_col",
     "tensor_x", "tensor_y", "tensor_z",
     "tensor",
 )
-_FUTURE = {
-    "pipeline": "pipeline parallelism",
-}
+_FUTURE: dict[str, str] = {}
 # Tensor-parallel modes and the axes that make them (a mesh uses at most one).
 TENSOR_MODES = {
     "1d": ("tensor",),

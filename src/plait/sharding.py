@@ -200,7 +200,13 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(logical, rules, mesh)))
+    target = spec(logical, rules, mesh)
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        # Inside a shard_map that is manual over some axes (the pipeline): the
+        # constraint names the context's mesh, where those axes are Manual.
+        return jax.lax.with_sharding_constraint(x, NamedSharding(context, target))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, target))
 
 
 def _letters(n: int, skip: str = "") -> list[str]:

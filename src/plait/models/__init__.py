@@ -85,6 +85,52 @@ class ModelDef:
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes()))
 
 
+_LAYERS = {"gpt": ("blocks", gpt.Block)}
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """One repeated layer of a model, run over a stack of per-layer parameters.
+
+    The pipeline cuts a model into embed -> layers -> head; this runs a stage's
+    share of the layers (parameters stacked on a leading axis) with lax.scan.
+    """
+
+    graphdef: Any
+    abstract: nnx.State
+    remat: bool
+
+    def apply(self, stacked: dict, x: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
+        flat_abstract = list(nnx.to_flat_state(self.abstract))
+
+        def body(h, layer):
+            flat = []
+            for path, var in flat_abstract:
+                value = _lookup(layer, path)
+                flat.append((path, var.replace(value.astype(dtype) if dtype else value)))
+            return nnx.merge(self.graphdef, nnx.from_flat_state(flat))(h), None
+
+        if self.remat:
+            body = jax.checkpoint(body)
+        return jax.lax.scan(body, x, stacked)[0]
+
+
+def layer_key(cfg: ModelConfig) -> str:
+    """Key of the repeated layers in the parameter dict (`params[key][str(i)]`)."""
+    return _LAYERS[cfg.kind][0]
+
+
+def layer_stack(cfg: ModelConfig) -> LayerStack:
+    module = nnx.eval_shape(lambda: _LAYERS[cfg.kind][1](cfg, nnx.Rngs(params=0)))
+    graphdef, abstract = nnx.split(module)
+    return LayerStack(graphdef, abstract, cfg.remat)
+
+
+def without_layers(cfg: ModelConfig) -> ModelDef:
+    """The model with no repeated layers: its parameters are the ones the layers do not own."""
+    return build(cfg.model_copy(update={"layers": 0}))
+
+
 def build(cfg: ModelConfig) -> ModelDef:
     module = nnx.eval_shape(lambda: _KINDS[cfg.kind](cfg, nnx.Rngs(params=0)))
     graphdef, abstract = nnx.split(module)

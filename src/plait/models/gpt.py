@@ -145,14 +145,22 @@ class GPT(nnx.Module):
         x, _ = jax.lax.scan(body, x, stacked)
         return x
 
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [batch, seq] -> the residual stream entering the first block."""
+        x = constrain(lookup(self.tok_embed, tokens), BATCH_SEQ_EMBED)
+        return constrain(x + self.pos_embed[...][: tokens.shape[1]], BATCH_SEQ_EMBED)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The residual stream after the last block -> logits [batch, seq, padded_vocab]."""
+        logits = dense(self.ln_f(x), self.tok_embed if self.tied else self.head)
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> logits [batch, seq, padded_vocab] in the compute dtype."""
-        x = constrain(lookup(self.tok_embed, tokens), BATCH_SEQ_EMBED)
-        x = constrain(x + self.pos_embed[...][: tokens.shape[1]], BATCH_SEQ_EMBED)
-        x = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
-        x = self.ln_f(x)
-        logits = dense(x, self.tok_embed if self.tied else self.head)
-        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+        x = self.embed(tokens)
+        if self.blocks:
+            x = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
+        return self.logits(x)
 
 
 def flops_per_token(cfg: ModelConfig) -> float:

@@ -18,6 +18,7 @@ from plait import data, sharding
 from plait.config import Experiment
 from plait.errors import UserError
 from plait.models import ModelDef, build
+from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, optimizer
 from plait.train.step import make_train_step
 
@@ -96,9 +97,21 @@ class Job:
         self.rules = sharding.rules_for(self.mesh)
         self.model: ModelDef = build(self.exp.model)
         check_fits(self.exp, dict(self.mesh.shape), self.rules, self.model)
-        self.tx, self.schedule = optimizer(self.exp)
-        self.layout: StateLayout = layout(self.model, self.tx, self.mesh, self.rules)
+        self.pipe: Pipelined | None = None
+        if self.mesh.shape.get("pipeline", 1) > 1:
+            self.pipe = Pipelined(self.exp, self.mesh, self.model, self.rules)
+        mask = self.pipe.decay_mask if self.pipe else None
+        self.tx, self.schedule = optimizer(self.exp, mask)
+        params = (self.pipe.param_shapes, self.pipe.param_shardings) if self.pipe else None
+        self.layout: StateLayout = layout(self.model, self.tx, self.mesh, self.rules, params)
+        # What checkpoints hold: the canonical layout (one entry per layer).
+        self.canonical_layout: StateLayout = (
+            layout(self.model, optimizer(self.exp)[0], self.mesh, self.rules)
+            if self.pipe else self.layout)
         self.batch_shape = data.batch_shape(self.exp)
+        if self.pipe:
+            n = self.pipe.microbatches
+            self.batch_shape = (n, self.exp.train.global_batch // n, self.batch_shape[2])
         # [microbatch, row, token]: rows split over the batch axes.
         self.batch_sharding: NamedSharding = sharding.batch_sharding(
             self.mesh, self.rules, 3, batch_dim=1)
@@ -106,7 +119,7 @@ class Job:
     @cached_property
     def step_fn(self):
         return make_train_step(self.model, self.exp, self.mesh, self.rules, self.tx,
-                               self.schedule, self.layout, self.batch_sharding)
+                               self.schedule, self.layout, self.batch_sharding, self.pipe)
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.batch_shape, np.int32, sharding=self.batch_sharding)
@@ -116,7 +129,21 @@ class Job:
         return self.step_fn.lower(self.layout.abstract(), self.abstract_batch()).compile()
 
     def init_state(self) -> dict:
-        return init_state(self.model, self.tx, self.exp.seed, self.layout)
+        convert = self.pipe.from_canonical if self.pipe else None
+        return init_state(self.model, self.tx, self.exp.seed, self.layout, convert)
+
+    def to_checkpoint(self, state: dict) -> dict:
+        """The state as checkpoints hold it (canonical: one entry per layer)."""
+        if self.pipe is None:
+            return state
+        return jax.jit(lambda s: self.pipe.map_state(s, self.pipe.to_canonical),
+                       out_shardings=self.canonical_layout.shardings)(state)
+
+    def from_checkpoint(self, state: dict) -> dict:
+        if self.pipe is None:
+            return state
+        return jax.jit(lambda s: self.pipe.map_state(s, self.pipe.from_canonical),
+                       out_shardings=self.layout.shardings, donate_argnums=0)(state)
 
     @property
     def tokens_per_step(self) -> int:

@@ -85,9 +85,10 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
         ckpts.check_model(exp.model.model_dump(), run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    restored = ckpts.restore_latest(job.layout.abstract()) if ckpts else None
+    restored = ckpts.restore_latest(job.canonical_layout.abstract()) if ckpts else None
     if restored is not None:
         state, meta = restored
+        state = job.from_checkpoint(state)
         start = int(meta["step"])
     else:
         state, start = job.init_state(), 0
@@ -145,7 +146,7 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     def save(step: int) -> None:
         nonlocal last_saved
         if ckpts is not None and last_saved != step:
-            ckpts.save(step, state, meta_for(step))
+            ckpts.save(step, job.to_checkpoint(state), meta_for(step))
             last_saved = step
 
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-data")

@@ -30,16 +30,18 @@ def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
     )
 
 
-def optimizer(exp: Experiment) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW (no decay on vectors: norms and biases) with global-norm clipping."""
+def optimizer(exp: Experiment, decay_mask=None) -> tuple[optax.GradientTransformation,
+                                                         optax.Schedule]:
+    """AdamW, no decay on vectors (norms, biases). Global-norm clipping happens in the
+    step (train.step.clip_by_norm), so the optimizer state has one structure whatever
+    the parallel layout and checkpoints move between layouts."""
     opt = exp.optimizer
     schedule = lr_schedule(opt, exp.train.steps)
     adamw = optax.adamw(
         schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        mask=decay_mask or (lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
     )
-    parts = [optax.clip_by_global_norm(opt.grad_clip)] if opt.grad_clip > 0 else []
-    return optax.chain(*parts, adamw), schedule
+    return adamw, schedule
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,14 @@ class StateLayout:
 
 
 def layout(model: ModelDef, tx: optax.GradientTransformation, mesh: Mesh,
-           rules: sharding.Rules) -> StateLayout:
-    param_sh = sharding.param_shardings(model.variables(), mesh, rules)
-    param_shapes = model.shapes()
+           rules: sharding.Rules, params: tuple[dict, dict] | None = None) -> StateLayout:
+    """Shapes and shardings of the state; `params` = (shapes, shardings) overrides the
+    model's own parameter layout (a pipeline stacks its layers)."""
+    if params is None:
+        param_sh = sharding.param_shardings(model.variables(), mesh, rules)
+        param_shapes = model.shapes()
+    else:
+        param_shapes, param_sh = params
     opt_shapes = jax.eval_shape(tx.init, param_shapes)
     replicated = sharding.replicated(mesh)
     opt_sh = optax.tree_map_params(
@@ -78,11 +85,14 @@ def layout(model: ModelDef, tx: optax.GradientTransformation, mesh: Mesh,
 
 
 def init_state(model: ModelDef, tx: optax.GradientTransformation, seed: int,
-               lay: StateLayout) -> dict:
-    """A fresh state, created directly in its shards (never whole on one device)."""
+               lay: StateLayout, convert=None) -> dict:
+    """A fresh state, created directly in its shards (never whole on one device).
+    `convert` maps the model's canonical parameters to the layout's (a pipeline's)."""
 
     def init():
         params = model.init(seed)
+        if convert is not None:
+            params = convert(params)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     return jax.jit(init, out_shardings=lay.shardings)()

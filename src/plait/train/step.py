@@ -35,10 +35,21 @@ def compute_dtype(exp: Experiment):
     return jnp.bfloat16 if exp.precision.compute == "bfloat16" else None
 
 
+def clip_by_norm(grads, norm: jax.Array, max_norm: float):
+    """optax.clip_by_global_norm with the norm given (a pipeline counts it its own way)."""
+    if max_norm <= 0:
+        return grads
+    return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g / norm * max_norm), grads)
+
+
 def make_train_step(model: ModelDef, exp: Experiment, mesh: Mesh, rules: sharding.Rules,
                     tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    lay: StateLayout, batch_sharding: NamedSharding):
-    """jit(step)(state, batch) -> (state, metrics), outputs pinned to the state's shardings."""
+                    lay: StateLayout, batch_sharding: NamedSharding, pipe=None):
+    """jit(step)(state, batch) -> (state, metrics), outputs pinned to the state's shardings.
+
+    With `pipe` (a train.pipelined.Pipelined) the loss and gradients come from the
+    pipeline executor over the whole batch of pipeline microbatches.
+    """
     dtype = compute_dtype(exp)
 
     def loss_fn(params, tokens):
@@ -54,7 +65,10 @@ def make_train_step(model: ModelDef, exp: Experiment, mesh: Mesh, rules: shardin
     def step(state, batch):
         params = state["params"]
         n_micro = batch.shape[0]
-        if n_micro == 1:
+        if pipe is not None:
+            with sharding.use(mesh, rules):
+                loss, grads = pipe.loss_and_grads(params, batch, dtype, cross_entropy)
+        elif n_micro == 1:
             loss, grads = grad_fn(params, batch[0])
         else:
             def accumulate(carry, tokens):
@@ -67,7 +81,8 @@ def make_train_step(model: ModelDef, exp: Experiment, mesh: Mesh, rules: shardin
             loss = loss / n_micro
             grads = jax.tree.map(lambda g: g / n_micro, grads)
         grads = pin(grads)
-        grad_norm = _global_norm(grads)
+        grad_norm = pipe.grad_norm(grads) if pipe is not None else _global_norm(grads)
+        grads = clip_by_norm(grads, grad_norm, exp.optimizer.grad_clip)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_state = {
             "step": state["step"] + 1,

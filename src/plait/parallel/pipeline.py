@@ -1,0 +1,340 @@
+"""One SPMD executor for every pipeline schedule.
+
+The schedule's lockstep table becomes an integer array [tick, rank, column].
+Inside `shard_map` over `pipeline`, a `lax.scan` runs the ticks; each rank
+reads its row and runs its action with `lax.switch`; between ticks every rank
+makes one `ppermute` towards the next rank and one towards the previous rank
+(no pipeline collective inside a branch). Messages land in an inbox of slots
+(activations and gradients share it); forward residuals of `jax.vjp` wait in
+a stash of slots until their backward (or only the stage input, when
+`pipeline.recompute`). Slots are assigned by interval colouring of the table,
+so memory follows the schedule's peak in flight, not the microbatch count.
+
+The model is split as embed -> stages of equal layer counts -> head + loss.
+The first stage's rank also embeds, the last stage's rank also runs the head
+and the loss, whose gradient it computes at once (so no logits are stashed)
+and keeps in the inbox for its backward. Parameters outside the layers
+(embedding, final norm, head) are replicated over `pipeline`; their gradients
+are summed over it at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from plait.parallel import schedules as sch
+
+AXIS = "pipeline"
+(KIND, CHUNK, MB, IN_SLOT, RES_SLOT, OUT_DIR, DY_SLOT, RECV_PREV, RECV_NEXT) = range(9)
+IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, BX_FIRST, BX_MID, W_ANY = range(9)
+NONE, NEXT, PREV = 0, 1, 2
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes a value inside shard_map varies over (the attribute moved across JAX)."""
+    t = jax.typeof(x)
+    vma = getattr(t, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(t, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
+    """Greedy interval colouring: item -> slot, and the number of slots."""
+    ends: list[int] = []
+    slot_of = {}
+    for start, end, item in sorted(intervals, key=lambda x: (x[0], x[1])):
+        for k, e in enumerate(ends):
+            if e < start:
+                ends[k] = end
+                slot_of[item] = k
+                break
+        else:
+            slot_of[item] = len(ends)
+            ends.append(end)
+    return slot_of, len(ends)
+
+
+@dataclass
+class Plan:
+    """A schedule laid onto ranks, chunks and layers, as arrays the executor indexes."""
+
+    schedule: sch.Schedule
+    layers_per_stage: int
+    table: np.ndarray  # [ticks, D, 9] int32
+    inbox_slots: int
+    stash_slots: int
+
+    @property
+    def ranks(self) -> int:
+        return self.schedule.stages
+
+    @property
+    def chunks(self) -> int:
+        return 2 if self.schedule.pipes == 2 else self.schedule.virtual
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        if self.schedule.pipes == 2:
+            return rank if chunk == 0 else self.ranks - 1 - rank
+        return chunk * self.ranks + rank
+
+    def layer_of(self, rank: int, chunk: int, i: int) -> int:
+        return self.stage_of(rank, chunk) * self.layers_per_stage + i
+
+
+def plan(schedule: sch.Schedule, layers: int) -> Plan:
+    s = schedule
+    S = s.num_stages
+    if layers % S:
+        raise AssertionError("layer count checked before")
+    D, T = s.stages, len(s.table)
+    when = {a: t for t, row in enumerate(s.table) for a in row if a is not None}
+    last = S - 1
+
+    def consumer(a: sch.Action) -> sch.Action | None:
+        if a.kind == sch.F:
+            return sch.Action(sch.F, a.pipe, a.stage + 1, a.mb) if a.stage < last else None
+        if a.kind in (sch.B, sch.BX):
+            return sch.Action(a.kind, a.pipe, a.stage - 1, a.mb) if a.stage else None
+        return None
+
+    # Inbox items: a message (produced at t, stored at t + 1) or a last-stage dy
+    # (stored at t), read by the consumer; zero-bubble weight gradients re-read
+    # the gradient their input-gradient action read.
+    inbox, stash = [], []
+    for a, t in when.items():
+        c = consumer(a)
+        if c is not None:
+            end = when[c]
+            if c.kind == sch.BX:
+                end = when[sch.Action(sch.W, c.pipe, c.stage, c.mb)]
+            inbox.append((t + 1, end, ("msg", a)))
+        if a.kind == sch.F and a.stage == last:
+            bwd = sch.Action(sch.BX if s.name == "zb-h1" else sch.B, a.pipe, a.stage, a.mb)
+            end = when[bwd]
+            if s.name == "zb-h1":
+                end = when[sch.Action(sch.W, a.pipe, a.stage, a.mb)]
+            inbox.append((t, end, ("dy", a)))
+        if a.kind == sch.F:
+            done = sch.Action(sch.W if s.name == "zb-h1" else sch.B, a.pipe, a.stage, a.mb)
+            stash.append((t, when[done], a))
+    in_slot, n_in = _colour(inbox)
+    res_slot, n_res = _colour(stash)
+
+    tab = np.zeros((T, D, 9), np.int32)
+    tab[:, :, IN_SLOT] = n_in  # the trash slot
+    tab[:, :, RES_SLOT] = n_res
+    tab[:, :, DY_SLOT] = n_in
+    tab[:, :, RECV_PREV] = n_in
+    tab[:, :, RECV_NEXT] = n_in
+    for a, t in when.items():
+        r = s.rank_of(a.pipe, a.stage)
+        row = tab[t, r]
+        row[CHUNK] = s.chunk_of(a.pipe, a.stage)
+        row[MB] = a.mb
+        first, is_last = a.stage == 0, a.stage == last
+        fwd = sch.Action(sch.F, a.pipe, a.stage, a.mb)
+        row[RES_SLOT] = res_slot[fwd]
+        if a.kind == sch.F:
+            row[KIND] = F_FIRST if first else F_LAST if is_last else F_MID
+            if not first:
+                row[IN_SLOT] = in_slot[("msg", sch.Action(sch.F, a.pipe, a.stage - 1, a.mb))]
+            if is_last:
+                row[DY_SLOT] = in_slot[("dy", a)]
+        else:
+            grad_kind = sch.BX if a.kind == sch.W else a.kind
+            if is_last:
+                row[IN_SLOT] = in_slot[("dy", fwd)]
+            else:
+                row[IN_SLOT] = in_slot[("msg", sch.Action(grad_kind, a.pipe, a.stage + 1, a.mb))]
+            row[KIND] = {sch.B: B_FIRST if first else B_MID,
+                         sch.BX: BX_FIRST if first else BX_MID, sch.W: W_ANY}[a.kind]
+        c = consumer(a)
+        if c is not None:
+            dest = s.rank_of(c.pipe, c.stage)
+            row[OUT_DIR] = NEXT if dest == (r + 1) % D else PREV
+            # The receiver files it when it arrives, at the next tick.
+            recv = tab[t + 1, dest]
+            recv[RECV_PREV if row[OUT_DIR] == NEXT else RECV_NEXT] = in_slot[("msg", a)]
+    return Plan(s, layers // S, tab, n_in, n_res)
+
+
+@dataclass(frozen=True)
+class StageFns:
+    """The model, cut for the pipeline. Shapes: x [b, seq, d]; tokens [b, seq + 1]."""
+
+    embed: Callable  # (shared, tokens) -> x
+    stage: Callable  # (stage_params [layers_per_stage, ...], x) -> x
+    head_loss: Callable  # (shared, x, tokens) -> mean loss of the microbatch
+
+
+def run(p: Plan, fns: StageFns, stage_params, shared, tokens: jax.Array, mesh: Mesh,
+        act_shape: tuple[int, ...], act_dtype, recompute: bool):
+    """Loss and gradients of one step. stage_params leaves: [D, chunks, layers/stage, ...];
+    tokens [N, b, seq + 1]. Returns (loss, stage grads, shared grads), grads in float32."""
+    D, N = p.ranks, p.schedule.microbatches
+    table = jnp.asarray(p.table)
+    perm_next = [(i, (i + 1) % D) for i in range(D)]
+    perm_prev = [(i, (i - 1) % D) for i in range(D)]
+
+    def body(stage_local, shared, tokens):
+        stage_local = jax.tree.map(lambda a: a[0], stage_local)  # [chunks, L/S, ...]
+        rank = jax.lax.axis_index(AXIS)
+        zeros_like32 = (lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t))
+
+        def vary(x):
+            return x if AXIS in varying_axes(x) else jax.lax.pcast(x, AXIS, to="varying")
+
+        # Replicated parameters become varying here, outside the switch: a gradient
+        # taken inside a branch with respect to an invariant value would carry an
+        # implicit psum over the pipeline, a collective only some ranks reach.
+        shared = jax.tree.map(vary, shared)
+        x0 = vary(jnp.zeros(act_shape, act_dtype))
+        chunk0 = jax.tree.map(lambda a: a[0], stage_local)
+        if recompute:
+            res_example = [x0]
+            treedef = None
+        else:
+            _, vjp0 = jax.vjp(fns.stage, chunk0, x0)
+            res_example, treedef = jax.tree.flatten(vjp0)
+
+        def chunk_params(c):
+            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False),
+                                stage_local)
+
+        def forward(c, x):
+            pc = chunk_params(c)
+            if recompute:
+                return fns.stage(pc, x), [x]
+            y, vjp_fn = jax.vjp(fns.stage, pc, x)
+            return y, jax.tree.leaves(vjp_fn)
+
+        def backward(c, res, g):
+            pc = chunk_params(c)
+            if recompute:
+                _, vjp_fn = jax.vjp(fns.stage, pc, res[0])
+            else:
+                vjp_fn = jax.tree.unflatten(treedef, res)
+            return vjp_fn(g)
+
+        g_stage0 = zeros_like32(stage_local)
+        g_shared0 = zeros_like32(shared)
+        res_zero = [jnp.zeros_like(r) for r in res_example]
+
+        def out(msg=None, res=None, g_chunk=None, g_shared=None, loss=None):
+            # Every branch returns the same types, all varying over the pipeline.
+            return jax.tree.map(vary, (
+                msg if msg is not None else x0,
+                res if res is not None else res_zero,
+                g_chunk if g_chunk is not None else jax.tree.map(lambda a: a[0], g_stage0),
+                g_shared if g_shared is not None else g_shared0,
+                loss if loss is not None else jnp.zeros((), jnp.float32)))
+
+        def f32(t):
+            return jax.tree.map(lambda a: a.astype(jnp.float32), t)
+
+        def embed_grad(toks, dx):
+            _, vjp_e = jax.vjp(lambda sh: fns.embed(sh, toks), shared)
+            return f32(vjp_e(dx)[0])
+
+        def branches(row, inbox, stash):
+            c, m = row[CHUNK], row[MB]
+            toks = tokens[m]
+            x_in = inbox[row[IN_SLOT]]
+            res = [s[row[RES_SLOT]] for s in stash]
+
+            def idle():
+                return out()
+
+            def f_first():
+                y, r = forward(c, fns.embed(shared, toks).astype(act_dtype))
+                return out(msg=y, res=r)
+
+            def f_mid():
+                y, r = forward(c, x_in)
+                return out(msg=y, res=r)
+
+            def f_last():
+                y, r = forward(c, x_in)
+                loss, (dsh, dy) = jax.value_and_grad(fns.head_loss, argnums=(0, 1))(
+                    shared, y, toks)
+                return out(msg=(dy / N).astype(act_dtype), res=r,
+                           g_shared=jax.tree.map(lambda g: g / N, f32(dsh)),
+                           loss=loss.astype(jnp.float32))
+
+            def b_first():
+                dp, dx = backward(c, res, x_in)
+                return out(g_chunk=f32(dp), g_shared=embed_grad(toks, dx))
+
+            def b_mid():
+                dp, dx = backward(c, res, x_in)
+                return out(msg=dx.astype(act_dtype), g_chunk=f32(dp))
+
+            def bx_first():
+                _, dx = backward(c, res, x_in)
+                return out(g_shared=embed_grad(toks, dx))
+
+            def bx_mid():
+                _, dx = backward(c, res, x_in)
+                return out(msg=dx.astype(act_dtype))
+
+            def w_any():
+                dp, _ = backward(c, res, x_in)
+                return out(g_chunk=f32(dp))
+
+            return jax.lax.switch(row[KIND], [idle, f_first, f_mid, f_last, b_first, b_mid,
+                                              bx_first, bx_mid, w_any])
+
+        def tick(carry, t):
+            inbox, stash, g_stage, g_shared, loss, send_next, send_prev = carry
+            from_prev = jax.lax.ppermute(send_next, AXIS, perm_next)
+            from_next = jax.lax.ppermute(send_prev, AXIS, perm_prev)
+            row = table[t, rank]
+            inbox = inbox.at[row[RECV_PREV]].set(from_prev)
+            inbox = inbox.at[row[RECV_NEXT]].set(from_next)
+            msg, res, g_chunk, g_sh, mb_loss = branches(row, inbox, stash)
+            is_f = (row[KIND] >= F_FIRST) & (row[KIND] <= F_LAST)
+            stash_slot = jnp.where(is_f, row[RES_SLOT], p.stash_slots)
+            stash = [s.at[stash_slot].set(r) for s, r in zip(stash, res, strict=True)]
+            inbox = inbox.at[row[DY_SLOT]].set(msg)
+            c = row[CHUNK]
+            g_stage = jax.tree.map(
+                lambda acc, g: jax.lax.dynamic_update_index_in_dim(
+                    acc, jax.lax.dynamic_index_in_dim(acc, c, keepdims=False) + g, c, 0),
+                g_stage, g_chunk)
+            g_shared = jax.tree.map(jnp.add, g_shared, g_sh)
+            send_next = jnp.where(row[OUT_DIR] == NEXT, msg, jnp.zeros_like(msg))
+            send_prev = jnp.where(row[OUT_DIR] == PREV, msg, jnp.zeros_like(msg))
+            return (inbox, stash, g_stage, g_shared, loss + mb_loss, send_next, send_prev), None
+
+        inbox = vary(jnp.zeros((p.inbox_slots + 1, *act_shape), act_dtype))
+        stash = [vary(jnp.zeros((p.stash_slots + 1, *r.shape), r.dtype)) for r in res_example]
+        carry = (inbox, stash, jax.tree.map(vary, g_stage0), jax.tree.map(vary, g_shared0),
+                 vary(jnp.zeros((), jnp.float32)), x0, x0)
+        carry, _ = jax.lax.scan(tick, carry, jnp.arange(p.table.shape[0]))
+        _, _, g_stage, g_shared, loss, _, _ = carry
+        loss = jax.lax.psum(loss, AXIS) / N
+        g_shared = jax.lax.psum(g_shared, AXIS)
+        return loss, jax.tree.map(lambda a: a[None], g_stage), g_shared
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(), P(AXIS), P()),
+        axis_names={AXIS},
+    )(stage_params, shared, tokens)
+
+
+def sum_chimera_copies(g_stages):
+    """Chimera keeps two copies of each stage (chunk 0 on rank s, chunk 1 on rank D-1-s):
+    both get the sum of their gradients, so the copies stay equal."""
+    def one(g):
+        total = g[:, 0] + jnp.flip(g[:, 1], axis=0)
+        return jnp.stack([total, jnp.flip(total, axis=0)], axis=1)
+
+    return jax.tree.map(one, g_stages)

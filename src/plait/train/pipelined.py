@@ -1,0 +1,170 @@
+"""The train state and step of a pipelined run (mesh axis `pipeline` > 1).
+
+In memory, each rank holds only its stages: the layers' parameters (and their
+optimizer moments) are stacked as [rank, chunk, layer of the stage, ...] and
+split over `pipeline`; the rest of the model (embedding, final norm, head) is
+replicated over it. On disk the state is canonical (one entry per layer,
+`params["blocks"]["7"]`), exactly what a run without pipeline saves, so a run
+resumes with another number of stages, another schedule, or none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from plait import sharding
+from plait.config import Experiment
+from plait.errors import UserError
+from plait.models import ModelDef, layer_key, layer_stack, without_layers
+from plait.parallel import pipeline, schedules
+
+
+def _is_var(x) -> bool:
+    return hasattr(x, "get_metadata")
+
+
+class Pipelined:
+    def __init__(self, exp: Experiment, mesh: Mesh, model: ModelDef, rules: sharding.Rules):
+        self.exp, self.mesh, self.model = exp, mesh, model
+        cfg, pc = exp.model, exp.pipeline
+        D = mesh.shape["pipeline"]
+        if rules.mode not in (None, "1d"):
+            raise UserError(
+                f"the pipeline composes with data, fsdp and 1-D tensor parallelism; "
+                f"drop the {rules.mode.upper()} tensor axes or the pipeline axis")
+        if exp.train.microbatches != 1:
+            raise UserError(
+                f"with a pipeline, split the batch with pipeline.microbatches, not "
+                f"train.microbatches = {exp.train.microbatches}; set train.microbatches = 1")
+        N = pc.microbatches or D
+        v = pc.virtual_stages if pc.schedule == "interleaved" else 1
+        stages = D * v
+        if cfg.layers % stages:
+            raise UserError(
+                f"model.layers = {cfg.layers} does not split evenly over {stages} pipeline stages"
+                + (f" (pipeline {D} x pipeline.virtual_stages {v})" if v > 1 else "")
+                + f"; use a layer count that is a multiple of {stages}")
+        if exp.train.global_batch % N:
+            raise UserError(
+                f"train.global_batch = {exp.train.global_batch} does not split into "
+                f"pipeline.microbatches = {N}; make it a multiple of {N}")
+        self.schedule = schedules.build(pc.schedule, D, N, v)
+        self.plan = pipeline.plan(self.schedule, cfg.layers)
+        self.key = layer_key(cfg)
+        self.shared_model = without_layers(cfg)
+        self.layers = layer_stack(cfg)
+        self.recompute = pc.recompute
+        self.microbatches = N
+        C, Lps = self.plan.chunks, self.plan.layers_per_stage
+        lead = (D, C, Lps)
+
+        layer_vars = model.variables()[self.key]["0"]
+        self._layer_shapes = jax.tree.map(lambda v: v.get_value().shape, layer_vars,
+                                          is_leaf=_is_var)
+        stage_shapes = jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct(lead + v.get_value().shape, v.get_value().dtype),
+            layer_vars, is_leaf=_is_var)
+        stage_sh = jax.tree.map(
+            lambda v: NamedSharding(mesh, P("pipeline", None, None,
+                                            *sharding.param_spec(*sharding.param_meta(v),
+                                                                 rules, mesh))),
+            layer_vars, is_leaf=_is_var)
+        self.param_shapes = {"stages": stage_shapes, "shared": self.shared_model.shapes()}
+        self.param_shardings = {
+            "stages": stage_sh,
+            "shared": sharding.param_shardings(self.shared_model.variables(), mesh, rules)}
+        # [rank, chunk, i] -> canonical layer, and each canonical layer's first holder.
+        self.holder = {}
+        for r in range(D):
+            for c in range(C):
+                for i in range(Lps):
+                    self.holder.setdefault(self.plan.layer_of(r, c, i), (r, c, i))
+
+    def decay_mask(self, params: dict) -> dict:
+        """AdamW decays matrices, not vectors: judged on each layer's own shape."""
+        return {"stages": jax.tree.map(lambda p: p.ndim - 3 >= 2, params["stages"]),
+                "shared": jax.tree.map(lambda p: p.ndim >= 2, params["shared"])}
+
+    # --- canonical <-> stacked -------------------------------------------------
+    def from_canonical(self, params: dict) -> dict:
+        D, C, Lps = self.plan.ranks, self.plan.chunks, self.plan.layers_per_stage
+        layers = params[self.key]
+        order = [str(self.plan.layer_of(r, c, i))
+                 for r in range(D) for c in range(C) for i in range(Lps)]
+
+        def stack(*leaves):
+            return jnp.stack(leaves).reshape((D, C, Lps) + leaves[0].shape)
+
+        stages = jax.tree.map(stack, *(layers[k] for k in order))
+        shared = {k: v for k, v in params.items() if k != self.key}
+        return {"stages": stages, "shared": shared}
+
+    def to_canonical(self, params: dict) -> dict:
+        layers = {str(layer): jax.tree.map(lambda a, idx=idx: a[idx], params["stages"])
+                  for layer, idx in sorted(self.holder.items())}
+        return {**params["shared"], self.key: layers}
+
+    def is_params(self, tree) -> bool:
+        return isinstance(tree, dict) and set(tree) == {"stages", "shared"}
+
+    def map_state(self, state: dict, fn) -> dict:
+        """Apply a params -> params conversion to the parameters and every moment like them."""
+        def walk(node):
+            if self.is_params(node) or (isinstance(node, dict) and self.key in node):
+                return fn(node)
+            if isinstance(node, tuple) and hasattr(node, "_fields"):
+                return type(node)(*(walk(x) for x in node))
+            if isinstance(node, (tuple, list)):
+                return type(node)(walk(x) for x in node)
+            if isinstance(node, dict):
+                return {k: walk(v) for k, v in node.items()}
+            return node
+
+        return {k: walk(v) if k in ("params", "opt_state") else v for k, v in state.items()}
+
+    # --- the step ----------------------------------------------------------------
+    def loss_and_grads(self, params: dict, batch: jax.Array, dtype, loss_fn):
+        """batch [N, b, seq + 1] -> (mean loss, grads shaped like params)."""
+        shared_model, layers = self.shared_model, self.layers
+
+        def embed(shared, toks):
+            return shared_model.module(shared, dtype).embed(toks[:, :-1])
+
+        def stage(stage_params, x):
+            return layers.apply(stage_params, x, dtype)
+
+        def head_loss(shared, x, toks):
+            return loss_fn(shared_model.module(shared, dtype).logits(x), toks[:, 1:])
+
+        b, seq = batch.shape[1], batch.shape[2] - 1
+        act_dtype = dtype or jnp.float32
+        loss, g_stages, g_shared = pipeline.run(
+            self.plan, pipeline.StageFns(embed, stage, head_loss), params["stages"],
+            params["shared"], batch, self.mesh, (b, seq, self.exp.model.d_model), act_dtype,
+            self.recompute)
+        if self.schedule.pipes == 2:
+            g_stages = pipeline.sum_chimera_copies(g_stages)
+        return loss, {"stages": g_stages, "shared": g_shared}
+
+    def grad_norm(self, grads: dict) -> jax.Array:
+        """Global norm as the canonical model sees it (Chimera's copies counted once)."""
+        stages = grads["stages"]
+        if self.schedule.pipes == 2:
+            stages = jax.tree.map(lambda g: g[:, :1], stages)
+        leaves = jax.tree.leaves(stages) + jax.tree.leaves(grads["shared"])
+        return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
+
+    @property
+    def figures(self) -> dict:
+        return self.schedule.figures
+
+    def stage_bytes(self) -> int:
+        """Bytes of one rank's layer parameters (fp32)."""
+        C, Lps = self.plan.chunks, self.plan.layers_per_stage
+        return C * Lps * sum(4 * math.prod(s) for s in jax.tree.leaves(
+            self._layer_shapes, is_leaf=lambda x: isinstance(x, tuple)))
