@@ -28,7 +28,6 @@ def test_mesh_files_load():
 @pytest.mark.parametrize("spec,n,message", [
     ("data=3", 8, r"needs 3 devices but 8"),
     ("date=8", 8, r"unknown mesh axis 'date'.*did you mean 'data'"),
-    ("pipeline=2,data=4", 8, r"'pipeline' \(pipeline parallelism\) is not implemented yet"),
     ("tensor_x=2,tensor_y=2,tensor_z=1,data=2", 8, r"is not a cube"),
     ("tensor_row=4,tensor_col=2", 8, r"is not square"),
     ("tensor_depth=2,tensor_row=1,data=4", 8, r"stacks 2-D grids"),

@@ -35,8 +35,8 @@ def report_platform(mesh: Mesh) -> str:
 def param_bytes_per_device(job: Job) -> int:
     """Bytes of this device's shards of the parameters (fp32 master weights)."""
     total = 0
-    for shape, sh in zip(jax.tree.leaves(job.model.shapes()), jax.tree.leaves(job.layout.params),
-                         strict=True):
+    for shape, sh in zip(jax.tree.leaves(job.layout.shapes["params"]),
+                         jax.tree.leaves(job.layout.params), strict=True):
         total += math.prod(sh.shard_shape(shape.shape)) * shape.dtype.itemsize
     return total
 
@@ -64,6 +64,7 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
         tensor_wire_bytes=tensor_wire_bytes(report),
         tensor_formula_bytes=formulas.tensor_bytes(exp, sizes, report_platform(mesh)),
         param_bytes_per_device=param_bytes_per_device(job),
+        pipeline=job.pipe.figures if job.pipe else None,
     )
     return report
 
@@ -140,6 +141,11 @@ def render(r: dict) -> None:
             f"tokens/step, compiled in {r['compile_s']:.1f}s")
     c.print(f"FLOPs per device per step: {r['flops_per_device']:.4g} from the HLO matmuls "
             f"(model FLOPs {r['model_flops_per_device']:.4g})")
+    if r.get("pipeline"):
+        p = r["pipeline"]
+        c.print(f"pipeline {p['schedule']}: {p['stages']} stages, {p['microbatches']} "
+                f"microbatches, bubble {p['bubble']:.3f}, {p['ticks']} ticks, peak in flight "
+                f"{p['peak_inflight']}")
     c.print(f"tensor mode {r['tensor_mode']}: {_gib(r['tensor_wire_bytes'])} over tensor axes "
             f"per device per step (formula {_gib(r['tensor_formula_bytes'])}); parameters "
             f"{_gib(r['param_bytes_per_device'])} per device")

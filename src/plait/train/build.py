@@ -143,7 +143,7 @@ class Job:
         if self.pipe is None:
             return state
         return jax.jit(lambda s: self.pipe.map_state(s, self.pipe.from_canonical),
-                       out_shardings=self.layout.shardings, donate_argnums=0)(state)
+                       out_shardings=self.layout.shardings)(state)
 
     @property
     def tokens_per_step(self) -> int:

@@ -49,11 +49,11 @@ class Pipelined:
                 f"model.layers = {cfg.layers} does not split evenly over {stages} pipeline stages"
                 + (f" (pipeline {D} x pipeline.virtual_stages {v})" if v > 1 else "")
                 + f"; use a layer count that is a multiple of {stages}")
+        self.schedule = schedules.build(pc.schedule, D, N, v)
         if exp.train.global_batch % N:
             raise UserError(
                 f"train.global_batch = {exp.train.global_batch} does not split into "
                 f"pipeline.microbatches = {N}; make it a multiple of {N}")
-        self.schedule = schedules.build(pc.schedule, D, N, v)
         self.plan = pipeline.plan(self.schedule, cfg.layers)
         self.key = layer_key(cfg)
         self.shared_model = without_layers(cfg)

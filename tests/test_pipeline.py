@@ -1,0 +1,161 @@
+"""Pipeline parallelism: schedule tables equal the published formulas; every schedule
+trains like the non-pipelined model (losses and gradients), alone and with data,
+fsdp or tensor axes; checkpoints move between schedules and to no pipeline."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from helpers import losses, make_mesh, run, tiny
+
+from plait import data, sharding
+from plait.parallel import schedules
+from plait.train.build import Job
+from plait.train.step import cross_entropy
+
+SIZES = [(D, N) for D in (2, 4, 8) for N in (D, 2 * D, 4 * D)]
+
+
+@pytest.mark.parametrize("D,N", SIZES)
+def test_gpipe_and_1f1b_bubble(D, N):
+    for name in ("gpipe", "1f1b"):
+        f = schedules.build(name, D, N).figures
+        assert f["bubble"] == pytest.approx((D - 1) / (N + D - 1))
+    # 1F1B holds at most D - rank microbatches; GPipe holds all N.
+    assert schedules.build("1f1b", D, N).figures["peak_inflight"] == list(range(D, 0, -1))
+    assert schedules.build("gpipe", D, N).figures["peak_inflight"] == [N] * D
+
+
+@pytest.mark.parametrize("D,N", SIZES)
+@pytest.mark.parametrize("v", [2, 4])
+def test_interleaved_bubble(D, N, v):
+    f = schedules.build("interleaved", D, N, v).figures
+    assert f["bubble_ratio"] == pytest.approx((D - 1) / (v * N))
+
+
+@pytest.mark.parametrize("D,N", SIZES)
+def test_chimera_bubble_and_memory(D, N):
+    f = schedules.build("chimera", D, N).figures
+    assert f["bubble"] == pytest.approx((D - 2) / (2 * N + D - 2))
+    assert f["ticks"] == 2 * N + D - 2
+    assert max(f["peak_inflight"]) <= D  # no rank above 1F1B's peak
+
+
+@pytest.mark.parametrize("D,N", SIZES)
+def test_zero_bubble_h1_idles_a_third_of_1f1b(D, N):
+    zb = schedules.build("zb-h1", D, N).figures
+    one = schedules.build("1f1b", D, N).figures
+    assert zb["idle_time"] * 3 == one["idle_time"] == 3 * (D - 1)
+
+
+def test_tables_respect_dependencies_and_run_each_action_once():
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("chimera", 1),
+                    ("zb-h1", 1)):
+        s = schedules.build(name, 4, 8, v)
+        seen = {}
+        for t, row in enumerate(s.table):
+            for r, a in enumerate(row):
+                if a is None:
+                    continue
+                assert a not in seen and s.rank_of(a.pipe, a.stage) == r
+                assert all(seen.get(d, t) < t for d in s.deps(a)), (name, a)
+                seen[a] = t
+        kinds = 3 if name == "zb-h1" else 2
+        assert len(seen) == kinds * s.num_stages * s.microbatches
+
+
+def test_schedule_command_json_and_png(tmp_path, capsys):
+    from plait.cli import main
+
+    png = tmp_path / "c.png"
+    assert main(["schedule", "chimera", "--stages", "4", "--microbatches", "4", "--json",
+                 "--png", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble"] == pytest.approx(2 / 10) and out["ticks"] == 10
+    assert len(out["peak_inflight"]) == 4
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["schedule", "1f1b", "--stages", "4", "--microbatches", "8"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("rank 0: F0") and "bubble 0.2727" in text
+
+
+def _pipe_exp(schedule: str, **pipeline):
+    return tiny(model={"layers": 8}, pipeline={"schedule": schedule, **pipeline})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return losses(run(tiny(model={"layers": 8}), "data=1", tmp_path_factory.mktemp("ref")))
+
+
+@pytest.mark.parametrize("schedule,spec,extra", [
+    ("gpipe", "pipeline=4", {}),
+    ("gpipe", "data=2,pipeline=4", {}),
+    ("1f1b", "pipeline=4", {"microbatches": 8}),
+    ("1f1b", "tensor=2,pipeline=4", {}),
+    ("interleaved", "pipeline=4", {"virtual_stages": 2}),
+    ("interleaved", "data=2,pipeline=2", {"virtual_stages": 4, "microbatches": 4}),
+    ("chimera", "pipeline=4", {"microbatches": 8}),
+    ("chimera", "fsdp=2,pipeline=4", {}),
+    ("zb-h1", "pipeline=4", {"microbatches": 8}),
+    ("zb-h1", "tensor=2,pipeline=4", {}),
+    ("1f1b", "pipeline=2", {"recompute": True}),
+])
+def test_losses_equal_the_unpipelined_run(schedule, spec, extra, reference, tmp_path):
+    got = losses(run(_pipe_exp(schedule, **extra), spec, tmp_path))
+    assert len(got) == 12
+    np.testing.assert_allclose(got, reference, rtol=1e-4)
+
+
+def _grads(exp, spec):
+    mesh = make_mesh(spec)
+    job = Job(exp, mesh)
+    state = job.init_state()
+    dense = Job(exp, make_mesh("data=1"))
+    tokens = np.asarray(data.global_batch(data.make_source(exp), 0, dense.batch_shape,
+                                          dense.batch_sharding))
+    if job.pipe is None:
+        def loss(params, toks):
+            with sharding.use(mesh, job.rules):
+                return cross_entropy(job.model.apply(params, toks[0, :, :-1]), toks[0, :, 1:])
+        g = jax.jit(jax.grad(loss))(state["params"], tokens)
+    else:
+        batch = jax.device_put(tokens.reshape(job.batch_shape), job.batch_sharding)
+
+        def grads(params, batch):
+            with sharding.use(mesh, job.rules):
+                _, g = job.pipe.loss_and_grads(params, batch, None, cross_entropy)
+            return job.pipe.to_canonical(g)
+        g = jax.jit(grads)(state["params"], batch)
+    return jax.tree.map(np.asarray, g)
+
+
+@pytest.mark.parametrize("schedule", schedules.SCHEDULES)
+def test_gradients_equal_the_unpipelined_ones(schedule):
+    exp = _pipe_exp(schedule, microbatches=4)
+    dense = _grads(exp, "data=1")
+    got = _grads(exp, "pipeline=4" if schedule != "interleaved" else "pipeline=2")
+    for (path, d), g in zip(jax.tree_util.tree_leaves_with_path(dense), jax.tree.leaves(got),
+                            strict=True):
+        np.testing.assert_allclose(g, d, rtol=1e-4, atol=1e-5 * np.abs(d).max(),
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_checkpoints_move_between_schedules_and_to_no_pipeline(reference, tmp_path):
+    ckpt = {"enabled": True, "every_steps": 4, "keep": 3, "async_save": False}
+    run(tiny(model={"layers": 8}, checkpoint=ckpt, train={"steps": 4},
+             pipeline={"schedule": "1f1b"}), "pipeline=4", tmp_path)
+    run(tiny(model={"layers": 8}, checkpoint=ckpt, train={"steps": 8},
+             pipeline={"schedule": "chimera", "microbatches": 4}), "data=2,pipeline=2", tmp_path)
+    resumed = run(tiny(model={"layers": 8}, checkpoint=ckpt), "data=2,tensor=2", tmp_path)
+    assert resumed["records"][0]["step"] == 9
+    np.testing.assert_allclose(losses(tmp_path), reference, rtol=1e-4)
+
+
+def test_pipeline_stages_hold_only_their_layers():
+    job = Job(_pipe_exp("1f1b"), make_mesh("pipeline=4"))
+    state = job.init_state()
+    w1 = state["params"]["stages"]["mlp"]["w1"]
+    assert w1.shape[:3] == (4, 1, 2)
+    assert w1.addressable_shards[0].data.shape[:3] == (1, 1, 2)
