@@ -159,3 +159,15 @@ def test_pipeline_stages_hold_only_their_layers():
     w1 = state["params"]["stages"]["mlp"]["w1"]
     assert w1.shape[:3] == (4, 1, 2)
     assert w1.addressable_shards[0].data.shape[:3] == (1, 1, 2)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                    ("chimera", 1), ("zb-h1", 1)])
+def test_executor_buffers_hold_the_schedule_peak(name, v):
+    from plait.parallel import pipeline
+
+    for D, N in ((4, 4), (4, 8), (8, 16)):
+        s = schedules.build(name, D, N, v)
+        p = pipeline.plan(s, 2 * D * v)
+        assert p.stash_slots == max(s.figures["peak_inflight"])
+        assert p.inbox_slots <= N + 1  # gpipe: N loss gradients + one arriving activation

@@ -46,20 +46,22 @@ def varying_axes(x) -> frozenset:
     return frozenset(vma or ())
 
 
-def _colour(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
-    """Greedy interval colouring: item -> slot, and the number of slots."""
-    ends: list[int] = []
+def _colour(intervals: list[tuple[int, int, int, object]]) -> tuple[dict, int]:
+    """Greedy interval colouring per rank: item -> slot in its rank's buffer, and the
+    slots the largest rank needs (SPMD: every rank allocates that many)."""
+    ends: dict[int, list[int]] = {}
     slot_of = {}
-    for start, end, item in sorted(intervals, key=lambda x: (x[0], x[1])):
-        for k, e in enumerate(ends):
+    for start, end, rank, item in sorted(intervals, key=lambda x: (x[0], x[1])):
+        mine = ends.setdefault(rank, [])
+        for k, e in enumerate(mine):
             if e < start:
-                ends[k] = end
+                mine[k] = end
                 slot_of[item] = k
                 break
         else:
-            slot_of[item] = len(ends)
-            ends.append(end)
-    return slot_of, len(ends)
+            slot_of[item] = len(mine)
+            mine.append(end)
+    return slot_of, max((len(v) for v in ends.values()), default=0)
 
 
 @dataclass
@@ -110,21 +112,22 @@ def plan(schedule: sch.Schedule, layers: int) -> Plan:
     # the gradient their input-gradient action read.
     inbox, stash = [], []
     for a, t in when.items():
+        here = s.rank_of(a.pipe, a.stage)
         c = consumer(a)
         if c is not None:
             end = when[c]
             if c.kind == sch.BX:
                 end = when[sch.Action(sch.W, c.pipe, c.stage, c.mb)]
-            inbox.append((t + 1, end, ("msg", a)))
+            inbox.append((t + 1, end, s.rank_of(c.pipe, c.stage), ("msg", a)))
         if a.kind == sch.F and a.stage == last:
             bwd = sch.Action(sch.BX if s.name == "zb-h1" else sch.B, a.pipe, a.stage, a.mb)
             end = when[bwd]
             if s.name == "zb-h1":
                 end = when[sch.Action(sch.W, a.pipe, a.stage, a.mb)]
-            inbox.append((t, end, ("dy", a)))
+            inbox.append((t, end, here, ("dy", a)))
         if a.kind == sch.F:
             done = sch.Action(sch.W if s.name == "zb-h1" else sch.B, a.pipe, a.stage, a.mb)
-            stash.append((t, when[done], a))
+            stash.append((t, when[done], here, a))
     in_slot, n_in = _colour(inbox)
     res_slot, n_res = _colour(stash)
 
