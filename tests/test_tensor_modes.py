@@ -15,8 +15,8 @@ from plait.parallel import formulas
 from plait.train.build import Job
 from plait.train.step import cross_entropy
 
+# Plain 2-D is covered by the gradient test below and by data x 2-D here.
 GRID_MESHES = [
-    "tensor_row=2,tensor_col=2",
     "data=2,tensor_row=2,tensor_col=2",
     "fsdp=2,tensor_row=2,tensor_col=2",
     "tensor_depth=2,tensor_row=2,tensor_col=2",
@@ -121,8 +121,7 @@ def _measured_and_formula(spec: str, exp) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("model,micro", [({"scan_layers": True, "remat": True}, 2),
-                                         ({"scan_layers": False, "remat": True}, 2),
-                                         ({"scan_layers": False, "remat": False}, 1)])
+                                         ({"scan_layers": False, "remat": True}, 2)])
 @pytest.mark.parametrize("spec", ["tensor=4", "tensor_row=2,tensor_col=2",
                                   "tensor_depth=2,tensor_row=2,tensor_col=2",
                                   "tensor_x=2,tensor_y=2,tensor_z=2"])
