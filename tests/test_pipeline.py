@@ -171,3 +171,13 @@ def test_executor_buffers_hold_the_schedule_peak(name, v):
         p = pipeline.plan(s, 2 * D * v)
         assert p.stash_slots == max(s.figures["peak_inflight"])
         assert p.inbox_slots <= N + 1  # gpipe: N loss gradients + one arriving activation
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+def test_inspect_counts_each_switch_branch_as_often_as_the_table_runs_it(schedule):
+    from plait.inspect import inspect_step
+
+    report = inspect_step(_pipe_exp(schedule), make_mesh("pipeline=4"))
+    assert report["pipeline"]["schedule"] == schedule
+    assert report["flops_per_device"] == pytest.approx(report["model_flops_per_device"],
+                                                       rel=1e-6)

@@ -140,8 +140,15 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def multiplicities(mod: Module) -> dict[str, float]:
-    """How many times each computation runs per step (loops weighted by trip count)."""
+def multiplicities(mod: Module, branch_weights: dict[int, list[float]] | None = None
+                   ) -> dict[str, float]:
+    """How many times each computation runs per step (loops weighted by trip count).
+
+    A conditional's branches count once each per execution unless `branch_weights`
+    gives, for conditionals with that many branches, how often each one runs per
+    execution (a pipeline's per-tick switch: from its schedule table).
+    """
+    weights = branch_weights or {}
     callees: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for comp, instrs in mod.computations.items():
         for ins in instrs:
@@ -156,8 +163,10 @@ def multiplicities(mod: Module) -> dict[str, float]:
                 for c in re.findall(rf"\b{key}=%?([\w.\-]+)", ins.attrs):
                     callees[comp].append((c, 1.0))
             for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.attrs):
-                for c in group.split(","):
-                    callees[comp].append((c.strip().lstrip("%"), 1.0))
+                branches = [c.strip().lstrip("%") for c in group.split(",")]
+                w = weights.get(len(branches), [1.0] * len(branches))
+                for c, wi in zip(branches, w, strict=True):
+                    callees[comp].append((c, wi))
     mult: dict[str, float] = defaultdict(float)
 
     def visit(comp: str, times: float, depth: int = 0) -> None:
@@ -286,10 +295,11 @@ def dot_flops(mod: Module, mult: dict[str, float] | None = None) -> float:
     return total
 
 
-def analyze(compiled, mesh_shape: dict[str, int]) -> dict:
+def analyze(compiled, mesh_shape: dict[str, int],
+            branch_weights: dict[int, list[float]] | None = None) -> dict:
     """Per-device figures of a compiled (jax `Compiled`) step."""
     mod = parse_hlo(compiled.as_text())
-    mult = multiplicities(mod)
+    mult = multiplicities(mod, branch_weights)
     colls = collectives(mod, mesh_shape, mult)
     by_kind = {k: 0.0 for k in KINDS}
     wire = {k: 0.0 for k in KINDS}

@@ -47,7 +47,8 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
     t0 = time.perf_counter()
     compiled = job.compile()
     compile_s = time.perf_counter() - t0
-    report = analysis.analyze(compiled, dict(mesh.shape))
+    weights = job.pipe.plan.branch_weights() if job.pipe else None
+    report = analysis.analyze(compiled, dict(mesh.shape), weights)
     n = mesh.devices.size
     sizes = dict(mesh.shape)
     report.update(
@@ -62,7 +63,9 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
         compile_s=compile_s,
         tensor_mode=MODE_NAMES[mesh_lib.tensor_mode(sizes)],
         tensor_wire_bytes=tensor_wire_bytes(report),
-        tensor_formula_bytes=formulas.tensor_bytes(exp, sizes, report_platform(mesh)),
+        # The formulas describe tensor parallelism without a pipeline.
+        tensor_formula_bytes=(None if job.pipe else
+                              formulas.tensor_bytes(exp, sizes, report_platform(mesh))),
         param_bytes_per_device=param_bytes_per_device(job),
         pipeline=job.pipe.figures if job.pipe else None,
     )
@@ -146,8 +149,10 @@ def render(r: dict) -> None:
         c.print(f"pipeline {p['schedule']}: {p['stages']} stages, {p['microbatches']} "
                 f"microbatches, bubble {p['bubble']:.3f}, {p['ticks']} ticks, peak in flight "
                 f"{p['peak_inflight']}")
+    formula = (f" (formula {_gib(r['tensor_formula_bytes'])})"
+               if r["tensor_formula_bytes"] is not None else "")
     c.print(f"tensor mode {r['tensor_mode']}: {_gib(r['tensor_wire_bytes'])} over tensor axes "
-            f"per device per step (formula {_gib(r['tensor_formula_bytes'])}); parameters "
+            f"per device per step{formula}; parameters "
             f"{_gib(r['param_bytes_per_device'])} per device")
     if r["wire_by_axes"]:
         ax = Table(title="wire bytes per device per step, by mesh axes")

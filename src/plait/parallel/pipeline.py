@@ -90,6 +90,13 @@ class Plan:
     def layer_of(self, rank: int, chunk: int, i: int) -> int:
         return self.stage_of(rank, chunk) * self.layers_per_stage + i
 
+    def branch_weights(self) -> dict[int, list[float]]:
+        """How often each branch of the executor's switch runs per tick, averaged over
+        ranks (for reading FLOPs and bytes out of the compiled program)."""
+        kinds = self.table[:, :, KIND]
+        n = W_ANY + 1
+        return {n: [float((kinds == k).mean()) for k in range(n)]}
+
 
 def plan(schedule: sch.Schedule, layers: int) -> Plan:
     s = schedule
