@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from plait.errors import UserError
@@ -59,6 +60,20 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--compare-tensor-modes", action="store_true",
                    help="compile the step under 1-D, 2-D, 2.5-D and 3-D tensor parallelism on "
                         "the mesh's device count (or --devices) and compare bytes and memory")
+
+    sw = sub.add_parser("sweep", help="compile every mesh shape for N devices, predict step "
+                                      "time and memory on target hardware, and rank them")
+    sw.add_argument("experiment", help="experiment file")
+    sw.add_argument("--devices", type=int, required=True, help="devices to sweep over (N)")
+    sw.add_argument("--hardware", default=None,
+                    help="hardware description: a meshes/NAME.toml with a [hardware] table "
+                         "(default: cpu-2core)")
+    sw.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    sw.add_argument("--top", type=int, default=None, help="rows to print (and to --run)")
+    sw.add_argument("--run", action="store_true",
+                    help="also train the top rows for a few steps here and add measured times")
+    sw.add_argument("--out", default=None, help="directory for sweep.csv, .json and .png "
+                                                "(default: sweeps/<experiment>-<N>)")
 
     sc = sub.add_parser("schedule", help="print a pipeline schedule's table and figures")
     sc.add_argument("name", metavar="SCHEDULE",
@@ -121,6 +136,8 @@ def _setup(args):
     if getattr(args, "steps", None) is not None:
         sets.append(f"train.steps={args.steps}")
     exp = load_experiment(args.experiment, sets)
+    if args.mesh == "auto":
+        return _auto_mesh(args, exp)
     if args.mesh:
         spec = mesh_lib.load_spec(args.mesh)
     elif exp.mesh:
@@ -134,6 +151,38 @@ def _setup(args):
     n = mesh_lib.provision_devices(spec, args.devices)
     # Divisibility is checked by train.build.Job, before anything is written.
     return exp, mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
+
+
+def _auto_mesh(args, exp):
+    """`--mesh auto`: sweep the devices at hand and take the best shape that fits."""
+    import jax
+
+    from plait import mesh as mesh_lib
+    from plait import sweep
+
+    _join_cluster(args)
+    n = mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": -1}, "--mesh auto"), args.devices)
+    kind = jax.devices()[0].device_kind.lower()
+    hw_name = next((name for key, name in (("h100", "h100-node"), ("h200", "h100-node"),
+                                           ("a100", "a100-node"), ("tpu v5p", "tpu-v5p-16"))
+                    if key in kind), "cpu-2core")
+    rows = sweep.run_sweep(exp, n, sweep.load_hardware(hw_name))
+    best = next((r for r in rows if r["fits"]), None)
+    if best is None:
+        raise UserError(f"--mesh auto: no shape of {n} devices fits {hw_name}'s memory; "
+                        "shrink the model or the batch, or use more devices")
+    pipe = {k.removeprefix("pipeline_"): best[k] for k in
+            ("pipeline_schedule", "pipeline_microbatches", "pipeline_virtual_stages")
+            if best.get(k)}
+    if pipe:
+        exp = exp.model_copy(update={"pipeline": exp.pipeline.model_copy(update=pipe)})
+    print(f"plait: --mesh auto chose {best['mesh']}"
+          + (f" ({pipe['schedule']}, {pipe['microbatches']} microbatches)" if pipe else "")
+          + f" of {len(rows)} shapes on {hw_name} "
+          f"(predicted {best['predicted_step_s']:.3g} s/step)",
+          flush=True)
+    sizes = mesh_lib.resolve(mesh_lib.load_spec(best["mesh"]), n)
+    return exp, mesh_lib.build_mesh(sizes, n)
 
 
 def cmd_train(args) -> int:
@@ -165,6 +214,36 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from plait import mesh as mesh_lib
+    from plait import sweep
+    from plait.config import load_experiment
+
+    exp = load_experiment(args.experiment, list(args.sets))
+    if args.devices < 1:
+        raise UserError(f"--devices must be at least 1, got {args.devices}")
+    if args.devices > sweep.MAX_SIMULATED:
+        raise UserError(f"--devices {args.devices} is more than plait simulates on one CPU "
+                        f"({sweep.MAX_SIMULATED}); sweep a smaller slice")
+    hw = sweep.load_hardware(args.hardware or "cpu-2core")
+    mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
+                               args.devices)
+    t0 = time.perf_counter()
+    rows = sweep.run_sweep(exp, args.devices, hw)
+    elapsed = time.perf_counter() - t0
+    top = rows[: args.top] if args.top else rows
+    if args.run:
+        sweep.measure_runs(exp, top, args.devices)
+    out = Path(args.out or f"sweeps/{exp.name}-{args.devices}")
+    meta = {"experiment": exp.name, "devices": args.devices, "hardware": hw.name,
+            "device_memory_bytes": hw.memory(args.devices), "sweep_s": elapsed}
+    sweep.write_outputs(rows, out, meta)
+    sweep.render(top, meta)
+    print(f"plait: {len(rows)} shapes in {elapsed:.0f}s; wrote {out}/sweep.csv, sweep.json, "
+          "sweep.png")
+    return 0
+
+
 def cmd_schedule(args) -> int:
     from plait.schedule_cli import run
 
@@ -186,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
-                "schedule": cmd_schedule}[args.command](args)
+                "schedule": cmd_schedule, "sweep": cmd_sweep}[args.command](args)
     except UserError as e:
         print(f"plait: error: {e}", file=sys.stderr)
         return 2

@@ -108,7 +108,11 @@ _FILL_LAST = "act_batch"
 
 def rules_for(mesh: Mesh) -> Rules:
     """The rule set of the tensor mode the mesh selects."""
-    mode = mesh_lib.tensor_mode(dict(mesh.shape))
+    return rules_for_sizes(dict(mesh.shape))
+
+
+def rules_for_sizes(sizes: dict[str, int]) -> Rules:
+    mode = mesh_lib.tensor_mode(sizes)
     if mode in ("2d", "2.5d"):
         return _rules_2d(mode)
     if mode == "3d":
