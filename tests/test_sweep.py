@@ -59,7 +59,7 @@ def test_unknown_hardware_is_one_line():
 
 
 def test_extrapolated_bytes_and_flops_equal_a_full_compile():
-    exp = tiny(model={"layers": 4, "scan_layers": True})
+    exp = tiny(model={"layers": 8, "scan_layers": True})  # compiled at 2 and 4 layers
     cand = sweep.Candidate({"data": 2, "fsdp": 2, "tensor": 2})
     measured = sweep._measure(exp, cand, 8)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
@@ -71,6 +71,9 @@ def test_extrapolated_bytes_and_flops_equal_a_full_compile():
     assert total == pytest.approx(sum(full["collectives_wire"].values()), rel=1e-3)
     row = sweep.predict(exp, cand, measured, sweep.load_hardware("cpu-2core"), 8)
     assert row["collective_bytes"] == pytest.approx(total)
+    m = full["memory"]
+    args = m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"]
+    assert args <= measured["memory"] <= m["total_bytes"] * 1.5
 
 
 def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(

@@ -8,7 +8,11 @@ microbatches. New axes or modes appear here without edits.
 Each shape is compiled on N simulated CPU devices at two small depths (scanned
 layers) and its per-device FLOPs, collective bytes per mesh-axis group and
 memory are extrapolated linearly to the experiment's depth: with scanned
-layers every per-layer cost is exactly linear in the layer count.
+layers every per-layer cost is linear in the layer count (XLA's temporaries
+only roughly, so they are floored at the deeper compile's). A pipeline shape
+is compiled once, with 1F1B; its other schedules and microbatch counts share
+those costs and differ only by the bubble. That misses Chimera's second copy of
+the stage weights and ZB-H1's recomputing weight gradient (a known limitation).
 
 Prediction (stated model, per step, per device):
 - compute = matmul FLOPs / (peak FLOP/s of the compute dtype x efficiency);
@@ -172,7 +176,7 @@ def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
     D = c.sizes.get("pipeline", 1)
     step = D * (base.pipeline.virtual_stages if base.pipeline.schedule == "interleaved"
                 and D > 1 else 1)
-    depths = (step, 2 * step)
+    depths = (2 * step, 4 * step)
     mesh = mesh_lib.build_mesh(c.sizes, n)
     points = []
     for L in depths:
@@ -185,9 +189,8 @@ def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
             acc = groups.setdefault(key, [0.0, 0.0])
             acc[0] += op["count"]
             acc[1] += op["wire_bytes"]
-        m = r["memory"]
         points.append({"flops": r["flops_per_device"], "groups": groups,
-                       "memory": m.get("total_bytes", 0.0),
+                       "memory": r["memory"],
                        "figures": job.pipe.figures if job.pipe else None})
     L = exp.model.layers
     t = (L - depths[0]) / (depths[1] - depths[0])
@@ -198,9 +201,18 @@ def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
     keys = set(points[0]["groups"]) | set(points[1]["groups"])
     groups = {k: [lerp(points[0]["groups"].get(k, [0, 0])[i], points[1]["groups"].get(k, [0, 0])[i])
                   for i in range(2)] for k in keys}
+    m0, m1 = points[0]["memory"], points[1]["memory"]
+
+    def mem(key: str) -> float:
+        return lerp(m0.get(key, 0.0), m1.get(key, 0.0))
+
+    # Parameters, optimizer state and outputs grow exactly linearly with depth;
+    # XLA's temporaries only roughly (buffer reuse), so they never drop below
+    # what the deeper compile needed.
+    temp = max(mem("temp_bytes"), float(m1.get("temp_bytes", 0.0)))
+    memory = mem("argument_bytes") + mem("output_bytes") + temp - mem("alias_bytes")
     return {"flops": lerp(points[0]["flops"], points[1]["flops"]), "groups": groups,
-            "memory": lerp(points[0]["memory"], points[1]["memory"]),
-            "figures": points[1]["figures"]}
+            "memory": memory, "figures": points[1]["figures"]}
 
 
 def _crosses_nodes(sizes: dict[str, int], axes: list[str], per_node: int) -> bool:
