@@ -16,8 +16,9 @@ def _expected_shapes_for_tiny_on_8() -> set[tuple]:
     """Worked out by hand for tiny(): 2 layers, d_model 64, 8 heads, d_ff 128, batch 16.
     Every data x fsdp x tensor split divides it; 2-D (q=2) leaves 2 devices to data or
     fsdp; 2.5-D and 3-D use all 8; a pipeline of 2 (2 layers) leaves 4 to data x fsdp x
-    tensor, with gpipe / 1f1b / zb-h1 / chimera and N in {2, 4, 8} (interleaved needs 4
-    layers; 4 or 8 stages need more layers)."""
+    tensor, with gpipe / 1f1b / zb-h1 / chimera and N in {2, 4, 8} where the 16 rows
+    split into N microbatches over data x fsdp (interleaved needs 4 layers; 4 or 8
+    stages need more layers)."""
     out = set()
     for d, f, t in [(8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 4, 1), (2, 2, 2), (2, 1, 4),
                     (1, 8, 1), (1, 4, 2), (1, 2, 4), (1, 1, 8)]:
@@ -29,7 +30,8 @@ def _expected_shapes_for_tiny_on_8() -> set[tuple]:
     for d, f, t in [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)]:
         for s in ("gpipe", "1f1b", "zb-h1", "chimera"):
             for n in (2, 4, 8):
-                out.add((f"data={d},pipeline=2,fsdp={f},tensor={t}", s, n))
+                if 16 % (n * d * f) == 0:
+                    out.add((f"data={d},pipeline=2,fsdp={f},tensor={t}", s, n))
     return out
 
 

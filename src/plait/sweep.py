@@ -151,10 +151,11 @@ def enumerate_shapes(exp: Experiment, n: int) -> tuple[list[Candidate], list[str
         for name in schedules.SCHEDULES:
             for N in (D, 2 * D, 4 * D):
                 v = 2 if name == "interleaved" else 1
-                if exp.model.layers % (D * v) or exp.train.global_batch % N:
+                replicas = sizes.get("data", 1) * sizes.get("fsdp", 1)
+                if exp.model.layers % (D * v) or exp.train.global_batch % (N * replicas):
                     continue
                 try:
-                    schedules._check(name, D, N, v)
+                    schedules.check(name, D, N, v)
                 except UserError:
                     continue
                 out.append(Candidate(sizes, {"schedule": name, "microbatches": N,

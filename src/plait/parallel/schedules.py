@@ -110,7 +110,8 @@ def _programs(name: str, D: int, N: int, v: int) -> tuple[list[list[Action]], in
     return [], 2
 
 
-def _check(name: str, D: int, N: int, v: int) -> None:
+def check(name: str, D: int, N: int, v: int) -> None:
+    """One-line errors for a schedule these sizes cannot run."""
     if name not in SCHEDULES:
         raise UserError(f"unknown pipeline schedule '{name}'; choose one of {', '.join(SCHEDULES)}")
     if D < 1 or N < 1:
@@ -265,7 +266,7 @@ def peak_inflight(s: Schedule) -> list[int]:
 def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The schedule `name` for D = stages ranks and N microbatches, with its figures."""
     D, N, v = stages, microbatches, virtual
-    _check(name, D, N, v)
+    check(name, D, N, v)
     progs, pipes = _programs(name, D, N, v)
     s = Schedule(name, D, N, v, pipes, progs)
     if name == "chimera":

@@ -50,10 +50,12 @@ class Pipelined:
                 + (f" (pipeline {D} x pipeline.virtual_stages {v})" if v > 1 else "")
                 + f"; use a layer count that is a multiple of {stages}")
         self.schedule = schedules.build(pc.schedule, D, N, v)
-        if exp.train.global_batch % N:
+        replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+        if exp.train.global_batch % (N * replicas):
             raise UserError(
                 f"train.global_batch = {exp.train.global_batch} does not split into "
-                f"pipeline.microbatches = {N}; make it a multiple of {N}")
+                f"pipeline.microbatches = {N} of rows over data x fsdp = {replicas}; make it a "
+                f"multiple of {N * replicas}")
         self.plan = pipeline.plan(self.schedule, cfg.layers)
         self.key = layer_key(cfg)
         self.shared_model = without_layers(cfg)
