@@ -85,8 +85,12 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     exp = tiny(train={"steps": 3})
     path = write_experiment(tmp_path / "tiny.toml", exp)
     out = tmp_path / "sw"
-    assert main(["sweep", str(path), "--devices", "2", "--out", str(out)]) == 0
+    assert main(["sweep", str(path), "--devices", "2", "--out", str(out), "--top", "2",
+                 "--run"]) == 0
     rows = list(csv.DictReader((out / "sweep.csv").read_text().splitlines()))
+    # --run trained the top two shapes here and put their step times beside the prediction.
+    assert all(float(r["measured_step_s"]) > 0 for r in rows[:2])
+    assert all(r["measured_step_s"] == "" for r in rows[2:])
     assert [int(r["rank"]) for r in rows] == list(range(1, len(rows) + 1))
     meshes = {r["mesh"] for r in rows}
     assert meshes == {"data=2", "fsdp=2", "tensor=2", "pipeline=2"}
@@ -104,3 +108,12 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
 
     resolved = read_toml(tmp_path / "run" / "config.toml", "run config")["mesh"]
     assert M.inline(resolved) == rows[0]["mesh"]
+
+
+def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
+    from plait.cli import main
+
+    path = write_experiment(tmp_path / "tiny.toml", tiny())
+    assert main(["sweep", str(path), "--devices", "4096"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "more than plait simulates on one CPU" in err

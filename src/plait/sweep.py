@@ -9,10 +9,11 @@ Each shape is compiled on N simulated CPU devices at two small depths (scanned
 layers) and its per-device FLOPs, collective bytes per mesh-axis group and
 memory are extrapolated linearly to the experiment's depth: with scanned
 layers every per-layer cost is linear in the layer count (XLA's temporaries
-only roughly, so they are floored at the deeper compile's). A pipeline shape
-is compiled once, with 1F1B; its other schedules and microbatch counts share
-those costs and differ only by the bubble. That misses Chimera's second copy of
-the stage weights and ZB-H1's recomputing weight gradient (a known limitation).
+only roughly, so they are floored at the deeper compile's). A pipeline mesh is
+compiled once per schedule (Chimera's second weight copy, ZB-H1's weight
+gradient and interleaving all change the program), with the fewest
+microbatches; its other microbatch counts share those costs and differ only
+by the bubble.
 
 Prediction (stated model, per step, per device):
 - compute = matmul FLOPs / (peak FLOP/s of the compute dtype x efficiency);
@@ -250,8 +251,8 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
 
 def _expand_pipeline_rows(exp: Experiment, c: Candidate, measured: dict, hw: Hardware,
                           n: int, others: list[Candidate]) -> list[dict]:
-    """Schedules and microbatch counts of a pipeline shape share its compiled costs; only
-    the bubble differs (the model of the module docstring)."""
+    """Microbatch counts of a pipeline mesh and schedule share its compiled costs (compiled
+    with the fewest microbatches); only the bubble differs."""
     from plait.parallel import schedules
 
     rows = []
@@ -285,7 +286,7 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> N
 
 
 def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True) -> list[dict]:
-    """Compile every valid shape once (a pipeline shape once, with 1F1B), predict, rank."""
+    """Compile every valid mesh (and pipeline schedule) once, predict every shape, rank."""
     from rich.progress import Progress
 
     if n > MAX_SIMULATED:
@@ -295,15 +296,16 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True) -> l
     if not cands:
         why = "; ".join(reasons[:3]) or "no factorisation"
         raise UserError(f"no mesh shape of {n} devices fits {exp.name}: {why}")
-    by_mesh: dict[str, list[Candidate]] = {}
+    # One compiled program per mesh and pipeline schedule; microbatch counts share it.
+    by_program: dict[tuple, list[Candidate]] = {}
     for c in cands:
-        by_mesh.setdefault(c.mesh, []).append(c)
+        by_program.setdefault((c.mesh, c.pipeline.get("schedule")), []).append(c)
     rows: list[dict] = []
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"compiling {len(by_mesh)} shapes", total=len(by_mesh))
-        for mesh_text, group in by_mesh.items():
-            bar.update(task, description=f"compiling {mesh_text}")
-            rep = next((c for c in group if c.pipeline.get("schedule") == "1f1b"), group[0])
+        task = bar.add_task(f"compiling {len(by_program)} programs", total=len(by_program))
+        for (mesh_text, schedule), group in by_program.items():
+            bar.update(task, description=f"compiling {mesh_text} {schedule or ''}")
+            rep = group[0]
             t0 = time.perf_counter()
             measured = _measure(exp, rep, n)
             if rep.pipeline:
