@@ -11,6 +11,7 @@ import pytest
 from helpers import losses, make_mesh, run, tiny
 
 from plait import analysis, data, sharding
+from plait.inspect import tensor_wire_bytes
 from plait.parallel import formulas
 from plait.train.build import Job
 from plait.train.step import cross_entropy
@@ -22,8 +23,6 @@ GRID_MESHES = [
     "tensor_depth=2,tensor_row=2,tensor_col=2",
     "tensor_x=2,tensor_y=2,tensor_z=2",
 ]
-TENSOR_AXES = {"tensor", "tensor_row", "tensor_col", "tensor_depth",
-               "tensor_x", "tensor_y", "tensor_z"}
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +114,7 @@ def test_whole_weight_detector_sees_zero3_gathers():
 def _measured_and_formula(spec: str, exp) -> tuple[float, float]:
     mesh = make_mesh(spec)
     report = analysis.analyze(Job(exp, mesh).compile(), dict(mesh.shape))
-    measured = sum(b for axes, b in report["wire_by_axes"].items()
-                   if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)
-    return measured, formulas.tensor_bytes(exp, dict(mesh.shape))
+    return tensor_wire_bytes(report), formulas.tensor_bytes(exp, dict(mesh.shape))
 
 
 @pytest.mark.parametrize("model,micro", [({"scan_layers": True, "remat": True}, 2),

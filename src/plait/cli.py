@@ -171,18 +171,14 @@ def _auto_mesh(args, exp):
     if best is None:
         raise UserError(f"--mesh auto: no shape of {n} devices fits {hw_name}'s memory; "
                         "shrink the model or the batch, or use more devices")
-    pipe = {k.removeprefix("pipeline_"): best[k] for k in
-            ("pipeline_schedule", "pipeline_microbatches", "pipeline_virtual_stages")
-            if best.get(k)}
-    if pipe:
-        exp = exp.model_copy(update={"pipeline": exp.pipeline.model_copy(update=pipe)})
+    cand = sweep.candidate_of(best, n)
+    pipe = cand.pipeline
     print(f"plait: --mesh auto chose {best['mesh']}"
           + (f" ({pipe['schedule']}, {pipe['microbatches']} microbatches)" if pipe else "")
           + f" of {len(rows)} shapes on {hw_name} "
           f"(predicted {best['predicted_step_s']:.3g} s/step)",
           flush=True)
-    sizes = mesh_lib.resolve(mesh_lib.load_spec(best["mesh"]), n)
-    return exp, mesh_lib.build_mesh(sizes, n)
+    return cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n)
 
 
 def cmd_train(args) -> int:

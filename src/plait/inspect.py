@@ -28,10 +28,6 @@ def tensor_wire_bytes(report: dict) -> float:
                if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)
 
 
-def report_platform(mesh: Mesh) -> str:
-    return mesh.devices.flat[0].platform
-
-
 def param_bytes_per_device(job: Job) -> int:
     """Bytes of this device's shards of the parameters (fp32 master weights)."""
     total = 0
@@ -51,12 +47,13 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
     report = analysis.analyze(compiled, dict(mesh.shape), weights)
     n = mesh.devices.size
     sizes = dict(mesh.shape)
+    platform = mesh.devices.flat[0].platform
     report.update(
         experiment=exp.name,
-        mesh=mesh_lib.inline(dict(mesh.shape)),
-        mesh_shape=dict(mesh.shape),
+        mesh=mesh_lib.inline(sizes),
+        mesh_shape=sizes,
         devices=n,
-        platform=report_platform(mesh),
+        platform=platform,
         parameters=job.model.num_params(),
         tokens_per_step=job.tokens_per_step,
         model_flops_per_device=flops_per_token(exp.model) * job.tokens_per_step / n,
@@ -65,7 +62,7 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
         tensor_wire_bytes=tensor_wire_bytes(report),
         # The formulas describe tensor parallelism without a pipeline.
         tensor_formula_bytes=(None if job.pipe else
-                              formulas.tensor_bytes(exp, sizes, report_platform(mesh))),
+                              formulas.tensor_bytes(exp, sizes, platform)),
         param_bytes_per_device=param_bytes_per_device(job),
         pipeline=job.pipe.figures if job.pipe else None,
     )

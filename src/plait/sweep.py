@@ -264,6 +264,14 @@ def _expand_pipeline_rows(exp: Experiment, c: Candidate, measured: dict, hw: Har
     return rows
 
 
+def candidate_of(row: dict, n: int) -> Candidate:
+    """The shape a result row stands for (its mesh and pipeline settings)."""
+    sizes = mesh_lib.resolve(mesh_lib.load_spec(row["mesh"]), n)
+    pipe = {k.removeprefix("pipeline_"): row[k] for k in (
+        "pipeline_schedule", "pipeline_microbatches", "pipeline_virtual_stages") if row.get(k)}
+    return Candidate(sizes, pipe)
+
+
 def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> None:
     """Train each row's shape for a few steps on the devices at hand; add its median step time."""
     import tempfile
@@ -271,16 +279,14 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> N
     from plait.train.loop import train
 
     for r in rows:
-        sizes = mesh_lib.resolve(mesh_lib.load_spec(r["mesh"]), n)
-        pipe = {k.removeprefix("pipeline_"): r[k] for k in ("pipeline_schedule",
-                "pipeline_microbatches", "pipeline_virtual_stages") if r.get(k)}
-        short = Candidate(sizes, pipe).experiment(exp).model_copy(update={
+        cand = candidate_of(r, n)
+        short = cand.experiment(exp).model_copy(update={
             "train": exp.train.model_copy(update={"steps": steps}),
             "checkpoint": exp.checkpoint.model_copy(update={"enabled": False}),
             "log": exp.log.model_copy(update={"every_steps": 1, "tensorboard": False,
                                               "console": "none"})})
         with tempfile.TemporaryDirectory() as tmp:
-            summary = train(short, mesh_lib.build_mesh(sizes, n), Path(tmp))
+            summary = train(short, mesh_lib.build_mesh(cand.sizes, n), Path(tmp))
         times = [rec["step_time_s"] for rec in summary["records"][1:]]
         r["measured_step_s"] = float(np.median(times)) if times else None
 

@@ -63,9 +63,6 @@ class Schedule:
     def chunk_of(self, pipe: int, stage: int) -> int:
         return pipe if self.pipes == 2 else stage // self.stages
 
-    def pipe_of(self, mb: int) -> int:
-        return 0 if self.pipes == 1 else int(mb >= self.microbatches // 2)
-
     def deps(self, a: Action) -> list[Action]:
         last = self.num_stages - 1
         if a.kind == F:

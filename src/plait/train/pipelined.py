@@ -10,8 +10,6 @@ resumes with another number of stages, another schedule, or none.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
@@ -66,8 +64,6 @@ class Pipelined:
         lead = (D, C, Lps)
 
         layer_vars = model.variables()[self.key]["0"]
-        self._layer_shapes = jax.tree.map(lambda v: v.get_value().shape, layer_vars,
-                                          is_leaf=_is_var)
         stage_shapes = jax.tree.map(
             lambda v: jax.ShapeDtypeStruct(lead + v.get_value().shape, v.get_value().dtype),
             layer_vars, is_leaf=_is_var)
@@ -164,9 +160,3 @@ class Pipelined:
     @property
     def figures(self) -> dict:
         return self.schedule.figures
-
-    def stage_bytes(self) -> int:
-        """Bytes of one rank's layer parameters (fp32)."""
-        C, Lps = self.plan.chunks, self.plan.layers_per_stage
-        return C * Lps * sum(4 * math.prod(s) for s in jax.tree.leaves(
-            self._layer_shapes, is_leaf=lambda x: isinstance(x, tuple)))
