@@ -1,4 +1,4 @@
-"""`plait train | inspect | data`.
+"""`plait train | inspect | sweep | schedule | plan | launch | data`.
 
 Any mistake in the user's input ends in one line on stderr naming the problem
 and the fix, with exit status 2 and no traceback.
@@ -74,6 +74,20 @@ def parser() -> argparse.ArgumentParser:
                     help="also train the top rows for a few steps here and add measured times")
     sw.add_argument("--out", default=None, help="directory for sweep.csv, .json and .png "
                                                 "(default: sweeps/<experiment>-<N>)")
+    sw.add_argument("--workers", type=int, default=None,
+                    help="processes compiling in parallel (default: up to 4, by core count)")
+
+    pl = sub.add_parser("plan", help="print a DLRM's embedding plan (kind and place of each "
+                                      "table) and each device's memory")
+    _common(pl)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    la = sub.add_parser("launch", help="start P local processes joined by jax.distributed, "
+                                       "e.g. plait launch --processes 2 -- train EXP --mesh data=8")
+    la.add_argument("--processes", type=int, required=True, help="processes to start (P)")
+    la.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    la.add_argument("command_args", nargs=argparse.REMAINDER,
+                    help="-- then a plait command (train or inspect) and its arguments")
 
     sc = sub.add_parser("schedule", help="print a pipeline schedule's table and figures")
     sc.add_argument("name", metavar="SCHEDULE",
@@ -166,7 +180,8 @@ def _auto_mesh(args, exp):
     hw_name = next((name for key, name in (("h100", "h100-node"), ("h200", "h100-node"),
                                            ("a100", "a100-node"), ("tpu v5p", "tpu-v5p-16"))
                     if key in kind), "cpu-2core")
-    rows = sweep.run_sweep(exp, n, sweep.load_hardware(hw_name))
+    # In this process: the devices are the training's (an accelerator is not shared).
+    rows = sweep.run_sweep(exp, n, sweep.load_hardware(hw_name), workers=1)
     best = next((r for r in rows if r["fits"]), None)
     if best is None:
         raise UserError(f"--mesh auto: no shape of {n} devices fits {hw_name}'s memory; "
@@ -225,7 +240,9 @@ def cmd_sweep(args) -> int:
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
     t0 = time.perf_counter()
-    rows = sweep.run_sweep(exp, args.devices, hw)
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
+    rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers)
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
     if args.run:
@@ -238,6 +255,23 @@ def cmd_sweep(args) -> int:
     print(f"plait: {len(rows)} shapes in {elapsed:.0f}s; wrote {out}/sweep.csv, sweep.json, "
           "sweep.png")
     return 0
+
+
+def cmd_plan(args) -> int:
+    exp, mesh = _setup(args)
+    if exp.model.kind != "dlrm":
+        raise UserError(f"plait plan is for DLRM experiments (model.kind = \"dlrm\"); "
+                        f"{args.experiment} is a {exp.model.kind}")
+    from plait.plan_cli import render_plan
+
+    render_plan(exp, mesh, args.json)
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from plait.launch import launch
+
+    return launch(args.processes, args.command_args, args.port)
 
 
 def cmd_schedule(args) -> int:
@@ -261,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
-                "schedule": cmd_schedule, "sweep": cmd_sweep}[args.command](args)
+                "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,
+                "launch": cmd_launch}[args.command](args)
     except UserError as e:
         print(f"plait: error: {e}", file=sys.stderr)
         return 2

@@ -33,7 +33,7 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    kind: Literal["gpt"] = "gpt"
+    kind: Literal["gpt", "dlrm"] = "gpt"
     layers: PosInt = 2
     d_model: PosInt = 64
     heads: PosInt = 4
@@ -51,6 +51,26 @@ class ModelConfig(Section):
     # time no longer grows with the number of layers.
     scan_layers: bool = False
 
+    # DLRM (kind = "dlrm"): one entry per embedding table (its rows), their common
+    # dimension, the MLP widths (the bottom MLP's last width is embedding_dim), the
+    # number of dense features, the pooling of each bag, and DCNv2 cross layers
+    # (0 = the original dot interaction).
+    embedding_rows: list[PosInt] = [1000, 1000]
+    embedding_dim: PosInt = 16
+    bottom_mlp: list[PosInt] = [64, 16]
+    top_mlp: list[PosInt] = [64, 1]
+    dense_features: PosInt = 13
+    pooling: Literal["sum", "mean"] = "sum"
+    cross_layers: NonNegInt = 0
+    # Cap every table at this many rows (ids are taken modulo the capped size), so a
+    # large benchmark shape fits a given memory; 0 = no cap.
+    max_embedding_rows: NonNegInt = 0
+
+    @property
+    def table_rows(self) -> list[int]:
+        cap = self.max_embedding_rows
+        return [min(r, cap) if cap else r for r in self.embedding_rows]
+
     @property
     def padded_vocab(self) -> int:
         m = self.vocab_multiple
@@ -58,11 +78,41 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: Literal["synthetic", "tokens"] = "synthetic"
+    # synthetic / tokens: GPT token streams; clicks / criteo: DLRM samples.
+    source: Literal["synthetic", "tokens", "clicks", "criteo"] = "synthetic"
     path: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
     # Synthetic streams: each token has this many possible successors.
     successors: PosInt = 4
+    # DLRM: ids per embedding bag (the most, when ids_fixed is false: then 1..this).
+    ids_per_lookup: PosInt = 1
+    ids_fixed: bool = True
+    # Synthetic clicks: how ids are drawn (power law: id popularity ~ 1 / rank^alpha).
+    popularity: Literal["uniform", "powerlaw"] = "uniform"
+    powerlaw_alpha: PosFloat = 1.05
+    # Criteo TSV lines that do not parse: skip them (counted) or stop the run.
+    malformed: Literal["skip", "stop"] = "skip"
+    # Held-out batches for AUC at each log step (DLRM; 0 = no AUC).
+    eval_batches: NonNegInt = 2
+
+
+class EmbeddingConfig(Section):
+    """DLRM embedding tables: how each is laid over the mesh (plait.parallel.embedding)."""
+
+    # For every table: auto (the planner decides), table, row, column or replicated.
+    sharding: Literal["auto", "table", "row", "column", "replicated"] = "auto"
+    # Per-table overrides: table index (as a string) -> kind, e.g. {"0" = "row"}.
+    overrides: dict[str, Literal["table", "row", "column", "replicated"]] = {}
+    # Sparse optimizer of the tables (only looked-up rows change): sgd, row-wise
+    # adagrad (one accumulator per row, as TorchRec and MLPerf) or adam on rows.
+    optimizer: Literal["sgd", "adagrad", "adam"] = "sgd"
+    lr: PosFloat | None = None  # default: optimizer.lr
+    eps: PosFloat = 1e-8
+    # The planner replicates tables up to this size (MiB with optimizer state).
+    replicate_below_mib: NonNegFloat = 1.0
+    # Memory per device for tables and state (GiB); 0 = the device's (on CPU: the
+    # host's memory shared by its simulated devices).
+    memory_gib: NonNegFloat = 0.0
 
 
 class TrainConfig(Section):
@@ -84,7 +134,7 @@ class PipelineConfig(Section):
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw"] = "adamw"
+    name: Literal["adamw", "sgd", "adagrad"] = "adamw"
     lr: PosFloat = 3e-4
     warmup_steps: NonNegInt = 0
     decay_steps: PosInt | None = None
@@ -120,6 +170,7 @@ class Experiment(Section):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    embedding: EmbeddingConfig = EmbeddingConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -34,3 +34,21 @@ def peak_flops(device_kind: str, dtype: str) -> float | None:
         if key in kind:
             return peaks.get(dtype)
     return None
+
+
+def device_memory_bytes(device) -> float:
+    """Memory one device may use: an accelerator's limit, or on CPU the host's physical
+    memory shared by the process's simulated devices."""
+    import os
+
+    import jax
+
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host / max(1, jax.local_device_count())

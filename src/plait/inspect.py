@@ -39,6 +39,8 @@ def param_bytes_per_device(job: Job) -> int:
 
 def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
     """Compile-only report: FLOPs, collective bytes by kind, memory (all per device)."""
+    if exp.model.kind == "dlrm":
+        return _inspect_dlrm(exp, mesh)
     job = Job(exp, mesh)
     t0 = time.perf_counter()
     compiled = job.compile()
@@ -65,6 +67,30 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
                               formulas.tensor_bytes(exp, sizes, platform)),
         param_bytes_per_device=param_bytes_per_device(job),
         pipeline=job.pipe.figures if job.pipe else None,
+    )
+    return report
+
+
+def _inspect_dlrm(exp: Experiment, mesh: Mesh) -> dict:
+    from plait.train.dlrm_job import DLRMJob
+
+    job = DLRMJob(exp, mesh)
+    t0 = time.perf_counter()
+    compiled = job.compile()
+    compile_s = time.perf_counter() - t0
+    report = analysis.analyze(compiled, dict(mesh.shape))
+    sizes = dict(mesh.shape)
+    lay = job.lay
+    report.update(
+        experiment=exp.name, mesh=mesh_lib.inline(sizes), mesh_shape=sizes,
+        devices=mesh.devices.size, platform=mesh.devices.flat[0].platform,
+        parameters=job.num_params(), samples_per_step=job.units_per_step,
+        compile_s=compile_s, tensor_mode="none",
+        tables=[{"table": t, "rows": r, "kind": k} for t, (r, k) in
+                enumerate(zip(lay.rows, lay.kinds, strict=True))],
+        largest_table_bytes=max(lay.rows) * lay.dim * 4,
+        largest_collective_bytes=max((op["bytes"] for op in report["collective_ops"]),
+                                     default=0),
     )
     return report
 
@@ -136,21 +162,30 @@ def _gib(x: float) -> str:
 
 def render(r: dict) -> None:
     c = Console(highlight=False, soft_wrap=True)
-    c.print(f"[bold]{r['experiment']}[/bold] on mesh {r['mesh']} ({r['devices']} {r['platform']} "
-            f"devices), {r['parameters'] / 1e6:.2f}M parameters, {r['tokens_per_step']:,} "
-            f"tokens/step, compiled in {r['compile_s']:.1f}s")
-    c.print(f"FLOPs per device per step: {r['flops_per_device']:.4g} from the HLO matmuls "
-            f"(model FLOPs {r['model_flops_per_device']:.4g})")
+    if "tables" in r:  # a DLRM
+        c.print(f"[bold]{r['experiment']}[/bold] on mesh {r['mesh']} ({r['devices']} "
+                f"{r['platform']} devices), {r['parameters'] / 1e6:.2f}M parameters, "
+                f"{r['samples_per_step']:,} samples/step, compiled in {r['compile_s']:.1f}s")
+        kinds = ", ".join(f"t{x['table']} {x['kind']}" for x in r["tables"])
+        c.print(f"tables: {kinds}; largest collective {_gib(r['largest_collective_bytes'])} "
+                f"against a largest table of {_gib(r['largest_table_bytes'])}")
+    else:
+        c.print(f"[bold]{r['experiment']}[/bold] on mesh {r['mesh']} ({r['devices']} "
+                f"{r['platform']} devices), {r['parameters'] / 1e6:.2f}M parameters, "
+                f"{r['tokens_per_step']:,} tokens/step, compiled in {r['compile_s']:.1f}s")
+        c.print(f"FLOPs per device per step: {r['flops_per_device']:.4g} from the HLO matmuls "
+                f"(model FLOPs {r['model_flops_per_device']:.4g})")
     if r.get("pipeline"):
         p = r["pipeline"]
         c.print(f"pipeline {p['schedule']}: {p['stages']} stages, {p['microbatches']} "
                 f"microbatches, bubble {p['bubble']:.3f}, {p['ticks']} ticks, peak in flight "
                 f"{p['peak_inflight']}")
-    formula = (f" (formula {_gib(r['tensor_formula_bytes'])})"
-               if r["tensor_formula_bytes"] is not None else "")
-    c.print(f"tensor mode {r['tensor_mode']}: {_gib(r['tensor_wire_bytes'])} over tensor axes "
-            f"per device per step{formula}; parameters "
-            f"{_gib(r['param_bytes_per_device'])} per device")
+    if "tensor_formula_bytes" in r:
+        formula = (f" (formula {_gib(r['tensor_formula_bytes'])})"
+                   if r["tensor_formula_bytes"] is not None else "")
+        c.print(f"tensor mode {r['tensor_mode']}: {_gib(r['tensor_wire_bytes'])} over tensor "
+                f"axes per device per step{formula}; parameters "
+                f"{_gib(r['param_bytes_per_device'])} per device")
     if r["wire_by_axes"]:
         ax = Table(title="wire bytes per device per step, by mesh axes")
         ax.add_column("axes")

@@ -169,32 +169,45 @@ def _sweep_exp(exp: Experiment, layers: int) -> Experiment:
     return exp.model_copy(update={"model": model})
 
 
-def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
-    """Compile at two depths and extrapolate FLOPs, collectives and memory to the full depth."""
+# What the sweep reads (partitioned HLO, buffer assignment) is fixed before LLVM
+# runs; optimising the machine code only costs compile time (about 30%).
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _read_program(exp: Experiment, c: Candidate, n: int, layers: int) -> dict:
     from plait import analysis
     from plait.train.build import Job
 
-    base = c.experiment(exp)
-    D = c.sizes.get("pipeline", 1)
-    step = D * (base.pipeline.virtual_stages if base.pipeline.schedule == "interleaved"
-                and D > 1 else 1)
-    depths = (2 * step, 4 * step)
     mesh = mesh_lib.build_mesh(c.sizes, n)
-    points = []
-    for L in depths:
-        job = Job(_sweep_exp(base, L), mesh)
-        weights = job.pipe.plan.branch_weights() if job.pipe else None
-        r = analysis.analyze(job.compile(), dict(mesh.shape), weights)
-        groups: dict[tuple, list[float]] = {}
-        for op in r["collective_ops"]:
-            key = (op["kind"], ",".join(op["axes"]), op["group_size"])
-            acc = groups.setdefault(key, [0.0, 0.0])
-            acc[0] += op["count"]
-            acc[1] += op["wire_bytes"]
-        points.append({"flops": r["flops_per_device"], "groups": groups,
-                       "memory": r["memory"],
-                       "figures": job.pipe.figures if job.pipe else None})
+    job = Job(_sweep_exp(c.experiment(exp), layers), mesh)
+    weights = job.pipe.plan.branch_weights() if job.pipe else None
+    r = analysis.analyze(job.compile(COMPILER_OPTIONS), dict(mesh.shape), weights)
+    groups: dict[tuple, list[float]] = {}
+    for op in r["collective_ops"]:
+        key = (op["kind"], ",".join(op["axes"]), op["group_size"])
+        acc = groups.setdefault(key, [0.0, 0.0])
+        acc[0] += op["count"]
+        acc[1] += op["wire_bytes"]
+    m = r["memory"]
+    return {"flops": r["flops_per_device"], "groups": groups, "memory_parts": m,
+            "memory": m.get("argument_bytes", 0.0) + m.get("output_bytes", 0.0)
+            + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0),
+            "figures": job.pipe.figures if job.pipe else None}
+
+
+def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
+    """Per-device FLOPs, collectives and memory of the shape's step at the full depth.
+
+    A pipeline mesh stacks its stage parameters, so its program (and compile
+    time) does not grow with depth: it is compiled at the full depth. Without
+    a pipeline every layer owns its parameters and optimizer update, so the
+    step is compiled at 2 and 4 scanned layers and extrapolated linearly.
+    """
     L = exp.model.layers
+    if c.sizes.get("pipeline", 1) > 1:
+        return _read_program(exp, c, n, L)
+    depths = (2, 4)
+    points = [_read_program(exp, c, n, d) for d in depths]
     t = (L - depths[0]) / (depths[1] - depths[0])
 
     def lerp(a: float, b: float) -> float:
@@ -203,7 +216,7 @@ def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
     keys = set(points[0]["groups"]) | set(points[1]["groups"])
     groups = {k: [lerp(points[0]["groups"].get(k, [0, 0])[i], points[1]["groups"].get(k, [0, 0])[i])
                   for i in range(2)] for k in keys}
-    m0, m1 = points[0]["memory"], points[1]["memory"]
+    m0, m1 = points[0]["memory_parts"], points[1]["memory_parts"]
 
     def mem(key: str) -> float:
         return lerp(m0.get(key, 0.0), m1.get(key, 0.0))
@@ -214,7 +227,26 @@ def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
     temp = max(mem("temp_bytes"), float(m1.get("temp_bytes", 0.0)))
     memory = mem("argument_bytes") + mem("output_bytes") + temp - mem("alias_bytes")
     return {"flops": lerp(points[0]["flops"], points[1]["flops"]), "groups": groups,
-            "memory": memory, "figures": points[1]["figures"]}
+            "memory": memory, "figures": None}
+
+
+def _program_key(exp: Experiment, c: Candidate) -> tuple:
+    """Shapes with equal keys compile to the same program (up to the table's values).
+
+    The pipeline executor compiles one switch over every action kind whatever
+    the schedule; its buffers follow the plan's slots, its loop the ticks, and
+    what the analysis weights follow the branch frequencies. GPipe and 1F1B
+    at N = D, for instance, agree on all of them.
+    """
+    if not c.pipeline:
+        return (c.mesh,)
+    from plait.parallel import pipeline, schedules
+
+    s = schedules.build(c.pipeline["schedule"], c.sizes["pipeline"],
+                        c.pipeline["microbatches"], c.pipeline["virtual_stages"])
+    p = pipeline.plan(s, exp.model.layers)
+    weights = tuple(round(w, 12) for ws in p.branch_weights().values() for w in ws)
+    return (c.mesh, s.pipes, p.chunks, len(p.table), p.inbox_slots, p.stash_slots, weights)
 
 
 def _crosses_nodes(sizes: dict[str, int], axes: list[str], per_node: int) -> bool:
@@ -291,8 +323,27 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> N
         r["measured_step_s"] = float(np.median(times)) if times else None
 
 
-def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True) -> list[dict]:
-    """Compile every valid mesh (and pipeline schedule) once, predict every shape, rank."""
+def _worker_init(n: int) -> None:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def default_workers(programs: int) -> int:
+    """Compiles run in parallel processes when there are enough of them to pay for the
+    start of each (about 5 s to import JAX); XLA's compile uses ~1.4 cores of its own."""
+    import os
+
+    return max(1, min(os.cpu_count() or 1, 4, programs // 6))
+
+
+def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
+              workers: int | None = None) -> list[dict]:
+    """Compile every distinct program once, predict every shape, rank."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
     from rich.progress import Progress
 
     if n > MAX_SIMULATED:
@@ -302,30 +353,64 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True) -> l
     if not cands:
         why = "; ".join(reasons[:3]) or "no factorisation"
         raise UserError(f"no mesh shape of {n} devices fits {exp.name}: {why}")
-    # One compiled program per mesh and pipeline schedule; microbatch counts share it.
-    by_program: dict[tuple, list[Candidate]] = {}
+    # Microbatch counts of a mesh and schedule share the program compiled with the
+    # fewest (their bubble differs); schedules whose programs coincide share one compile.
+    by_schedule: dict[tuple, list[Candidate]] = {}
     for c in cands:
-        by_program.setdefault((c.mesh, c.pipeline.get("schedule")), []).append(c)
+        by_schedule.setdefault((c.mesh, c.pipeline.get("schedule")), []).append(c)
+    programs: dict[tuple, list[list[Candidate]]] = {}
+    for group in by_schedule.values():
+        programs.setdefault(_program_key(exp, group[0]), []).append(group)
+    workers = workers or default_workers(len(programs))
     rows: list[dict] = []
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"compiling {len(by_program)} programs", total=len(by_program))
-        for (mesh_text, schedule), group in by_program.items():
-            bar.update(task, description=f"compiling {mesh_text} {schedule or ''}")
+
+    def add(groups: list[list[Candidate]], measured: dict, seconds: float) -> None:
+        for group in groups:
             rep = group[0]
-            t0 = time.perf_counter()
-            measured = _measure(exp, rep, n)
-            if rep.pipeline:
-                new = _expand_pipeline_rows(exp, rep, measured, hw, n, group)
-            else:
-                new = [predict(exp, rep, measured, hw, n)]
+            new = (_expand_pipeline_rows(exp, rep, measured, hw, n, group) if rep.pipeline
+                   else [predict(exp, rep, measured, hw, n)])
             for r in new:
-                r["compile_s"] = time.perf_counter() - t0
-            rows += new
-            bar.advance(task)
-    rows.sort(key=lambda r: (not r["fits"], r["predicted_step_s"]))
+                r["compile_s"] = seconds
+                r["shares_program_with"] = groups[0][0].mesh + (
+                    f" {groups[0][0].pipeline['schedule']}" if groups[0][0].pipeline else "")
+            rows.extend(new)
+
+    def label(groups: list[list[Candidate]]) -> str:
+        rep = groups[0][0]
+        names = "/".join(g[0].pipeline["schedule"] for g in groups) if rep.pipeline else ""
+        return f"{rep.mesh} {names}".strip()
+
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"compiling {len(programs)} programs", total=len(programs))
+        if workers == 1:
+            for groups in programs.values():
+                bar.update(task, description=f"compiling {label(groups)}")
+                t0 = time.perf_counter()
+                add(groups, _measure(exp, groups[0][0], n), time.perf_counter() - t0)
+                bar.advance(task)
+        else:
+            bar.update(task, description=f"compiling {len(programs)} programs "
+                                         f"in {workers} processes")
+            with ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
+                                     initializer=_worker_init, initargs=(n,)) as pool:
+                futures = {pool.submit(_timed_measure, exp, groups[0][0], n): groups
+                           for groups in programs.values()}
+                for fut in as_completed(futures):
+                    measured, seconds = fut.result()
+                    add(futures[fut], measured, seconds)
+                    bar.update(task, description=f"compiled {label(futures[fut])}")
+                    bar.advance(task)
+    rows.sort(key=lambda r: (not r["fits"], r["predicted_step_s"], r["mesh"],
+                             str(r.get("pipeline_schedule")),
+                             r.get("pipeline_microbatches") or 0))
     for i, r in enumerate(rows, 1):
         r["rank"] = i
     return rows
+
+
+def _timed_measure(exp: Experiment, c: Candidate, n: int) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    return _measure(exp, c, n), time.perf_counter() - t0
 
 
 COLUMNS = ["rank", "mesh", "pipeline_schedule", "pipeline_microbatches", "tensor_mode",

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from plait.config import ModelConfig
-from plait.models import gpt
+from plait.models import dlrm, gpt
+from plait.models.keys import ParamKeys
 
-_KINDS = {"gpt": gpt.GPT}
+_KINDS = {"gpt": gpt.GPT, "dlrm": dlrm.DLRM}
 
 
 def _key(k: Any) -> str:
@@ -62,7 +63,7 @@ class ModelDef:
 
     def init(self, seed: int) -> dict:
         """Fresh parameters; call under jit with out_shardings so they are born sharded."""
-        module = _KINDS[self.cfg.kind](self.cfg, nnx.Rngs(params=seed))
+        module = _KINDS[self.cfg.kind](self.cfg, ParamKeys(seed))
         _, state = nnx.split(module)
         return flat_to_pure((p, v.get_value()) for p, v in nnx.to_flat_state(state))
 
@@ -121,7 +122,7 @@ def layer_key(cfg: ModelConfig) -> str:
 
 
 def layer_stack(cfg: ModelConfig) -> LayerStack:
-    module = nnx.eval_shape(lambda: _LAYERS[cfg.kind][1](cfg, nnx.Rngs(params=0)))
+    module = nnx.eval_shape(lambda: _LAYERS[cfg.kind][1](cfg, ParamKeys(0)))
     graphdef, abstract = nnx.split(module)
     return LayerStack(graphdef, abstract, cfg.remat)
 
@@ -132,10 +133,11 @@ def without_layers(cfg: ModelConfig) -> ModelDef:
 
 
 def build(cfg: ModelConfig) -> ModelDef:
-    module = nnx.eval_shape(lambda: _KINDS[cfg.kind](cfg, nnx.Rngs(params=0)))
+    module = nnx.eval_shape(lambda: _KINDS[cfg.kind](cfg, ParamKeys(0)))
     graphdef, abstract = nnx.split(module)
     return ModelDef(cfg, graphdef, abstract)
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
-    return {"gpt": gpt.flops_per_token}[cfg.kind](cfg)
+def flops_per_token(cfg: ModelConfig) -> float | None:
+    """Model FLOPs per trained token (None where MFU is not reported: DLRM)."""
+    return gpt.flops_per_token(cfg) if cfg.kind == "gpt" else None

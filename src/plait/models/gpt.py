@@ -17,12 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from plait.config import ModelConfig
+from plait.models.keys import ParamKeys
 from plait.sharding import constrain, dense, lookup
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
 
 
-def _param(rngs: nnx.Rngs, shape, logical, std: float | None, fan_in=()) -> nnx.Param:
+def _param(rngs: ParamKeys, shape, logical, std: float | None, fan_in=()) -> nnx.Param:
     if std is None:  # ones (norm scales)
         value = jnp.ones(shape, jnp.float32)
     elif std == 0.0:
@@ -35,7 +36,7 @@ def _param(rngs: nnx.Rngs, shape, logical, std: float | None, fan_in=()) -> nnx.
 class LayerNorm(nnx.Module):
     """LayerNorm with statistics in float32 whatever the compute dtype."""
 
-    def __init__(self, d: int, eps: float, rngs: nnx.Rngs):
+    def __init__(self, d: int, eps: float, rngs: ParamKeys):
         self.scale = _param(rngs, (d,), ("norm",), None)
         self.bias = _param(rngs, (d,), ("norm",), 0.0)
         self.eps = eps
@@ -53,7 +54,7 @@ class LayerNorm(nnx.Module):
 class Attention(nnx.Module):
     """Causal self-attention; QKV column-split and output row-split by head."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: ParamKeys):
         d, h = cfg.d_model, cfg.heads
         hd = d // h
         resid_std = 0.02 / math.sqrt(2 * cfg.layers)
@@ -77,7 +78,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: ParamKeys):
         d, f = cfg.d_model, cfg.d_ff
         self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02, fan_in=("embed",))
         self.b1 = _param(rngs, (f,), ("mlp",), 0.0)
@@ -93,7 +94,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: ParamKeys):
         self.ln1 = LayerNorm(cfg.d_model, cfg.norm_eps, rngs)
         self.attn = Attention(cfg, rngs)
         self.ln2 = LayerNorm(cfg.d_model, cfg.norm_eps, rngs)
@@ -109,7 +110,7 @@ def _run_block(block: Block, x: jax.Array) -> jax.Array:
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: ParamKeys):
         v, d = cfg.padded_vocab, cfg.d_model
         # fan_in: the tied output head contracts the table's embed dimension.
         self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",))

@@ -104,10 +104,6 @@ class Job:
         self.tx, self.schedule = optimizer(self.exp, mask)
         params = (self.pipe.param_shapes, self.pipe.param_shardings) if self.pipe else None
         self.layout: StateLayout = layout(self.model, self.tx, self.mesh, self.rules, params)
-        # What checkpoints hold: the canonical layout (one entry per layer).
-        self.canonical_layout: StateLayout = (
-            layout(self.model, optimizer(self.exp)[0], self.mesh, self.rules)
-            if self.pipe else self.layout)
         self.batch_shape = data.batch_shape(self.exp)
         if self.pipe:
             n = self.pipe.microbatches
@@ -117,6 +113,13 @@ class Job:
             self.mesh, self.rules, 3, batch_dim=1)
 
     @cached_property
+    def canonical_layout(self) -> StateLayout:
+        """What checkpoints hold: the canonical layout (one entry per layer)."""
+        if self.pipe is None:
+            return self.layout
+        return layout(self.model, optimizer(self.exp)[0], self.mesh, self.rules)
+
+    @cached_property
     def step_fn(self):
         return make_train_step(self.model, self.exp, self.mesh, self.rules, self.tx,
                                self.schedule, self.layout, self.batch_sharding, self.pipe)
@@ -124,9 +127,10 @@ class Job:
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.batch_shape, np.int32, sharding=self.batch_sharding)
 
-    def compile(self):
+    def compile(self, compiler_options: dict | None = None):
         """Ahead-of-time compile of the step for the state and batch layouts."""
-        return self.step_fn.lower(self.layout.abstract(), self.abstract_batch()).compile()
+        lowered = self.step_fn.lower(self.layout.abstract(), self.abstract_batch())
+        return lowered.compile(compiler_options) if compiler_options else lowered.compile()
 
     def init_state(self) -> dict:
         convert = self.pipe.from_canonical if self.pipe else None
@@ -145,6 +149,30 @@ class Job:
         return jax.jit(lambda s: self.pipe.map_state(s, self.pipe.from_canonical),
                        out_shardings=self.layout.shardings)(state)
 
+    def source(self):
+        return data.make_source(self.exp)
+
+    def batch(self, source, step: int) -> jax.Array:
+        return data.global_batch(source, step, self.batch_shape, self.batch_sharding)
+
+    unit = "tokens"
+
+    def num_params(self) -> int:
+        return self.model.num_params()
+
+    @property
+    def units_per_step(self) -> int:
+        return self.tokens_per_step
+
     @property
     def tokens_per_step(self) -> int:
         return self.exp.train.global_batch * self.exp.model.seq_len
+
+
+def make_job(exp: Experiment, mesh: Mesh):
+    """The job for the experiment's model kind (a GPT Job or a DLRMJob)."""
+    if exp.model.kind == "dlrm":
+        from plait.train.dlrm_job import DLRMJob
+
+        return DLRMJob(exp, mesh)
+    return Job(exp, mesh)

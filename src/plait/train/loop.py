@@ -14,14 +14,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from plait import data
 from plait import mesh as mesh_lib
 from plait.checkpoint import Checkpoints
 from plait.config import Experiment
+from plait.data.clicks import HELD_OUT
 from plait.hardware import peak_flops
 from plait.models import flops_per_token
-from plait.train.build import Job
-from plait.train.metrics import MetricsLog, StepTimer
+from plait.train.build import make_job
+from plait.train.metrics import MetricsLog, StepTimer, auc
 
 
 class StopFlag:
@@ -72,8 +72,8 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint."""
     run_dir = Path(run_dir)
     is_writer = jax.process_index() == 0
-    job = Job(exp, mesh)
-    source = data.make_source(exp)
+    job = make_job(exp, mesh)
+    source = job.source()
     total = exp.train.steps
     ckpt_dir = run_dir / "checkpoints"
     resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
@@ -94,13 +94,15 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
         state, start = job.init_state(), 0
     log = MetricsLog(run_dir, start, total, exp.log.tensorboard, exp.log.console, is_writer)
     mesh_text = mesh_lib.inline(dict(mesh.shape))
-    n_params = job.model.num_params()
+    n_params = job.num_params()
     log.note(
         f"plait: {exp.name}: {n_params / 1e6:.2f}M parameters, mesh {mesh_text} "
         f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices), run dir {run_dir}"
     )
     if restored is not None:
         log.note(f"plait: resumed from the checkpoint at step {start}")
+    if hasattr(job, "describe_tables"):
+        log.note(job.describe_tables(state))
     if start >= total:
         log.note(f"plait: already trained to step {start} of {total}; nothing to do "
                  "(raise --steps to continue)")
@@ -122,10 +124,25 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     flops_tok = flops_per_token(exp.model)
     n_dev = mesh.devices.size
 
+    rate_key = f"{job.unit}_per_s"
+
     def throughput(step_time: float) -> tuple[float, float | None]:
-        """Tokens/s and MFU (None where the device's peak is unknown)."""
-        tps = job.tokens_per_step / step_time
-        return tps, (flops_tok * tps / (n_dev * peak)) if peak else None
+        """Tokens (or samples) per second and MFU (None where the device's peak or the
+        model's FLOPs are unknown)."""
+        tps = job.units_per_step / step_time
+        return tps, (flops_tok * tps / (n_dev * peak)) if peak and flops_tok else None
+
+    evaluate = getattr(job, "eval_fn", None) if exp.data.eval_batches else None
+    held_out = []
+    if evaluate is not None:
+        held_out = [job.batch(source, HELD_OUT + i) for i in range(exp.data.eval_batches)]
+
+    def held_out_auc() -> float:
+        """AUC of the current model on the held-out batches (labels read on the host)."""
+        B = exp.train.global_batch
+        scores = [_local_values(evaluate(state, b)) for b in held_out]
+        labels = [source.rows(HELD_OUT + i, 0, B)["labels"] for i in range(len(held_out))]
+        return auc(np.concatenate(labels), np.concatenate(scores))
 
     stop = StopFlag()
     stop.install()
@@ -150,7 +167,7 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
             last_saved = step
 
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-data")
-    batch_of = lambda k: data.global_batch(source, k, job.batch_shape, job.batch_sharding)
+    batch_of = lambda k: job.batch(source, k)
     next_batch = prefetch.submit(batch_of, start)
     wall0 = time.perf_counter()
     step = start
@@ -170,7 +187,9 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
                 if dt is not None:
                     step_times.append(dt)
                     tps, mfu = throughput(dt)
-                    record.update(step_time_s=dt, tokens_per_s=tps, mfu=mfu)
+                    record.update(step_time_s=dt, mfu=mfu, **{rate_key: tps})
+                if held_out:
+                    record["auc"] = held_out_auc()
                 log.write(record)
             if ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled:
                 save(step)
@@ -196,7 +215,7 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
         "compile_s": compile_s,
         "wall_s": wall,
         "median_step_time_s": median_dt,
-        "tokens_per_s": tps,
+        rate_key: tps,
         "preempted": preempted,
         "checkpoint_step": last_saved,
         "records": log.history,
@@ -211,7 +230,8 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     final = summary["final_loss"]
     log.note(
         f"plait: {how} at step {step}/{total}: loss {final:.4f}, "
-        f"{summary['tokens_per_s'] or 0:,.0f} tokens/s (median), {wall:.1f}s wall"
+        f"{summary[rate_key] or 0:,.0f} {job.unit}/s (median), {wall:.1f}s wall"
+        + (f", held-out AUC {log.history[-1]['auc']:.4f}" if "auc" in log.history[-1] else "")
         + (f", checkpoint at step {last_saved}" if last_saved is not None else "")
         if final is not None else f"plait: {how} at step {step}/{total}"
     )

@@ -10,7 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu")
+SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s",
+           "mfu", "auc")
 
 
 def trim_jsonl(path: Path, keep_through_step: int) -> None:
@@ -100,6 +101,10 @@ def format_status(r: dict) -> str:
     parts = [f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}"]
     if r.get("tokens_per_s"):
         parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+    if r.get("samples_per_s"):
+        parts.append(f"{r['samples_per_s']:,.0f} samples/s")
+    if r.get("auc") is not None:
+        parts.append(f"AUC {r['auc']:.4f}")
     if r.get("step_time_s"):
         parts.append(f"{r['step_time_s'] * 1e3:.1f} ms/step")
     if r.get("mfu") is not None:
@@ -121,3 +126,22 @@ class StepTimer:
             out = (now - self.last_time) / (step - self.last_step)
         self.last_time, self.last_step = now, step
         return out
+
+
+def auc(labels, scores) -> float:
+    """Area under the ROC curve: the Mann-Whitney statistic with tied scores averaged."""
+    import numpy as np
+
+    labels = np.asarray(labels, np.float64).ravel()
+    scores = np.asarray(scores, np.float64).ravel()
+    pos = labels > 0.5
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    ranks[order] = np.arange(1, len(scores) + 1)
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    ranks = (sums / counts)[inverse]
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))

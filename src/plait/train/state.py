@@ -37,6 +37,10 @@ def optimizer(exp: Experiment, decay_mask=None) -> tuple[optax.GradientTransform
     the parallel layout and checkpoints move between layouts."""
     opt = exp.optimizer
     schedule = lr_schedule(opt, exp.train.steps)
+    if opt.name == "sgd":
+        return optax.sgd(schedule), schedule
+    if opt.name == "adagrad":
+        return optax.adagrad(schedule, eps=opt.eps), schedule
     adamw = optax.adamw(
         schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
         mask=decay_mask or (lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),

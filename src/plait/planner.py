@@ -1,0 +1,133 @@
+"""The embedding planner: a sharding kind (and owner) per table, from a stated cost model.
+
+Per table of R rows, dimension d, L ids per bag, global batch B, over P devices,
+with s bytes of optimizer state per row (SGD 0, row-wise Adagrad 4, Adam 8d):
+
+  kind        memory per device          lookup work per device   collectives per step
+  replicated  R(4d + s)                  B/P x L x d              all-gather of B x d grads
+  table       R(4d + s) on the owner     B x L x d on the owner   2 all-to-alls of B x d
+  row         R/P (4d + s)               B x L x d (masked)       reduce-scatter + all-gather
+  column      R/P (4d + s)               B x L x d/P              2 all-to-alls of B x d
+
+(plus an all-gather of the B x L ids for all but replicated). Collectives move
+about the same bytes for every kind but replicated, so the planner trades memory
+against lookup work and balance:
+
+1. tables of at most `embedding.replicate_below_mib` (with optimizer state) are
+   replicated: no forward communication, and memory they barely use;
+2. the rest are placed whole (table-wise) on the least-loaded device, largest
+   first, as long as the table is at most 1/P of the remaining bytes (so the
+   devices stay balanced);
+3. the ones too big for that are split: column-wise when P divides d (each device
+   gathers d/P of every row), else row-wise.
+
+`embedding.sharding` other than auto, and `embedding.overrides` per table, replace
+the planner's choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.config import Experiment
+from plait.errors import UserError
+from plait.parallel.embedding import Layout
+
+
+@dataclass
+class TablePlan:
+    layout: Layout
+    why: list[str]  # per table: why this kind
+
+    def per_device_bytes(self, opt: str) -> list[int]:
+        return self.layout.per_device_table_bytes(opt)
+
+
+def row_state_bytes(opt: str, dim: int) -> int:
+    return {"sgd": 0, "adagrad": 4, "adam": 8 * dim}[opt]
+
+
+def plan_tables(exp: Experiment, devices: int, axes: tuple[str, ...]) -> TablePlan:
+    m, e = exp.model, exp.embedding
+    rows, d, Pn = m.table_rows, m.embedding_dim, devices
+    T = len(rows)
+    overrides: dict[int, str] = {}
+    for key, kind in e.overrides.items():
+        try:
+            t = int(key)
+        except ValueError:
+            t = -1
+        if not 0 <= t < T:
+            raise UserError(f"embedding.overrides names table '{key}', but the model has {T} "
+                            f"tables (0 to {T - 1}); use their indices")
+        overrides[t] = kind
+    per_row = 4 * d + row_state_bytes(e.optimizer, d)
+    size = [r * per_row for r in rows]
+    kinds: list[str | None] = [None] * T
+    why = [""] * T
+    for t in range(T):
+        if t in overrides:
+            kinds[t], why[t] = overrides[t], "embedding.overrides"
+        elif e.sharding != "auto":
+            kinds[t], why[t] = e.sharding, "embedding.sharding"
+        elif Pn == 1 or size[t] <= e.replicate_below_mib * 2**20:
+            kinds[t] = "replicated"
+            why[t] = "one device" if Pn == 1 else f"at most {e.replicate_below_mib:g} MiB"
+    for t, k in enumerate(kinds):
+        if k == "column" and d % Pn:
+            raise UserError(f"table {t} is column-wise but model.embedding_dim = {d} does not "
+                            f"split over {Pn} devices; choose row or table for it")
+    # Table-wise where it keeps the devices balanced, largest first (LPT).
+    load = [0] * Pn
+    owners = [-1] * T
+    todo = sorted((t for t in range(T) if kinds[t] in (None, "table")), key=lambda t: -size[t])
+    remaining = sum(size[t] for t in todo)
+    for t in todo:
+        if kinds[t] is None and size[t] * Pn > remaining:
+            kinds[t] = "column" if d % Pn == 0 else "row"
+            why[t] = (f"over 1/{Pn} of the tables left: by "
+                      + ("columns" if kinds[t] == "column" else f"rows ({Pn} does not divide "
+                                                                 f"dim {d})"))
+            remaining -= size[t]
+            continue
+        p = min(range(Pn), key=lambda i: load[i])
+        owners[t] = p
+        load[p] += size[t]
+        remaining -= size[t]
+        if kinds[t] is None:
+            kinds[t], why[t] = "table", "whole, on the least-loaded device"
+    lay = Layout(tuple(rows), d, tuple(kinds), Pn, axes, tuple(owners))
+    return TablePlan(lay, why)
+
+
+def size_text(x: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:,.2f} {unit}"
+    return f"{x:,.0f} bytes"
+
+
+def check_memory(plan: TablePlan, opt: str, budget: float, dense_bytes: int) -> None:
+    """One line naming the table and the bytes missing where a device's share does not fit."""
+    lay = plan.layout
+    per = plan.per_device_bytes(opt)
+    worst = max(range(lay.devices), key=lambda p: per[p])
+    need = per[worst] + dense_bytes
+    if need <= budget:
+        return
+    # The biggest contributor on that device.
+    share = []
+    for t, kind in enumerate(lay.kinds):
+        r = lay.rows[t]
+        b = r * (4 * lay.dim + row_state_bytes(opt, lay.dim))
+        if kind in ("row", "column"):
+            b //= lay.devices
+        elif kind == "table" and lay.owners[t] != worst:
+            b = 0
+        share.append(b)
+    t = max(range(len(share)), key=lambda i: share[i])
+    raise UserError(
+        f"table {t} ({lay.rows[t]:,} rows x {lay.dim}, {lay.kinds[t]}) does not fit: device "
+        f"{worst} needs {size_text(need)} of {size_text(budget)} "
+        f"({size_text(need - budget)} missing); shard it (row or column) over more "
+        "devices, cap model.max_embedding_rows, or use sgd (no optimizer state)")

@@ -1,0 +1,195 @@
+"""DLRM with sharded embedding tables: equivalence, sparse updates, HLO, resume, errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import ROOT, losses, make_mesh, plait_cmd, run
+
+from plait import analysis
+from plait.config import load_experiment
+from plait.errors import UserError
+from plait.parallel import embedding as emb
+from plait.train.dlrm_job import DLRMJob
+from plait.train.metrics import auc
+
+TINY = ROOT / "experiments" / "dlrm-tiny.toml"
+QUIET = ['log.console="none"', "log.tensorboard=false", "log.every_steps=1",
+         "checkpoint.enabled=false", "data.eval_batches=0"]
+
+
+def exp_of(*sets: str, steps: int = 12):
+    return load_experiment(TINY, [*QUIET, f"train.steps={steps}", *sets])
+
+
+def step_losses(exp, mesh: str, steps: int) -> np.ndarray:
+    job = DLRMJob(exp, make_mesh(mesh))
+    source, state, out = job.source(), job.init_state(), []
+    for k in range(steps):
+        state, m = job.step_fn(state, job.batch(source, k))
+        out.append(float(m["loss"]))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("optimizer,pooling", [("adagrad", "sum"), ("sgd", "mean"),
+                                               ("adam", "sum")])
+def test_every_sharding_kind_equals_one_device(optimizer, pooling):
+    sets = [f'embedding.optimizer="{optimizer}"', f'model.pooling="{pooling}"']
+    if optimizer == "sgd":  # plain SGD moves embeddings slowly: a rate where they matter
+        sets.append("embedding.lr=20.0")
+    reference = step_losses(exp_of(*sets), "data=1", 12)
+    frozen = step_losses(exp_of(*sets[:2], "embedding.lr=1e-12"), "data=1", 12)
+    # The tables learn: freezing them changes the curve (so equal curves mean equal updates).
+    assert np.max(np.abs(frozen - reference)) > 1e-3
+    for kind in ("row", "table", "column", "replicated"):
+        got = step_losses(exp_of(*sets, f'embedding.sharding="{kind}"'), "data=2,fsdp=4", 12)
+        np.testing.assert_allclose(got, reference, rtol=1e-4, err_msg=kind)
+
+
+def test_planner_mixes_kinds_and_matches_one_device():
+    exp = exp_of('embedding.overrides={"0" = "row", "1" = "table"}')
+    job = DLRMJob(exp, make_mesh("data=8"))
+    assert job.lay.kinds == ("row", "table", "replicated", "replicated")
+    auto = DLRMJob(exp_of(), make_mesh("data=8"))
+    assert auto.lay.kinds == ("column", "column", "replicated", "replicated")
+    np.testing.assert_allclose(step_losses(exp, "data=8", 10),
+                               step_losses(exp_of(), "data=1", 10), rtol=1e-4)
+
+
+def _dense_reference(opt: str, tables, ids, grads, lr, mean):
+    """Dense table gradients (every row, zeros where not looked up) through a dense optimizer."""
+    T = len(tables)
+    out, touched = [], []
+    for t in range(T):
+        g = np.zeros_like(tables[t])
+        for b in range(ids.shape[1]):
+            bag = ids[t, b][ids[t, b] >= 0]
+            for i in bag:
+                g[i] += grads[t, b] / (max(len(bag), 1) if mean else 1)
+        rows = np.unique(ids[t][ids[t] >= 0])
+        touched.append(rows)
+        if opt == "sgd":
+            out.append(tables[t] - lr * g)
+        elif opt == "adagrad":  # row-wise: one accumulator per row, mean of g^2 over the row
+            acc = np.mean(g * g, axis=1, keepdims=True)
+            out.append(tables[t] - lr * g / (np.sqrt(acc) + 1e-8))
+        else:
+            tx = optax.adam(lr, eps=1e-8)
+            upd, _ = tx.update(jnp.asarray(g), tx.init(jnp.asarray(tables[t])))
+            out.append(tables[t] + np.asarray(upd))
+    return out, touched
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("mean", [False, True])
+def test_sparse_update_equals_dense_optimizer_on_touched_rows(opt, mean):
+    mesh = make_mesh("data=8")
+    rows, dim, B, bag = (37, 64, 16, 40), 8, 16, 5
+    kinds = ("row", "table", "column", "replicated")
+    lay = emb.Layout(rows, dim, kinds, 8, ("data",), (-1, 3, -1, -1))
+    rng = np.random.default_rng(0)
+    tables = [rng.normal(size=(r, dim)).astype(np.float32) for r in rows]
+    # Few distinct ids, so rows repeat within and across bags (duplicates are merged).
+    ids = np.stack([rng.integers(0, min(r, 6), size=(B, bag)) for r in rows]).astype(np.int32)
+    ids[:, ::3, -2:] = -1  # shorter bags
+    grads = rng.normal(size=(len(rows), B, dim)).astype(np.float32)
+    buffers = jax.jit(lambda ts: emb.fuse(lay, ts))(tables)
+    _, state_sh = emb.shardings(lay, mesh, opt)
+    state = jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh),
+                         emb.opt_state_shapes(lay, opt), state_sh)
+    sopt = emb.SparseOpt(opt, 0.1)
+    new, _ = jax.jit(lambda b, s, i, g: emb.sparse_update(
+        lay, mesh, sopt, b, s, i, g, jnp.float32(0.1), jnp.int32(0), mean))(
+        buffers, state, jnp.asarray(ids), jnp.asarray(grads))
+    got = [np.asarray(a) for a in emb.unfuse(lay, new)]
+    want, touched = _dense_reference(opt, tables, ids, grads, 0.1, mean)
+    for t in range(len(rows)):
+        np.testing.assert_allclose(got[t][touched[t]], want[t][touched[t]], rtol=2e-5,
+                                   atol=2e-6, err_msg=f"table {t} ({kinds[t]})")
+        untouched = np.setdiff1d(np.arange(rows[t]), touched[t])
+        np.testing.assert_array_equal(got[t][untouched], tables[t][untouched])
+
+
+def test_lookup_equals_dense_bags():
+    mesh = make_mesh("data=8")
+    rows, dim = (40, 24, 64, 16), 8
+    lay = emb.Layout(rows, dim, ("row", "table", "column", "replicated"), 8, ("data",),
+                     (-1, 5, -1, -1))
+    rng = np.random.default_rng(1)
+    tables = [rng.normal(size=(r, dim)).astype(np.float32) for r in rows]
+    ids = np.stack([rng.integers(-1, r, size=(16, 3)) for r in rows]).astype(np.int32)
+    buffers = jax.jit(lambda ts: emb.fuse(lay, ts))(tables)
+    for mean in (False, True):
+        bags = np.asarray(jax.jit(lambda b, i, m=mean: emb.pooled(lay, mesh, b, i, m))(
+            buffers, jnp.asarray(ids)))
+        for t in range(len(rows)):
+            for b in range(16):
+                sel = ids[t, b][ids[t, b] >= 0]
+                want = tables[t][sel].sum(0) / (max(len(sel), 1) if mean else 1)
+                np.testing.assert_allclose(bags[t, b], want, rtol=1e-5, atol=1e-6)
+
+
+def _collectives_and_temp(rows: int, kind: str):
+    exp = exp_of(f"model.embedding_rows=[{rows}, {rows}, {rows}, {rows}]",
+                 f'embedding.sharding="{kind}"', "data.ids_per_lookup=8")
+    job = DLRMJob(exp, make_mesh("data=8"))
+    r = analysis.analyze(job.compile(), {"data": 8})
+    sizes = sorted((op["kind"], op["bytes"]) for op in r["collective_ops"])
+    return sizes, r["memory"]["temp_bytes"], rows * exp.model.embedding_dim * 4
+
+
+@pytest.mark.parametrize("kind", ["row", "table", "column", "replicated"])
+def test_step_has_nothing_that_grows_with_the_tables(kind):
+    small, temp_small, _ = _collectives_and_temp(4096, kind)
+    big, temp_big, table_bytes = _collectives_and_temp(65536, kind)
+    # The same collectives, of the same sizes, whatever the rows ...
+    assert small == big
+    assert all(b < table_bytes / 8 for _, b in big), big
+    # ... and no temporary that grows with the table (16x the rows here).
+    assert temp_big - temp_small < table_bytes / 8, (temp_small, temp_big)
+
+
+def test_resume_under_another_mesh_and_plan_continues_the_curve(tmp_path):
+    exp = load_experiment(TINY, [*QUIET, "train.steps=12", "checkpoint.enabled=true",
+                                 "checkpoint.every_steps=6", "checkpoint.async_save=false"])
+    full = losses(run(exp, "data=1", tmp_path / "one"))
+    first = exp.model_copy(update={"train": exp.train.model_copy(update={"steps": 6})})
+    run(first, "data=8", tmp_path / "split")
+    rest = exp.model_copy(update={"embedding": exp.embedding.model_copy(
+        update={"sharding": "table"})})
+    second = run(rest, "data=2,fsdp=2", tmp_path / "split")
+    np.testing.assert_allclose(losses(second), full[6:], rtol=1e-4)
+
+
+def test_train_cli_reports_samples_and_auc(tmp_path):
+    out = plait_cmd("train", str(TINY), "--mesh", "data=8", "--run-dir", str(tmp_path / "r"),
+                    "--set", "log.console=\"line\"", "--set", "checkpoint.enabled=false")
+    assert out.returncode == 0, out.stderr[-2000:]
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert recs[-1]["auc"] > 0.7 and recs[-1]["samples_per_s"] > 0
+    assert "samples/s" in out.stdout and "AUC" in out.stdout
+
+
+def test_auc_matches_pairwise_definition():
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 2, 200)
+    scores = np.round(rng.normal(size=200), 1)  # ties
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = (pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean()
+    assert abs(auc(labels, scores) - pairs) < 1e-12
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (['embedding.overrides={"9" = "row"}'], "names table '9'"),
+    (["model.bottom_mlp=[32, 8]"], "bottom_mlp must end in model.embedding_dim"),
+    (['embedding.overrides={"0" = "column"}', "model.embedding_dim=12",
+      "model.bottom_mlp=[32, 12]"], "column-wise"),
+])
+def test_user_errors(sets, needle):
+    with pytest.raises(UserError, match=needle):
+        DLRMJob(exp_of(*sets), make_mesh("data=8"))
