@@ -193,3 +193,64 @@ def test_auc_matches_pairwise_definition():
 def test_user_errors(sets, needle):
     with pytest.raises(UserError, match=needle):
         DLRMJob(exp_of(*sets), make_mesh("data=8"))
+
+
+def test_two_process_launch_equals_one_process(tmp_path):
+    sets = ["--set", 'embedding.sharding="row"', "--set", "checkpoint.enabled=false",
+            "--set", 'log.console="line"', "--set", "log.every_steps=1", "--steps", "8"]
+    one = plait_cmd("train", str(TINY), "--mesh", "data=8", "--run-dir", str(tmp_path / "one"),
+                    *sets)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = plait_cmd("launch", "--processes", "2", "--", "train", str(TINY), "--mesh", "data=8",
+                    "--run-dir", str(tmp_path / "two"), *sets)
+    assert two.returncode == 0, two.stderr[-3000:]
+    # 4 row-wise tables of 4096 + 2048 + 64 + 100 rows, padded to 8 parts, x 16:
+    # each process's 4 devices hold half of every table's rows.
+    assert "row 50,496/100,992" in two.stdout
+    assert "row 100,992/100,992" in one.stdout
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+
+
+CRITEO_LINES = [
+    "1\t5\t\t-3\t" + "\t".join(["7"] * 10) + "\t"
+    + "\t".join(["ffffffff", "", "1a"] * 8 + ["0", "2"]),
+    "0\tnot-a-number\t" + "\t".join(["1"] * 12) + "\t" + "\t".join(["a"] * 26),
+    "0\t1\t2",
+    "1\t" + "\t".join(["2"] * 13) + "\t" + "\t".join(["10"] * 26),
+]
+
+
+def test_criteo_reader_hashes_ids_and_skips_malformed_lines(tmp_path):
+    from plait.data.criteo import CriteoTSV
+
+    path = tmp_path / "day.tsv"
+    path.write_text("\n".join(CRITEO_LINES) + "\n")
+    rows = [7] * 26
+    src = CriteoTSV(str(path), rows, batch=2, malformed="skip")
+    b = src.rows(0, 0, 2)
+    assert b["labels"].tolist() == [1.0, 1.0]  # line 2 and 3 are skipped: line 4 is next
+    np.testing.assert_allclose(b["dense"][0, :3], [np.log(6), 0.0, 0.0], rtol=1e-6)
+    assert b["ids"][0, :3, 0].tolist() == [0xFFFFFFFF % 7, 0, 0x1A % 7]
+    assert (b["ids"] < 7).all() and src.skipped == 2
+    with pytest.raises(UserError, match="line 2 is malformed"):
+        CriteoTSV(str(path), rows, batch=2, malformed="stop").rows(0, 0, 2)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    cases = [
+        (["train", str(TINY), "--mesh", "data=8", "--set", 'embedding.overrides={"4" = "row"}'],
+         "names table '4'"),
+        (["train", str(TINY), "--mesh", "data=4,tensor=2"], "data and fsdp axes only"),
+        (["plan", str(TINY), "--mesh", "data=8", "--set", "embedding.memory_gib=0.00001",
+          "--set", 'embedding.sharding="table"'], "does not fit"),
+        (["train", str(TINY), "--mesh", "data=8", "--set", 'data.source="criteo"',
+          "--set", f'data.path="{tmp_path}/missing.tsv"'], "not found"),
+        (["launch", "--processes", "2", "--", "sweep"], "needs a command after --"),
+    ]
+    for args, needle in cases:
+        out = plait_cmd(*args, "--run-dir", str(tmp_path / "r")) if args[0] == "train" \
+            else plait_cmd(*args)
+        assert out.returncode == 2, (args, out.stderr[-1500:])
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (args, out.stderr)
+    assert not (tmp_path / "r").exists()
