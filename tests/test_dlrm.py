@@ -36,14 +36,15 @@ def step_losses(exp, mesh: str, steps: int) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("optimizer,pooling", [("adagrad", "sum"), ("sgd", "mean"),
-                                               ("adam", "sum")])
-def test_every_sharding_kind_equals_one_device(optimizer, pooling):
-    sets = [f'embedding.optimizer="{optimizer}"', f'model.pooling="{pooling}"']
+@pytest.mark.parametrize("optimizer,pooling,cross", [("adagrad", "sum", 0), ("sgd", "mean", 0),
+                                                     ("adam", "sum", 2)])
+def test_every_sharding_kind_equals_one_device(optimizer, pooling, cross):
+    sets = [f'embedding.optimizer="{optimizer}"', f'model.pooling="{pooling}"',
+            f"model.cross_layers={cross}"]
     if optimizer == "sgd":  # plain SGD moves embeddings slowly: a rate where they matter
         sets.append("embedding.lr=20.0")
     reference = step_losses(exp_of(*sets), "data=1", 12)
-    frozen = step_losses(exp_of(*sets[:2], "embedding.lr=1e-12"), "data=1", 12)
+    frozen = step_losses(exp_of(*sets[:3], "embedding.lr=1e-12"), "data=1", 12)
     # The tables learn: freezing them changes the curve (so equal curves mean equal updates).
     assert np.max(np.abs(frozen - reference)) > 1e-3
     for kind in ("row", "table", "column", "replicated"):
@@ -254,3 +255,20 @@ def test_cli_errors_are_one_line(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], (args, out.stderr)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name", ["dlrm-bench", "dlrm-kaggle", "dlrm-mlperf"])
+def test_shipped_experiments_plan_over_8_devices(name):
+    from plait.planner import plan_tables
+
+    exp = load_experiment(ROOT / "experiments" / f"{name}.toml")
+    plan = plan_tables(exp, 8, ("data", "fsdp"))
+    per = plan.per_device_bytes(exp.embedding.optimizer)
+    # Balanced within the planner's bound, and every table placed.
+    replicated = sum(r * 4 * exp.model.embedding_dim for r, k in
+                     zip(plan.layout.rows, plan.layout.kinds, strict=True) if k == "replicated")
+    assert max(per) - replicated <= 1.25 * (sum(per) / 8 - replicated)
+    assert len(plan.layout.kinds) == len(exp.model.embedding_rows)
+    if name == "dlrm-bench":
+        assert plan.layout.kinds == ("table",) * 8
+        assert sorted(plan.layout.owners) == list(range(8))

@@ -117,3 +117,31 @@ def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
     assert main(["sweep", str(path), "--devices", "4096"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "more than plait simulates on one CPU" in err
+
+
+def test_dlrm_sweep_ranks_meshes_and_embedding_placements():
+    from plait.config import load_experiment
+    from plait.train.dlrm_job import DLRMJob
+
+    exp = load_experiment(sweep.Path(__file__).resolve().parents[1] / "experiments" /
+                          "dlrm-tiny.toml")
+    cands, _ = sweep.enumerate_shapes(exp, 2)
+    # The batch axes of 2 devices x the five placements (dim 16 splits over 2 columns).
+    assert sorted((c.mesh, c.embedding) for c in cands) == sorted(
+        (m, k) for m in ("data=2", "fsdp=2") for k in sweep.EMBEDDING_PLACEMENTS)
+    hw = sweep.load_hardware("h100-node")
+    rows = sweep.run_sweep(exp, 2, hw, progress=False, workers=1)
+    assert len(rows) == 10 and [r["rank"] for r in rows] == list(range(1, 11))
+    by = {(r["mesh"], r["embedding_sharding"]): r for r in rows}
+    assert by[("data=2", "replicated")]["embedding_kinds"] == "/".join(["replicated"] * 4)
+    assert by[("data=2", "row")]["embedding_kinds"] == "/".join(["row"] * 4)
+    # Rows price what their compiled step moves: the table-wise step's collectives
+    # are the ones plait inspect reads, and the row round-trips to the same shape.
+    c = sweep.candidate_of(by[("data=2", "table")], 2)
+    assert c.embedding == "table"
+    job = DLRMJob(c.experiment(exp), make_mesh("data=2"))
+    compiled = analysis.analyze(job.compile(), {"data": 2})
+    wire = sum(op["wire_bytes"] for op in compiled["collective_ops"])
+    assert wire > 0  # the all-to-alls of the bags and the all-gather of the ids
+    assert by[("data=2", "table")]["collective_bytes"] == pytest.approx(wire, rel=1e-9)
+    assert all(r["lookup_s"] > 0 for r in rows)

@@ -15,11 +15,10 @@ against lookup work and balance:
 
 1. tables of at most `embedding.replicate_below_mib` (with optimizer state) are
    replicated: no forward communication, and memory they barely use;
-2. the rest are placed whole (table-wise) on the least-loaded device, largest
-   first, as long as the table is at most 1/P of the remaining bytes (so the
-   devices stay balanced);
-3. the ones too big for that are split: column-wise when P divides d (each device
-   gathers d/P of every row), else row-wise.
+2. the rest are placed whole (table-wise), largest first on the least-loaded
+   device, as long as the busiest device then holds at most 1.25x the average;
+3. while it would hold more, the largest table is split instead: column-wise
+   when P divides d (each device gathers d/P of every row), else row-wise.
 
 `embedding.sharding` other than auto, and `embedding.overrides` per table, replace
 the planner's choice.
@@ -32,6 +31,8 @@ from dataclasses import dataclass
 from plait.config import Experiment
 from plait.errors import UserError
 from plait.parallel.embedding import Layout
+
+BALANCE = 1.25  # table-wise while the busiest device holds at most this x the average
 
 
 @dataclass
@@ -77,25 +78,29 @@ def plan_tables(exp: Experiment, devices: int, axes: tuple[str, ...]) -> TablePl
         if k == "column" and d % Pn:
             raise UserError(f"table {t} is column-wise but model.embedding_dim = {d} does not "
                             f"split over {Pn} devices; choose row or table for it")
-    # Table-wise where it keeps the devices balanced, largest first (LPT).
-    load = [0] * Pn
-    owners = [-1] * T
-    todo = sorted((t for t in range(T) if kinds[t] in (None, "table")), key=lambda t: -size[t])
-    remaining = sum(size[t] for t in todo)
-    for t in todo:
-        if kinds[t] is None and size[t] * Pn > remaining:
-            kinds[t] = "column" if d % Pn == 0 else "row"
-            why[t] = (f"over 1/{Pn} of the tables left: by "
-                      + ("columns" if kinds[t] == "column" else f"rows ({Pn} does not divide "
-                                                                 f"dim {d})"))
-            remaining -= size[t]
-            continue
-        p = min(range(Pn), key=lambda i: load[i])
-        owners[t] = p
-        load[p] += size[t]
-        remaining -= size[t]
-        if kinds[t] is None:
-            kinds[t], why[t] = "table", "whole, on the least-loaded device"
+    # Table-wise where the devices stay balanced: place the candidates largest first on
+    # the least-loaded device (LPT); while the busiest device holds more than
+    # BALANCE x the average, split the largest candidate instead, and try again.
+    asked = [t for t in range(T) if kinds[t] == "table"]
+    free = sorted((t for t in range(T) if kinds[t] is None), key=lambda t: -size[t])
+    while True:
+        load = [0] * Pn
+        owners = [-1] * T
+        for t in sorted(asked + free, key=lambda t: -size[t]):
+            p = min(range(Pn), key=lambda i: load[i])
+            owners[t] = p
+            load[p] += size[t]
+        total = sum(load)
+        if not free or total == 0 or max(load) <= BALANCE * total / Pn:
+            break
+        t = free.pop(0)
+        kinds[t] = "column" if d % Pn == 0 else "row"
+        why[t] = ("too big to place whole and stay balanced: by "
+                  + ("columns" if kinds[t] == "column" else f"rows ({Pn} does not divide "
+                                                            f"dim {d})"))
+    for t in free:
+        kinds[t], why[t] = "table", "whole, on the least-loaded device"
+    owners = [o if kinds[t] == "table" else -1 for t, o in enumerate(owners)]
     lay = Layout(tuple(rows), d, tuple(kinds), Pn, axes, tuple(owners))
     return TablePlan(lay, why)
 

@@ -60,12 +60,19 @@ class Hardware:
     inter_node_bandwidth: float
     inter_node_latency: float
     efficiency: float = 0.5
+    # Bytes/s of device memory: prices a DLRM's row gathers and sparse updates.
+    memory_bandwidth: float = 0.0
     shared_compute: bool = False
     extra: dict = field(default_factory=dict)
 
     def peak(self, dtype: str, n: int) -> float:
         p = self.peak_bf16_flops if dtype == "bfloat16" else self.peak_fp32_flops
         return p / n if self.shared_compute else p
+
+    def bandwidth(self, n: int) -> float:
+        """Memory bandwidth per device (inf where the description has none)."""
+        b = self.memory_bandwidth or float("inf")
+        return b / n if self.shared_compute else b
 
     def memory(self, n: int) -> float:
         return self.memory_bytes / n if self.shared_compute else self.memory_bytes
@@ -86,7 +93,8 @@ def load_hardware(name: str, root: Path | None = None) -> Hardware:
     if not isinstance(raw, dict):
         raise UserError(f"'{path}' has no [hardware] table")
     fields = set(Hardware.__dataclass_fields__) - {"extra"}
-    missing = sorted(f for f in fields - set(raw) if f not in ("efficiency", "shared_compute"))
+    missing = sorted(f for f in fields - set(raw)
+                     if f not in ("efficiency", "shared_compute", "memory_bandwidth"))
     if missing:
         raise UserError(f"hardware '{path}' lacks {', '.join(missing)}")
     known = {k: v for k, v in raw.items() if k in fields}
@@ -97,12 +105,22 @@ def load_hardware(name: str, root: Path | None = None) -> Hardware:
 class Candidate:
     sizes: dict[str, int]
     pipeline: dict = field(default_factory=dict)  # schedule, microbatches, virtual_stages
+    embedding: str | None = None  # a DLRM's embedding.sharding
 
     @property
     def mesh(self) -> str:
         return mesh_lib.inline(self.sizes)
 
+    @property
+    def label(self) -> str:
+        if self.pipeline:
+            return f"{self.mesh} {self.pipeline['schedule']}"
+        return f"{self.mesh} {self.embedding}" if self.embedding else self.mesh
+
     def experiment(self, exp: Experiment) -> Experiment:
+        if self.embedding:
+            return exp.model_copy(update={"embedding": exp.embedding.model_copy(
+                update={"sharding": self.embedding})})
         if not self.pipeline:
             return exp
         return exp.model_copy(update={"pipeline": exp.pipeline.model_copy(update=self.pipeline)})
@@ -124,8 +142,35 @@ def _factorisations(n: int, axes: tuple[str, ...]):
         yield dict(zip(axes, combo, strict=True))
 
 
+EMBEDDING_PLACEMENTS = ("auto", "table", "row", "column", "replicated")
+
+
+def _enumerate_dlrm(exp: Experiment, n: int) -> tuple[list[Candidate], list[str]]:
+    """A DLRM: its batch axes (data x fsdp) x every embedding placement the model allows."""
+    from plait.planner import plan_tables
+    from plait.train.dlrm_job import BATCH_AXES, check_dlrm
+
+    out: list[Candidate] = []
+    reasons: dict[str, int] = {}
+    for sizes in _factorisations(n, BATCH_AXES):
+        for kind in EMBEDDING_PLACEMENTS:
+            c = Candidate(sizes, embedding=kind)
+            try:
+                e = c.experiment(exp)
+                check_dlrm(e, sizes)
+                plan_tables(e, n, BATCH_AXES)
+            except UserError as err:
+                reasons[str(err)] = reasons.get(str(err), 0) + 1
+                continue
+            out.append(c)
+    return out, sorted(reasons, key=lambda r: -reasons[r])
+
+
 def enumerate_shapes(exp: Experiment, n: int) -> tuple[list[Candidate], list[str]]:
-    """Every valid shape (with pipeline schedule and microbatch choices), and why others fail."""
+    """Every valid shape (with pipeline schedule and microbatch choices, or a DLRM's
+    embedding placements), and why others fail."""
+    if exp.model.kind == "dlrm":
+        return _enumerate_dlrm(exp, n)
     from plait import sharding
     from plait.models import build
     from plait.parallel import schedules
@@ -195,6 +240,30 @@ def _read_program(exp: Experiment, c: Candidate, n: int, layers: int) -> dict:
             "figures": job.pipe.figures if job.pipe else None}
 
 
+def _read_dlrm(exp: Experiment, c: Candidate, n: int) -> dict:
+    """A DLRM step compiled as is (no layers to extrapolate); the plan's memory is judged
+    by the target hardware, not by this machine."""
+    from plait import analysis
+    from plait.train.dlrm_job import DLRMJob
+
+    e = c.experiment(exp)
+    e = e.model_copy(update={"embedding": e.embedding.model_copy(update={"memory_gib": 1e9})})
+    mesh = mesh_lib.build_mesh(c.sizes, n)
+    job = DLRMJob(e, mesh)
+    r = analysis.analyze(job.compile(COMPILER_OPTIONS), dict(mesh.shape))
+    groups: dict[tuple, list[float]] = {}
+    for op in r["collective_ops"]:
+        key = (op["kind"], ",".join(op["axes"]), op["group_size"])
+        acc = groups.setdefault(key, [0.0, 0.0])
+        acc[0] += op["count"]
+        acc[1] += op["wire_bytes"]
+    m = r["memory"]
+    return {"flops": r["flops_per_device"], "groups": groups, "figures": None,
+            "memory": m.get("argument_bytes", 0.0) + m.get("output_bytes", 0.0)
+            + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0),
+            "lookup_bytes": job.lookup_bytes_per_device(), "kinds": list(job.lay.kinds)}
+
+
 def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
     """Per-device FLOPs, collectives and memory of the shape's step at the full depth.
 
@@ -203,6 +272,8 @@ def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
     a pipeline every layer owns its parameters and optimizer update, so the
     step is compiled at 2 and 4 scanned layers and extrapolated linearly.
     """
+    if exp.model.kind == "dlrm":
+        return _read_dlrm(exp, c, n)
     L = exp.model.layers
     if c.sizes.get("pipeline", 1) > 1:
         return _read_program(exp, c, n, L)
@@ -239,7 +310,7 @@ def _program_key(exp: Experiment, c: Candidate) -> tuple:
     at N = D, for instance, agree on all of them.
     """
     if not c.pipeline:
-        return (c.mesh,)
+        return (c.mesh, c.embedding)
     from plait.parallel import pipeline, schedules
 
     s = schedules.build(c.pipeline["schedule"], c.sizes["pipeline"],
@@ -270,14 +341,21 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
         comm += count * RING_STEPS.get(kind, lambda g: g - 1)(int(g)) * lat + nbytes * width / bw
         wire += nbytes * width
     bubble = measured["figures"]["bubble_ratio"] if measured["figures"] else 0.0
+    # A DLRM's lookups and sparse updates are memory-bound: their bytes at the memory
+    # bandwidth (gathers, and the read and write of each updated row).
+    lookup = measured.get("lookup_bytes", 0.0) / hw.bandwidth(n)
+    compute += lookup
     step = (compute + comm) * (1 + bubble)
     memory = measured["memory"]
-    return {"mesh": c.mesh, **{f"pipeline_{k}": v for k, v in c.pipeline.items()},
+    extra = ({"embedding_sharding": c.embedding, "embedding_kinds": "/".join(measured["kinds"]),
+              "lookup_s": lookup} if c.embedding else {})
+    units = exp.train.global_batch * (1 if exp.model.kind == "dlrm" else exp.model.seq_len)
+    return {"mesh": c.mesh, **{f"pipeline_{k}": v for k, v in c.pipeline.items()}, **extra,
             "tensor_mode": mesh_lib.tensor_mode(c.sizes) or "none",
             "flops_per_device": measured["flops"], "collective_bytes": wire,
             "compute_s": compute, "comm_s": comm, "bubble_ratio": bubble,
             "predicted_step_s": step,
-            "predicted_tokens_per_s": exp.train.global_batch * exp.model.seq_len / step,
+            "predicted_tokens_per_s": units / step,
             "memory_bytes": memory, "fits": memory <= hw.memory(n)}
 
 
@@ -301,7 +379,7 @@ def candidate_of(row: dict, n: int) -> Candidate:
     sizes = mesh_lib.resolve(mesh_lib.load_spec(row["mesh"]), n)
     pipe = {k.removeprefix("pipeline_"): row[k] for k in (
         "pipeline_schedule", "pipeline_microbatches", "pipeline_virtual_stages") if row.get(k)}
-    return Candidate(sizes, pipe)
+    return Candidate(sizes, pipe, row.get("embedding_sharding") or None)
 
 
 def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> None:
@@ -357,7 +435,8 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
     # fewest (their bubble differs); schedules whose programs coincide share one compile.
     by_schedule: dict[tuple, list[Candidate]] = {}
     for c in cands:
-        by_schedule.setdefault((c.mesh, c.pipeline.get("schedule")), []).append(c)
+        by_schedule.setdefault((c.mesh, c.pipeline.get("schedule"), c.embedding),
+                               []).append(c)
     programs: dict[tuple, list[list[Candidate]]] = {}
     for group in by_schedule.values():
         programs.setdefault(_program_key(exp, group[0]), []).append(group)
@@ -371,14 +450,14 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
                    else [predict(exp, rep, measured, hw, n)])
             for r in new:
                 r["compile_s"] = seconds
-                r["shares_program_with"] = groups[0][0].mesh + (
-                    f" {groups[0][0].pipeline['schedule']}" if groups[0][0].pipeline else "")
+                r["shares_program_with"] = groups[0][0].label
             rows.extend(new)
 
     def label(groups: list[list[Candidate]]) -> str:
         rep = groups[0][0]
-        names = "/".join(g[0].pipeline["schedule"] for g in groups) if rep.pipeline else ""
-        return f"{rep.mesh} {names}".strip()
+        if rep.pipeline:
+            return f"{rep.mesh} " + "/".join(g[0].pipeline["schedule"] for g in groups)
+        return rep.label
 
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task(f"compiling {len(programs)} programs", total=len(programs))
@@ -413,7 +492,8 @@ def _timed_measure(exp: Experiment, c: Candidate, n: int) -> tuple[dict, float]:
     return _measure(exp, c, n), time.perf_counter() - t0
 
 
-COLUMNS = ["rank", "mesh", "pipeline_schedule", "pipeline_microbatches", "tensor_mode",
+COLUMNS = ["rank", "mesh", "pipeline_schedule", "pipeline_microbatches", "embedding_sharding",
+           "embedding_kinds", "tensor_mode",
            "predicted_step_s", "predicted_tokens_per_s", "compute_s", "comm_s", "bubble_ratio",
            "flops_per_device", "collective_bytes", "memory_bytes", "fits", "measured_step_s"]
 
@@ -437,7 +517,9 @@ def plot(rows: list[dict], path: Path, meta: dict, top: int = 25) -> None:
 
     shown = rows[:top]
     labels = [r["mesh"] + (f" {r['pipeline_schedule']} N={r['pipeline_microbatches']}"
-                           if r.get("pipeline_schedule") else "") for r in shown]
+                           if r.get("pipeline_schedule") else
+                           f" {r['embedding_sharding']}" if r.get("embedding_sharding") else "")
+              for r in shown]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.32 * len(shown) + 1.6), sharey=True)
     y = list(range(len(shown)))
     colors = ["#4c72b0" if r["fits"] else "#c44e52" for r in shown]
@@ -475,7 +557,8 @@ def render(rows: list[dict], meta: dict) -> None:
         t.add_column(col, justify="left" if col in ("mesh", "pipeline", "tensor") else "right")
     for r in rows:
         pipe = (f"{r['pipeline_schedule']} N={r['pipeline_microbatches']}"
-                if r.get("pipeline_schedule") else "-")
+                if r.get("pipeline_schedule") else
+                f"tables {r['embedding_kinds']}" if r.get("embedding_sharding") else "-")
         cells = [str(r["rank"]), r["mesh"], pipe, r["tensor_mode"],
                  f"{r['predicted_step_s']:.4g}", f"{r['predicted_tokens_per_s']:,.0f}",
                  f"{r['compute_s']:.3g}", f"{r['comm_s']:.3g}", f"{r['bubble_ratio']:.3f}",

@@ -281,6 +281,27 @@ class DLRMJob:
 
     unit = "samples"
 
+    def lookup_bytes_per_device(self) -> float:
+        """Bytes of table rows the busiest device moves per step: gathers for the bags, and
+        the read and write of every updated row (optimizer state alike)."""
+        lay, B = self.lay, self.exp.train.global_batch
+        L = self.exp.data.ids_per_lookup
+        row = lay.dim * 4 * {"sgd": 3, "adagrad": 3, "adam": 7}[self.opt_name]
+        load = [0.0] * lay.devices
+        for t, kind in enumerate(lay.kinds):
+            if kind == "replicated":  # local bags; every replica applies every update
+                for p in range(lay.devices):
+                    load[p] += B / lay.devices * L * lay.dim * 4 + B * L * (row - lay.dim * 4)
+            elif kind == "table":
+                load[lay.owners[t]] += B * L * row
+            elif kind == "row":  # every id is checked on every device, 1/P of them are here
+                for p in range(lay.devices):
+                    load[p] += B * L * lay.dim * 4 + B * L / lay.devices * (row - lay.dim * 4)
+            else:
+                for p in range(lay.devices):
+                    load[p] += B * L * row / lay.devices
+        return max(load)
+
     def describe_tables(self, state: dict) -> str:
         """Which kind each table is, and how much of the tables this process holds."""
         kinds = ", ".join(f"{k} x{self.lay.kinds.count(k)}" for k in emb.KINDS
