@@ -219,14 +219,9 @@ def _sweep_exp(exp: Experiment, layers: int) -> Experiment:
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
-def _read_program(exp: Experiment, c: Candidate, n: int, layers: int) -> dict:
-    from plait import analysis
-    from plait.train.build import Job
-
-    mesh = mesh_lib.build_mesh(c.sizes, n)
-    job = Job(_sweep_exp(c.experiment(exp), layers), mesh)
-    weights = job.pipe.plan.branch_weights() if job.pipe else None
-    r = analysis.analyze(job.compile(COMPILER_OPTIONS), dict(mesh.shape), weights)
+def _figures(r: dict) -> dict:
+    """What a prediction needs from an analysis report: FLOPs, collectives grouped by
+    (kind, mesh axes, group size) as [count, wire bytes], and memory."""
     groups: dict[tuple, list[float]] = {}
     for op in r["collective_ops"]:
         key = (op["kind"], ",".join(op["axes"]), op["group_size"])
@@ -236,8 +231,18 @@ def _read_program(exp: Experiment, c: Candidate, n: int, layers: int) -> dict:
     m = r["memory"]
     return {"flops": r["flops_per_device"], "groups": groups, "memory_parts": m,
             "memory": m.get("argument_bytes", 0.0) + m.get("output_bytes", 0.0)
-            + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0),
-            "figures": job.pipe.figures if job.pipe else None}
+            + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0)}
+
+
+def _read_program(exp: Experiment, c: Candidate, n: int, layers: int) -> dict:
+    from plait import analysis
+    from plait.train.build import Job
+
+    mesh = mesh_lib.build_mesh(c.sizes, n)
+    job = Job(_sweep_exp(c.experiment(exp), layers), mesh)
+    weights = job.pipe.plan.branch_weights() if job.pipe else None
+    r = analysis.analyze(job.compile(COMPILER_OPTIONS), dict(mesh.shape), weights)
+    return {**_figures(r), "figures": job.pipe.figures if job.pipe else None}
 
 
 def _read_dlrm(exp: Experiment, c: Candidate, n: int) -> dict:
@@ -251,17 +256,8 @@ def _read_dlrm(exp: Experiment, c: Candidate, n: int) -> dict:
     mesh = mesh_lib.build_mesh(c.sizes, n)
     job = DLRMJob(e, mesh)
     r = analysis.analyze(job.compile(COMPILER_OPTIONS), dict(mesh.shape))
-    groups: dict[tuple, list[float]] = {}
-    for op in r["collective_ops"]:
-        key = (op["kind"], ",".join(op["axes"]), op["group_size"])
-        acc = groups.setdefault(key, [0.0, 0.0])
-        acc[0] += op["count"]
-        acc[1] += op["wire_bytes"]
-    m = r["memory"]
-    return {"flops": r["flops_per_device"], "groups": groups, "figures": None,
-            "memory": m.get("argument_bytes", 0.0) + m.get("output_bytes", 0.0)
-            + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0),
-            "lookup_bytes": job.lookup_bytes_per_device(), "kinds": list(job.lay.kinds)}
+    return {**_figures(r), "figures": None, "lookup_bytes": job.lookup_bytes_per_device(),
+            "kinds": list(job.lay.kinds)}
 
 
 def _measure(exp: Experiment, c: Candidate, n: int) -> dict:
