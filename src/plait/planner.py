@@ -16,8 +16,10 @@ against lookup work and balance:
 1. tables of at most `embedding.replicate_below_mib` (with optimizer state) are
    replicated: no forward communication, and memory they barely use;
 2. the rest are placed whole (table-wise), largest first on the least-loaded
-   device, as long as the busiest device then holds at most 1.25x the average;
-3. while it would hold more, the largest table is split instead: column-wise
+   device, as long as the busiest device then holds at most 1.25x the average
+   bytes AND does at most 1.25x the average lookup work (B x L x d per table it
+   owns: fewer tables than devices, or a remainder, leave devices idle);
+3. while either is exceeded, the largest table is split instead: column-wise
    when P divides d (each device gathers d/P of every row), else row-wise.
 
 `embedding.sharding` other than auto, and `embedding.overrides` per table, replace
@@ -83,19 +85,23 @@ def plan_tables(exp: Experiment, devices: int, axes: tuple[str, ...]) -> TablePl
     # BALANCE x the average, split the largest candidate instead, and try again.
     asked = [t for t in range(T) if kinds[t] == "table"]
     free = sorted((t for t in range(T) if kinds[t] is None), key=lambda t: -size[t])
+    lookups = exp.data.ids_per_lookup  # per bag, every table alike
     while True:
         load = [0] * Pn
+        work = [0] * Pn
         owners = [-1] * T
         for t in sorted(asked + free, key=lambda t: -size[t]):
-            p = min(range(Pn), key=lambda i: load[i])
+            p = min(range(Pn), key=lambda i: (load[i], work[i]))
             owners[t] = p
             load[p] += size[t]
-        total = sum(load)
-        if not free or total == 0 or max(load) <= BALANCE * total / Pn:
+            work[p] += lookups
+        total, total_work = sum(load), sum(work)
+        if not free or total == 0 or (max(load) <= BALANCE * total / Pn
+                                      and max(work) <= BALANCE * total_work / Pn):
             break
         t = free.pop(0)
         kinds[t] = "column" if d % Pn == 0 else "row"
-        why[t] = ("too big to place whole and stay balanced: by "
+        why[t] = ("whole, it would leave the devices unbalanced: by "
                   + ("columns" if kinds[t] == "column" else f"rows ({Pn} does not divide "
                                                             f"dim {d})"))
     for t in free:
