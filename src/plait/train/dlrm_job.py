@@ -176,15 +176,8 @@ class DLRMJob:
             params = self.model.init(seed)
             tables = {f"t{t}": emb.init_table(seed, t, r, m.embedding_dim)
                       for t, r in enumerate(m.table_rows)}
-            opt = {}
-            for t, r in enumerate(m.table_rows):
-                if self.opt_name == "adagrad":
-                    opt[f"t{t}"] = {"acc": jnp.zeros((r,), jnp.float32)}
-                elif self.opt_name == "adam":
-                    z = jnp.zeros((r, m.embedding_dim), jnp.float32)
-                    opt[f"t{t}"] = {"m": z, "v": z}
-                else:
-                    opt[f"t{t}"] = {}
+            opt = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                               self.canonical_layout.shapes["table_opt"])
             canonical = {"step": jnp.zeros((), jnp.int32), "params": params,
                          "opt_state": self.tx.init(params), "tables": tables, "table_opt": opt}
             return self._from_canonical(canonical)

@@ -133,16 +133,18 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
         return tps, (flops_tok * tps / (n_dev * peak)) if peak and flops_tok else None
 
     evaluate = getattr(job, "eval_fn", None) if exp.data.eval_batches else None
-    held_out = []
+    held_out, held_out_labels = [], None
     if evaluate is not None:
-        held_out = [job.batch(source, HELD_OUT + i) for i in range(exp.data.eval_batches)]
+        steps = [HELD_OUT + i for i in range(exp.data.eval_batches)]
+        held_out = [job.batch(source, k) for k in steps]
+        # Every process scores the whole held-out set; its labels are read once, on the host.
+        held_out_labels = np.concatenate(
+            [source.rows(k, 0, exp.train.global_batch)["labels"] for k in steps])
 
     def held_out_auc() -> float:
-        """AUC of the current model on the held-out batches (labels read on the host)."""
-        B = exp.train.global_batch
+        """AUC of the current model on the held-out batches."""
         scores = [_local_values(evaluate(state, b)) for b in held_out]
-        labels = [source.rows(HELD_OUT + i, 0, B)["labels"] for i in range(len(held_out))]
-        return auc(np.concatenate(labels), np.concatenate(scores))
+        return auc(held_out_labels, np.concatenate(scores))
 
     stop = StopFlag()
     stop.install()
