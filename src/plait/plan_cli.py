@@ -18,19 +18,18 @@ def _mib(x: float) -> str:
 
 
 def plan_report(exp: Experiment, mesh: Mesh) -> dict:
-    from plait.planner import row_state_bytes
     from plait.train.dlrm_job import DLRMJob
 
     job = DLRMJob(exp, mesh)
     lay, opt = job.lay, job.opt_name
-    per_row = 4 * lay.dim + row_state_bytes(opt, lay.dim)
     tables = []
     for t, (rows, kind) in enumerate(zip(lay.rows, lay.kinds, strict=True)):
         where = (f"device {lay.owners[t]}" if kind == "table" else
                  "every device" if kind == "replicated" else f"{lay.devices} devices")
-        share = rows * per_row // (lay.devices if kind in ("row", "column") else 1)
+        on = lay.owners[t] if kind == "table" else 0
         tables.append({"table": t, "rows": rows, "dim": lay.dim, "kind": kind, "where": where,
-                       "bytes": rows * per_row, "bytes_per_device": share,
+                       "bytes": rows * lay.row_bytes(opt),
+                       "bytes_per_device": lay.table_bytes_on(t, on, opt),
                        "why": job.plan.why[t]})
     dense = sum(x.size * x.dtype.itemsize for x in
                 __import__("jax").tree.leaves(job.dense_layout.shapes))

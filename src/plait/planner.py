@@ -46,10 +46,6 @@ class TablePlan:
         return self.layout.per_device_table_bytes(opt)
 
 
-def row_state_bytes(opt: str, dim: int) -> int:
-    return {"sgd": 0, "adagrad": 4, "adam": 8 * dim}[opt]
-
-
 def plan_tables(exp: Experiment, devices: int, axes: tuple[str, ...]) -> TablePlan:
     m, e = exp.model, exp.embedding
     rows, d, Pn = m.table_rows, m.embedding_dim, devices
@@ -64,7 +60,7 @@ def plan_tables(exp: Experiment, devices: int, axes: tuple[str, ...]) -> TablePl
             raise UserError(f"embedding.overrides names table '{key}', but the model has {T} "
                             f"tables (0 to {T - 1}); use their indices")
         overrides[t] = kind
-    per_row = 4 * d + row_state_bytes(e.optimizer, d)
+    per_row = Layout(tuple(rows), d, ("replicated",) * T, Pn, axes).row_bytes(e.optimizer)
     size = [r * per_row for r in rows]
     kinds: list[str | None] = [None] * T
     why = [""] * T
@@ -126,16 +122,7 @@ def check_memory(plan: TablePlan, opt: str, budget: float, dense_bytes: int) -> 
     need = per[worst] + dense_bytes
     if need <= budget:
         return
-    # The biggest contributor on that device.
-    share = []
-    for t, kind in enumerate(lay.kinds):
-        r = lay.rows[t]
-        b = r * (4 * lay.dim + row_state_bytes(opt, lay.dim))
-        if kind in ("row", "column"):
-            b //= lay.devices
-        elif kind == "table" and lay.owners[t] != worst:
-            b = 0
-        share.append(b)
+    share = [lay.table_bytes_on(t, worst, opt) for t in range(len(lay.rows))]
     t = max(range(len(share)), key=lambda i: share[i])
     raise UserError(
         f"table {t} ({lay.rows[t]:,} rows x {lay.dim}, {lay.kinds[t]}) does not fit: device "

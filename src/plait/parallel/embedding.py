@@ -104,28 +104,28 @@ class Layout:
         ax = self.axes if len(self.axes) > 1 else self.axes[0]
         return P(ax) if kind in ("row", "table") else P(None)
 
-    def device_bytes(self, kind: str, opt: str, itemsize: int = 4) -> int:
-        """Bytes per device of a kind's buffer and its optimizer state."""
-        rows = self.block_rows[kind]
-        cols = self.dim // self.devices if kind == "column" else self.dim
-        table = rows * cols * itemsize
-        return table + {"sgd": 0, "adagrad": rows * itemsize, "adam": 2 * table}[opt]
+    def row_bytes(self, opt: str) -> int:
+        """Bytes of one row with its optimizer state (SGD none, row-wise Adagrad one
+        float, Adam two moments)."""
+        return 4 * self.dim + {"sgd": 0, "adagrad": 4, "adam": 8 * self.dim}[opt]
 
-    def per_device_table_bytes(self, opt: str, itemsize: int = 4) -> list[int]:
+    def table_bytes_on(self, t: int, p: int, opt: str) -> float:
+        """Bytes of table t (with its optimizer state) on device p."""
+        kind, whole = self.kinds[t], self.rows[t] * self.row_bytes(opt)
+        if kind == "replicated":
+            return whole
+        if kind == "table":
+            return whole if self.owners[t] == p else 0
+        if kind == "row":
+            return self.part(t) * self.row_bytes(opt)
+        # column: the row's floats (and Adam's moments) split, Adagrad's accumulator whole
+        acc = 4 * self.rows[t] if opt == "adagrad" else 0
+        return (whole - acc) / self.devices + acc
+
+    def per_device_table_bytes(self, opt: str) -> list[float]:
         """Each device's bytes of embedding tables and their optimizer state."""
-        out = [0] * self.devices
-        for kind in self.present:
-            if kind == "table":
-                load = [0] * self.devices
-                for t in self.tables("table"):
-                    load[self.owners[t]] += self.rows[t]
-                extra = {"sgd": 0, "adagrad": 1, "adam": 2 * self.dim}[opt]
-                for p in range(self.devices):
-                    out[p] += load[p] * (self.dim + extra) * itemsize
-            else:
-                for p in range(self.devices):
-                    out[p] += self.device_bytes(kind, opt, itemsize)
-        return out
+        return [sum(self.table_bytes_on(t, p, opt) for t in range(len(self.rows)))
+                for p in range(self.devices)]
 
 
 # ---------------------------------------------------------------- state
