@@ -31,8 +31,7 @@ def plan_report(exp: Experiment, mesh: Mesh) -> dict:
                        "bytes": rows * lay.row_bytes(opt),
                        "bytes_per_device": lay.table_bytes_on(t, on, opt),
                        "why": job.plan.why[t]})
-    dense = sum(x.size * x.dtype.itemsize for x in
-                __import__("jax").tree.leaves(job.dense_layout.shapes))
+    dense = job.dense_bytes
     per_device = [b + dense for b in job.plan.per_device_bytes(opt)]
     return {"experiment": exp.name, "devices": lay.devices, "axes": list(lay.axes),
             "optimizer": opt, "tables": tables, "dense_state_bytes": dense,

@@ -69,7 +69,6 @@ def _canonical_spec(shape: tuple[int, ...], axes: tuple[str, ...], n: int) -> P:
 class DLRMJob:
     exp: Experiment
     mesh: Mesh
-    plan_note: str = ""
 
     def __post_init__(self) -> None:
         sizes = dict(self.mesh.shape)
@@ -86,8 +85,10 @@ class DLRMJob:
         gib = self.exp.embedding.memory_gib
         self.memory_budget = (gib * 2**30 if gib else
                               device_memory_bytes(self.mesh.devices.flat[0]))
-        dense = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.dense_layout.shapes))
-        check_memory(self.plan, self.opt_name, self.memory_budget, dense)
+        # Dense parameters and their optimizer state, replicated on every device.
+        self.dense_bytes = sum(x.size * x.dtype.itemsize
+                               for x in jax.tree.leaves(self.dense_layout.shapes))
+        check_memory(self.plan, self.opt_name, self.memory_budget, self.dense_bytes)
         ax = self.axes if len(self.axes) > 1 else self.axes[0]
         self.batch_sharding = {"dense": NamedSharding(self.mesh, P(ax, None)),
                                "ids": NamedSharding(self.mesh, P(ax, None, None)),
