@@ -21,8 +21,11 @@ def test_rows_are_a_pure_function_of_seed_step_row():
 @pytest.mark.parametrize("spec", ["data=8", "data=2,fsdp=2,tensor=2", "fsdp=4"])
 def test_global_batch_is_the_same_on_every_mesh(spec):
     exp = tiny(train={"microbatches": 2})
-    src = data.make_source(exp)
-    shape = data.batch_shape(exp)
+    from plait.data.synthetic import SyntheticTokens
+
+    src = SyntheticTokens(exp.model.vocab, exp.model.seq_len, exp.seed, exp.data.successors)
+    shape = (exp.train.microbatches, exp.train.global_batch // exp.train.microbatches,
+             exp.model.seq_len + 1)
     ref = np.asarray(data.global_batch(src, 5, shape, sharding.replicated(make_mesh("data=1"))))
     mesh = make_mesh(spec)
     sh = sharding.batch_sharding(mesh, sharding.rules_for(mesh), 3, batch_dim=1)

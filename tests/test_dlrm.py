@@ -15,7 +15,8 @@ from plait import analysis
 from plait.config import load_experiment
 from plait.errors import UserError
 from plait.parallel import embedding as emb
-from plait.train.dlrm_job import DLRMJob
+from plait.parallel.sparse_optim import OPTIMIZERS
+from plait.tasks.dlrm import DLRMTask
 from plait.train.metrics import auc
 
 TINY = ROOT / "experiments" / "dlrm-tiny.toml"
@@ -28,7 +29,7 @@ def exp_of(*sets: str, steps: int = 12):
 
 
 def step_losses(exp, mesh: str, steps: int) -> np.ndarray:
-    job = DLRMJob(exp, make_mesh(mesh))
+    job = DLRMTask(exp, make_mesh(mesh))
     source, state, out = job.source(), job.init_state(), []
     for k in range(steps):
         state, m = job.step_fn(state, job.batch(source, k))
@@ -54,10 +55,10 @@ def test_every_sharding_kind_equals_one_device(optimizer, pooling, cross):
 
 def test_planner_mixes_kinds_and_matches_one_device():
     exp = exp_of('embedding.overrides={"0" = "row", "1" = "table"}')
-    job = DLRMJob(exp, make_mesh("data=8"))
-    assert job.lay.kinds == ("row", "table", "replicated", "replicated")
-    auto = DLRMJob(exp_of(), make_mesh("data=8"))
-    assert auto.lay.kinds == ("column", "column", "replicated", "replicated")
+    job = DLRMTask(exp, make_mesh("data=8"))
+    assert job.tables.kinds == ("row", "table", "replicated", "replicated")
+    auto = DLRMTask(exp_of(), make_mesh("data=8"))
+    assert auto.tables.kinds == ("column", "column", "replicated", "replicated")
     np.testing.assert_allclose(step_losses(exp, "data=8", 10),
                                step_losses(exp_of(), "data=1", 10), rtol=1e-4)
 
@@ -92,7 +93,7 @@ def test_sparse_update_equals_dense_optimizer_on_touched_rows(opt, mean):
     mesh = make_mesh("data=8")
     rows, dim, B, bag = (37, 64, 16, 40), 8, 16, 5
     kinds = ("row", "table", "column", "replicated")
-    lay = emb.Layout(rows, dim, kinds, 8, ("data",), (-1, 3, -1, -1))
+    lay = emb.TableLayout(rows, dim, kinds, 8, ("data",), (-1, 3, -1, -1))
     rng = np.random.default_rng(0)
     tables = [rng.normal(size=(r, dim)).astype(np.float32) for r in rows]
     # Few distinct ids, so rows repeat within and across bags (duplicates are merged).
@@ -103,7 +104,7 @@ def test_sparse_update_equals_dense_optimizer_on_touched_rows(opt, mean):
     _, state_sh = emb.shardings(lay, mesh, opt)
     state = jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh),
                          emb.opt_state_shapes(lay, opt), state_sh)
-    sopt = emb.SparseOpt(opt, 0.1)
+    sopt = OPTIMIZERS[opt](0.1)
     new, _ = jax.jit(lambda b, s, i, g: emb.sparse_update(
         lay, mesh, sopt, b, s, i, g, jnp.float32(0.1), jnp.int32(0), mean))(
         buffers, state, jnp.asarray(ids), jnp.asarray(grads))
@@ -119,7 +120,7 @@ def test_sparse_update_equals_dense_optimizer_on_touched_rows(opt, mean):
 def test_lookup_equals_dense_bags():
     mesh = make_mesh("data=8")
     rows, dim = (40, 24, 64, 16), 8
-    lay = emb.Layout(rows, dim, ("row", "table", "column", "replicated"), 8, ("data",),
+    lay = emb.TableLayout(rows, dim, ("row", "table", "column", "replicated"), 8, ("data",),
                      (-1, 5, -1, -1))
     rng = np.random.default_rng(1)
     tables = [rng.normal(size=(r, dim)).astype(np.float32) for r in rows]
@@ -138,7 +139,7 @@ def test_lookup_equals_dense_bags():
 def _collectives_and_temp(rows: int, kind: str):
     exp = exp_of(f"model.embedding_rows=[{rows}, {rows}, {rows}, {rows}]",
                  f'embedding.sharding="{kind}"', "data.ids_per_lookup=8")
-    job = DLRMJob(exp, make_mesh("data=8"))
+    job = DLRMTask(exp, make_mesh("data=8"))
     r = analysis.analyze(job.compile(), {"data": 8})
     sizes = sorted((op["kind"], op["bytes"]) for op in r["collective_ops"])
     return sizes, r["memory"]["temp_bytes"], rows * exp.model.embedding_dim * 4
@@ -193,7 +194,7 @@ def test_auc_matches_pairwise_definition():
 ])
 def test_user_errors(sets, needle):
     with pytest.raises(UserError, match=needle):
-        DLRMJob(exp_of(*sets), make_mesh("data=8"))
+        DLRMTask(exp_of(*sets), make_mesh("data=8"))
 
 
 def test_two_process_launch_equals_one_process(tmp_path):

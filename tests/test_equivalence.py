@@ -48,7 +48,7 @@ def test_untied_head_and_remat_train_equally(tmp_path):
 def test_bfloat16_compute_keeps_float32_state(tmp_path):
     from helpers import make_mesh
 
-    from plait.train.build import Job
+    from plait.tasks.gpt import GPTTask as Job
 
     exp = tiny(precision={"compute": "bfloat16"})
     got = losses(run(exp, "data=2,fsdp=2,tensor=2", tmp_path))
@@ -65,7 +65,7 @@ def test_state_is_born_sharded(tmp_path):
     """Parameters and optimizer moments carry the rule-set shardings from creation."""
     from helpers import make_mesh
 
-    from plait.train.build import Job
+    from plait.tasks.gpt import GPTTask as Job
 
     job = Job(tiny(), make_mesh("data=2,fsdp=2,tensor=2"))
     state = job.init_state()

@@ -10,7 +10,7 @@ from helpers import make_mesh, plait_cmd, tiny, write_experiment
 
 from plait import analysis
 from plait.inspect import inspect_step
-from plait.models import build, flops_per_token
+from plait.models import build, gpt
 
 
 def _bsd_bytes(exp):
@@ -46,7 +46,7 @@ def test_hlo_flops_equal_model_flops_with_accumulation_loop():
     """Matmuls inside the gradient-accumulation loop are counted once per microbatch."""
     exp = tiny(train={"microbatches": 4})
     r = inspect_step(exp, make_mesh("tensor=8"))
-    expected = flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len / 8
+    expected = gpt.flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len / 8
     assert r["flops_per_device"] == pytest.approx(expected, rel=1e-9)
     per_micro = [op for op in r["collective_ops"] if op["kind"] == "all-reduce"
                  and op["shape"].startswith(f"f32[4,{exp.model.seq_len},{exp.model.d_model}]")]
@@ -107,6 +107,6 @@ def test_inspect_cli_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["flops_per_device"] > 0
-    assert set(report["collectives"]) == set(analysis.KINDS)
+    assert set(report["collectives"]) == set(analysis.COLLECTIVE_KINDS)
     assert {"argument_bytes", "output_bytes", "temp_bytes"} <= set(report["memory"])
     assert report["mesh"] == "data=2,fsdp=2,tensor=2"

@@ -11,7 +11,7 @@ from helpers import losses, make_mesh, run, tiny
 
 from plait import data, sharding
 from plait.parallel import schedules
-from plait.train.build import Job
+from plait.tasks.gpt import GPTTask as Job
 from plait.train.step import cross_entropy
 
 SIZES = [(D, N) for D in (2, 4, 8) for N in (D, 2 * D, 4 * D)]
@@ -113,9 +113,9 @@ def _grads(exp, spec):
     job = Job(exp, mesh)
     state = job.init_state()
     dense = Job(exp, make_mesh("data=1"))
-    tokens = np.asarray(data.global_batch(data.make_source(exp), 0, dense.batch_shape,
+    tokens = np.asarray(data.global_batch(dense.source(), 0, dense.batch_shape,
                                           dense.batch_sharding))
-    if job.pipe is None:
+    if job.pipeline is None:
         def loss(params, toks):
             with sharding.use(mesh, job.rules):
                 return cross_entropy(job.model.apply(params, toks[0, :, :-1]), toks[0, :, 1:])
@@ -125,8 +125,8 @@ def _grads(exp, spec):
 
         def grads(params, batch):
             with sharding.use(mesh, job.rules):
-                _, g = job.pipe.loss_and_grads(params, batch, None, cross_entropy)
-            return job.pipe.to_canonical(g)
+                _, g = job.pipeline.loss_and_grads(params, batch, None, cross_entropy)
+            return job.pipeline.to_canonical(g)
         g = jax.jit(grads)(state["params"], batch)
     return jax.tree.map(np.asarray, g)
 
@@ -168,7 +168,7 @@ def test_executor_buffers_hold_the_schedule_peak(name, v):
 
     for D, N in ((4, 4), (4, 8), (8, 16)):
         s = schedules.build(name, D, N, v)
-        p = pipeline.plan(s, 2 * D * v)
+        p = pipeline.tick_table(s, 2 * D * v)
         assert p.stash_slots == max(s.figures["peak_inflight"])
         assert p.inbox_slots <= N + 1  # gpipe: N loss gradients + one arriving activation
 

@@ -3,13 +3,15 @@
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 from helpers import make_mesh, tiny, write_experiment
 
 from plait import analysis, sweep
 from plait.errors import UserError
-from plait.train.build import Job
+from plait.hardware import load_hardware
+from plait.tasks.gpt import GPTTask as Job
 
 
 def _expected_shapes_for_tiny_on_8() -> set[tuple]:
@@ -51,19 +53,19 @@ def test_enumeration_is_complete_and_exact():
 
 def test_no_valid_shape_says_why():
     with pytest.raises(UserError, match=r"no mesh shape of 3 devices fits .*heads = 8"):
-        sweep.run_sweep(tiny(model={"layers": 2}), 3, sweep.load_hardware("cpu-2core"),
+        sweep.run_sweep(tiny(model={"layers": 2}), 3, load_hardware("cpu-2core"),
                         progress=False)
 
 
 def test_unknown_hardware_is_one_line():
     with pytest.raises(UserError, match=r"unknown hardware 'h900'; known: .*h100-node"):
-        sweep.load_hardware("h900")
+        load_hardware("h900")
 
 
 def test_extrapolated_bytes_and_flops_equal_a_full_compile():
     exp = tiny(model={"layers": 8, "scan_layers": True})  # compiled at 2 and 4 layers
     cand = sweep.Candidate({"data": 2, "fsdp": 2, "tensor": 2})
-    measured = sweep._measure(exp, cand, 8)
+    measured = sweep.measure(exp, cand, 8)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     full = analysis.analyze(Job(exp, mesh).compile(), dict(mesh.shape))
     assert measured["flops"] == pytest.approx(full["flops_per_device"], rel=1e-9)
@@ -71,7 +73,7 @@ def test_extrapolated_bytes_and_flops_equal_a_full_compile():
     # Exact but for XLA packing the small scalar all-reduces (metrics, norms)
     # differently at each depth: 780 of 1.4 M bytes here.
     assert total == pytest.approx(sum(full["collectives_wire"].values()), rel=1e-3)
-    row = sweep.predict(exp, cand, measured, sweep.load_hardware("cpu-2core"), 8)
+    row = sweep.predict(exp, cand, measured, load_hardware("cpu-2core"), 8)
     assert row["collective_bytes"] == pytest.approx(total)
     m = full["memory"]
     args = m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"]
@@ -121,15 +123,16 @@ def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
 
 def test_dlrm_sweep_ranks_meshes_and_embedding_placements():
     from plait.config import load_experiment
-    from plait.train.dlrm_job import DLRMJob
+    from plait.parallel.embedding import PLACEMENTS
+    from plait.tasks.dlrm import DLRMTask
 
-    exp = load_experiment(sweep.Path(__file__).resolve().parents[1] / "experiments" /
+    exp = load_experiment(Path(__file__).resolve().parents[1] / "experiments" /
                           "dlrm-tiny.toml")
     cands, _ = sweep.enumerate_shapes(exp, 2)
     # The batch axes of 2 devices x the five placements (dim 16 splits over 2 columns).
-    assert sorted((c.mesh, c.embedding) for c in cands) == sorted(
-        (m, k) for m in ("data=2", "fsdp=2") for k in sweep.EMBEDDING_PLACEMENTS)
-    hw = sweep.load_hardware("h100-node")
+    assert sorted((c.mesh, c.settings["embedding.sharding"]) for c in cands) == sorted(
+        (m, k) for m in ("data=2", "fsdp=2") for k in ("auto", *PLACEMENTS))
+    hw = load_hardware("h100-node")
     rows = sweep.run_sweep(exp, 2, hw, progress=False, workers=1)
     assert len(rows) == 10 and [r["rank"] for r in rows] == list(range(1, 11))
     by = {(r["mesh"], r["embedding_sharding"]): r for r in rows}
@@ -138,10 +141,10 @@ def test_dlrm_sweep_ranks_meshes_and_embedding_placements():
     # Rows price what their compiled step moves: the table-wise step's collectives
     # are the ones plait inspect reads, and the row round-trips to the same shape.
     c = sweep.candidate_of(by[("data=2", "table")], 2)
-    assert c.embedding == "table"
-    job = DLRMJob(c.experiment(exp), make_mesh("data=2"))
+    assert c.settings == {"embedding.sharding": "table"}
+    job = DLRMTask(c.experiment(exp), make_mesh("data=2"))
     compiled = analysis.analyze(job.compile(), {"data": 2})
     wire = sum(op["wire_bytes"] for op in compiled["collective_ops"])
     assert wire > 0  # the all-to-alls of the bags and the all-gather of the ids
     assert by[("data=2", "table")]["collective_bytes"] == pytest.approx(wire, rel=1e-9)
-    assert all(r["lookup_s"] > 0 for r in rows)
+    assert all(r["memory_traffic_s"] > 0 for r in rows)

@@ -11,9 +11,9 @@ import pytest
 from helpers import losses, make_mesh, run, tiny
 
 from plait import analysis, data, sharding
-from plait.inspect import tensor_wire_bytes
 from plait.parallel import formulas
-from plait.train.build import Job
+from plait.tasks.gpt import GPTTask as Job
+from plait.tasks.gpt import tensor_wire_bytes
 from plait.train.step import cross_entropy
 
 # Plain 2-D is covered by the gradient test below and by data x 2-D here.
@@ -47,7 +47,7 @@ def _grads(spec: str, exp):
     mesh = make_mesh(spec)
     job = Job(exp, mesh)
     state = job.init_state()
-    batch = data.global_batch(data.make_source(exp), 0, job.batch_shape, job.batch_sharding)
+    batch = data.global_batch(job.source(), 0, job.batch_shape, job.batch_sharding)
 
     def loss(params, tokens):
         with sharding.use(mesh, job.rules):

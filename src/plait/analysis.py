@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -266,7 +267,7 @@ def collectives(mod: Module, mesh_shape: dict[str, int],
             continue
         for ins in instrs:
             kind = ins.opcode.removesuffix("-start")
-            if kind not in KINDS:
+            if kind not in COLLECTIVE_KINDS:
                 continue
             operand_bytes = sum(shape_bytes(mod.shapes.get(o, "")) for o in ins.operands)
             groups = _group_ids(ins.attrs, n_devices)
@@ -301,8 +302,8 @@ def analyze(compiled, mesh_shape: dict[str, int],
     mod = parse_hlo(compiled.as_text())
     mult = multiplicities(mod, branch_weights)
     colls = collectives(mod, mesh_shape, mult)
-    by_kind = {k: 0.0 for k in KINDS}
-    wire = {k: 0.0 for k in KINDS}
+    by_kind = {k: 0.0 for k in COLLECTIVE_KINDS}
+    wire = {k: 0.0 for k in COLLECTIVE_KINDS}
     for c in colls:
         by_kind[c.kind] += c.bytes * c.count
         wire[c.kind] += c.wire_bytes * c.count

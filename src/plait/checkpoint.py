@@ -17,13 +17,10 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from plait.config import ModelSection
 from plait.errors import UserError
 
 log = logging.getLogger("plait")
-
-# Model keys that change parameter shapes: a mismatch means another model.
-SHAPE_KEYS = ("kind", "layers", "d_model", "heads", "d_ff", "vocab", "seq_len",
-              "tie_embeddings", "vocab_multiple")
 
 
 class Checkpoints:
@@ -54,15 +51,18 @@ class Checkpoints:
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
 
-    def check_model(self, model_cfg: dict, run_dir: Path) -> None:
-        """Refuse a run directory whose checkpoints come from another model shape."""
+    def check_model(self, model: ModelSection, run_dir: Path) -> None:
+        """Refuse a run directory whose checkpoints come from another model kind or shape
+        (the kind's `shape_keys`)."""
+        model_cfg = model.model_dump()
         for step in self.steps():
             try:
                 meta = self.read_meta(step)
             except Exception:
                 continue  # judged (and skipped) when restoring
             saved = meta.get("config", {}).get("model", {})
-            diff = [k for k in SHAPE_KEYS if k in saved and saved.get(k) != model_cfg.get(k)]
+            keys = ("kind", *model.shape_keys)
+            diff = [k for k in keys if k in saved and saved[k] != model_cfg.get(k)]
             if diff:
                 k = diff[0]
                 raise UserError(

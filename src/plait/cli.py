@@ -91,11 +91,13 @@ def parser() -> argparse.ArgumentParser:
 
     sc = sub.add_parser("schedule", help="print a pipeline schedule's table and figures")
     sc.add_argument("name", metavar="SCHEDULE",
-                    help="gpipe, 1f1b, interleaved, chimera or zb-h1")
+                    help="gpipe, 1f1b, interleaved, chimera or zb-h1 "
+                         "(plait.parallel.schedules.SCHEDULES)")
     sc.add_argument("--stages", type=int, required=True, help="pipeline ranks D")
     sc.add_argument("--microbatches", type=int, required=True, help="microbatches N")
     sc.add_argument("--virtual-stages", type=int, default=None,
-                    help="stages per rank for interleaved (default 2)")
+                    help="stages per rank for schedules that interleave (default: the "
+                         "schedule's, 2 for interleaved)")
     sc.add_argument("--json", action="store_true", help="print one JSON object")
     sc.add_argument("--png", help="also draw the table into this PNG file")
     d = sub.add_parser("data", help="turn a text file into a token file (byte-level ids)")
@@ -158,7 +160,6 @@ def _setup(args):
         spec = mesh_lib.MeshSpec(dict(exp.mesh), f"[mesh] of {args.experiment}")
     else:
         spec = mesh_lib.MeshSpec({"data": -1}, "the default mesh")
-    mesh_lib.check_axes(spec)
     if args.devices is not None and args.devices < 1:
         raise UserError(f"--devices must be at least 1, got {args.devices}")
     _join_cluster(args)
@@ -171,17 +172,14 @@ def _auto_mesh(args, exp):
     """`--mesh auto`: sweep the devices at hand and take the best shape that fits."""
     import jax
 
+    from plait import hardware, sweep
     from plait import mesh as mesh_lib
-    from plait import sweep
 
     _join_cluster(args)
     n = mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": -1}, "--mesh auto"), args.devices)
-    kind = jax.devices()[0].device_kind.lower()
-    hw_name = next((name for key, name in (("h100", "h100-node"), ("h200", "h100-node"),
-                                           ("a100", "a100-node"), ("tpu v5p", "tpu-v5p-16"))
-                    if key in kind), "cpu-2core")
+    hw_name = hardware.for_device(jax.devices()[0].device_kind)
     # In this process: the devices are the training's (an accelerator is not shared).
-    rows = sweep.run_sweep(exp, n, sweep.load_hardware(hw_name), workers=1)
+    rows = sweep.run_sweep(exp, n, hardware.load_hardware(hw_name), workers=1)
     best = next((r for r in rows if r["fits"]), None)
     if best is None:
         raise UserError(f"--mesh auto: no shape of {n} devices fits {hw_name}'s memory; "
@@ -207,7 +205,8 @@ def cmd_train(args) -> int:
 
 def cmd_inspect(args) -> int:
     exp, mesh = _setup(args)
-    from plait.inspect import compare_tensor_modes, inspect_step, render, render_comparison
+    from plait.inspect import compare_tensor_modes, inspect_step
+    from plait.views.inspect import render, render_comparison
 
     if args.compare_tensor_modes:
         rows = compare_tensor_modes(exp, mesh.devices.size)
@@ -215,7 +214,7 @@ def cmd_inspect(args) -> int:
             print(json.dumps({"experiment": exp.name, "devices": mesh.devices.size,
                               "modes": rows}))
         else:
-            render_comparison(exp, rows)
+            render_comparison(exp.name, rows)
         return 0
     report = inspect_step(exp, mesh)
     if args.json:
@@ -229,6 +228,9 @@ def cmd_sweep(args) -> int:
     from plait import mesh as mesh_lib
     from plait import sweep
     from plait.config import load_experiment
+    from plait.hardware import load_hardware
+    from plait.tasks import task_class
+    from plait.views.sweep import render, write_outputs
 
     exp = load_experiment(args.experiment, list(args.sets))
     if args.devices < 1:
@@ -236,12 +238,12 @@ def cmd_sweep(args) -> int:
     if args.devices > sweep.MAX_SIMULATED:
         raise UserError(f"--devices {args.devices} is more than plait simulates on one CPU "
                         f"({sweep.MAX_SIMULATED}); sweep a smaller slice")
-    hw = sweep.load_hardware(args.hardware or "cpu-2core")
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
+    hw = load_hardware(args.hardware or "cpu-2core")
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
     t0 = time.perf_counter()
-    if args.workers is not None and args.workers < 1:
-        raise UserError(f"--workers must be at least 1, got {args.workers}")
     rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers)
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
@@ -249,9 +251,10 @@ def cmd_sweep(args) -> int:
         sweep.measure_runs(exp, top, args.devices)
     out = Path(args.out or f"sweeps/{exp.name}-{args.devices}")
     meta = {"experiment": exp.name, "devices": args.devices, "hardware": hw.name,
+            "unit": task_class(exp.model.kind).unit,
             "device_memory_bytes": hw.memory(args.devices), "sweep_s": elapsed}
-    sweep.write_outputs(rows, out, meta)
-    sweep.render(top, meta)
+    write_outputs(rows, out, meta)
+    render(top, meta)
     print(f"plait: {len(rows)} shapes in {elapsed:.0f}s; wrote {out}/sweep.csv, sweep.json, "
           "sweep.png")
     return 0
@@ -259,12 +262,15 @@ def cmd_sweep(args) -> int:
 
 def cmd_plan(args) -> int:
     exp, mesh = _setup(args)
-    if exp.model.kind != "dlrm":
-        raise UserError(f"plait plan is for DLRM experiments (model.kind = \"dlrm\"); "
-                        f"{args.experiment} is a {exp.model.kind}")
-    from plait.plan_cli import render_plan
+    from plait.tasks import make_task
+    from plait.views.plan import render_plan
 
-    render_plan(exp, mesh, args.json)
+    report = make_task(exp, mesh).placement_report()
+    if report is None:
+        raise UserError(f"plait plan shows the embedding plan of a DLRM (model.kind = "
+                        f"\"dlrm\"); {args.experiment} is a {exp.model.kind}, whose layout "
+                        "plait inspect shows")
+    render_plan(report, args.json)
     return 0
 
 
@@ -275,10 +281,12 @@ def cmd_launch(args) -> int:
 
 
 def cmd_schedule(args) -> int:
-    from plait.schedule_cli import run
+    from plait.parallel import schedules
+    from plait.views.schedule import show
 
-    v = args.virtual_stages or (2 if args.name == "interleaved" else 1)
-    return run(args.name, args.stages, args.microbatches, v, args.json, args.png)
+    s = schedules.build(args.name, args.stages, args.microbatches, args.virtual_stages or 0)
+    show(s, args.json, args.png)
+    return 0
 
 
 def cmd_data(args) -> int:

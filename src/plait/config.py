@@ -10,10 +10,18 @@ from __future__ import annotations
 import difflib
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from plait.errors import UserError
 
@@ -27,13 +35,28 @@ NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 
+# How an embedding table can be laid over devices (plait.parallel.embedding runs each).
+TABLE_PLACEMENTS = ("table", "row", "column", "replicated")
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
-class ModelConfig(Section):
-    kind: Literal["gpt", "dlrm"] = "gpt"
+class ModelSection(Section):
+    """The `[model]` table. Each model kind has its own subclass, chosen by `kind`
+    through the task registry (`plait.tasks`); `shape_keys` are the keys that change
+    parameter shapes (a checkpoint of another shape is refused)."""
+
+    kind: str = "gpt"
+    shape_keys: ClassVar[tuple[str, ...]] = ()
+    data_sources: ClassVar[tuple[str, ...]] = ("synthetic",)
+
+
+class GPTConfig(ModelSection):
+    """A decoder-only transformer (`kind = "gpt"`)."""
+
+    kind: Literal["gpt"] = "gpt"
     layers: PosInt = 2
     d_model: PosInt = 64
     heads: PosInt = 4
@@ -51,10 +74,24 @@ class ModelConfig(Section):
     # time no longer grows with the number of layers.
     scan_layers: bool = False
 
-    # DLRM (kind = "dlrm"): one entry per embedding table (its rows), their common
-    # dimension, the MLP widths (the bottom MLP's last width is embedding_dim), the
-    # number of dense features, the pooling of each bag, and DCNv2 cross layers
-    # (0 = the original dot interaction).
+    data_sources: ClassVar[tuple[str, ...]] = ("synthetic", "tokens")
+    shape_keys: ClassVar[tuple[str, ...]] = (
+        "layers", "d_model", "heads", "d_ff", "vocab", "seq_len", "tie_embeddings",
+        "vocab_multiple")
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab + m - 1) // m * m
+
+
+class DLRMConfig(ModelSection):
+    """A DLRM recommender (`kind = "dlrm"`): one entry per embedding table (its rows),
+    their common dimension, the MLP widths (the bottom MLP's last width is
+    embedding_dim), the number of dense features, the pooling of each bag, and DCNv2
+    cross layers (0 = the original dot interaction)."""
+
+    kind: Literal["dlrm"] = "dlrm"
     embedding_rows: list[PosInt] = [1000, 1000]
     embedding_dim: PosInt = 16
     bottom_mlp: list[PosInt] = [64, 16]
@@ -66,20 +103,21 @@ class ModelConfig(Section):
     # large benchmark shape fits a given memory; 0 = no cap.
     max_embedding_rows: NonNegInt = 0
 
+    data_sources: ClassVar[tuple[str, ...]] = ("clicks", "criteo")
+    shape_keys: ClassVar[tuple[str, ...]] = (
+        "embedding_rows", "embedding_dim", "bottom_mlp", "top_mlp", "dense_features",
+        "cross_layers", "max_embedding_rows")
+
     @property
     def table_rows(self) -> list[int]:
         cap = self.max_embedding_rows
         return [min(r, cap) if cap else r for r in self.embedding_rows]
 
-    @property
-    def padded_vocab(self) -> int:
-        m = self.vocab_multiple
-        return (self.vocab + m - 1) // m * m
-
 
 class DataConfig(Section):
-    # synthetic / tokens: GPT token streams; clicks / criteo: DLRM samples.
-    source: Literal["synthetic", "tokens", "clicks", "criteo"] = "synthetic"
+    # Where batches come from; each model kind names the sources it reads (the GPT:
+    # synthetic, tokens; the DLRM: clicks, criteo). Default: the kind's first.
+    source: str | None = None
     path: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
     # Synthetic streams: each token has this many possible successors.
@@ -99,10 +137,10 @@ class DataConfig(Section):
 class EmbeddingConfig(Section):
     """DLRM embedding tables: how each is laid over the mesh (plait.parallel.embedding)."""
 
-    # For every table: auto (the planner decides), table, row, column or replicated.
-    sharding: Literal["auto", "table", "row", "column", "replicated"] = "auto"
-    # Per-table overrides: table index (as a string) -> kind, e.g. {"0" = "row"}.
-    overrides: dict[str, Literal["table", "row", "column", "replicated"]] = {}
+    # For every table: auto (the planner decides), or one of TABLE_PLACEMENTS.
+    sharding: Literal["auto", TABLE_PLACEMENTS] = "auto"
+    # Per-table overrides: table index (as a string) -> placement, e.g. {"0" = "row"}.
+    overrides: dict[str, Literal[TABLE_PLACEMENTS]] = {}
     # Sparse optimizer of the tables (only looked-up rows change): sgd, row-wise
     # adagrad (one accumulator per row, as TorchRec and MLPerf) or adam on rows.
     optimizer: Literal["sgd", "adagrad", "adam"] = "sgd"
@@ -124,13 +162,24 @@ class TrainConfig(Section):
 class PipelineConfig(Section):
     """Used when the mesh has a `pipeline` axis larger than 1."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved", "chimera", "zb-h1"] = "1f1b"
+    # One of plait.parallel.schedules.SCHEDULES (gpipe, 1f1b, interleaved, chimera, zb-h1).
+    schedule: str = "1f1b"
     # Microbatches per step the pipeline splits the global batch into; 0 = pipeline size.
     microbatches: NonNegInt = 0
-    # Stages per rank for the interleaved schedule (v).
-    virtual_stages: PosInt = 2
+    # Stages per rank for the schedules that interleave them (v); 0 = the schedule's
+    # default (interleaved: 2, the others 1).
+    virtual_stages: NonNegInt = 0
     # Recompute each stage's forward in its backward instead of keeping residuals.
     recompute: bool = False
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, name: str) -> str:
+        from plait.parallel.schedules import SCHEDULES
+
+        if name not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule; choose one of {', '.join(SCHEDULES)}")
+        return name
 
 
 class OptimizerConfig(Section):
@@ -166,7 +215,8 @@ class LogConfig(Section):
 class Experiment(Section):
     name: str = "experiment"
     seed: int = 0
-    model: ModelConfig = ModelConfig()
+    # A subclass of ModelSection, chosen by the table's `kind` (plait.tasks).
+    model: SerializeAsAny[ModelSection] = GPTConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     pipeline: PipelineConfig = PipelineConfig()
@@ -178,40 +228,77 @@ class Experiment(Section):
     # Default mesh of the experiment: axis name -> size (see plait.mesh).
     mesh: dict[str, int] | None = None
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_of_its_kind(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            return model_class(raw.get("kind", "gpt")).model_validate(raw)
+        return raw
+
+    @model_validator(mode="after")
+    def _source_of_the_model(self) -> Experiment:
+        sources = self.model.data_sources
+        if self.data.source is None:
+            self.data.source = sources[0]
+        elif self.data.source not in sources:
+            raise ValueError(
+                f"data.source = \"{self.data.source}\" is not read by a {self.model.kind} "
+                f"model; use one of {', '.join(sources)}")
+        return self
+
     def to_toml(self) -> str:
         return tomli_w.dumps(self.model_dump(exclude_none=True))
 
 
+def model_class(kind: str) -> type[ModelSection]:
+    """The `[model]` schema of a model kind, from the task registry."""
+    from plait import tasks
+
+    return tasks.config_class(kind)
+
+
+def _section_class(model: type[BaseModel], name: str, raw: Any = None) -> type[BaseModel] | None:
+    """The schema of a sub-table (`[model]` by its kind), or None for a plain value."""
+    if model is Experiment and name == "model":
+        kind = raw.get("kind", "gpt") if isinstance(raw, dict) else "gpt"
+        return model_class(kind) if isinstance(kind, str) else ModelSection
+    ann = model.model_fields[name].annotation
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
 def all_keys(model: type[BaseModel] = Experiment, prefix: str = "") -> list[str]:
-    """Every dotted key the schema accepts (for suggestions and docs)."""
+    """Every dotted key the schema accepts, every model kind's included (for suggestions)."""
+    from plait import tasks
+
     keys = []
-    for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += all_keys(ann, f"{prefix}{name}.")
-        else:
-            keys.append(f"{prefix}{name}")
+    for name in model.model_fields:
+        if model is Experiment and name == "model":
+            for kind in tasks.kinds():
+                keys += [k for k in all_keys(model_class(kind), "model.") if k not in keys]
+            continue
+        section = _section_class(model, name)
+        keys += all_keys(section, f"{prefix}{name}.") if section else [f"{prefix}{name}"]
     return keys
 
 
 def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: str) -> None:
     for key, value in raw.items():
-        field = model.model_fields.get(key)
         dotted = f"{prefix}{key}"
-        if field is None:
+        if key not in model.model_fields:
             siblings = [f"{prefix}{k}" for k in model.model_fields]
             close = (difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.6)
                      or difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6))
             hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
-            raise UserError(f"unknown config key '{dotted}' in {source}{hint}")
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            kind = f" (a {raw['kind']} model)" if prefix == "model." and "kind" in raw else ""
+            raise UserError(f"unknown config key '{dotted}'{kind} in {source}{hint}")
+        section = _section_class(model, key, value)
+        if section is not None:
             if not isinstance(value, dict):
                 raise UserError(
                     f"config key '{dotted}' in {source} must be a table ([{dotted}]), "
                     f"got {type(value).__name__}"
                 )
-            _check_unknown_keys(value, ann, f"{dotted}.", source)
+            _check_unknown_keys(value, section, f"{dotted}.", source)
 
 
 def _type_name(value: Any) -> str:
@@ -228,8 +315,11 @@ def validate(raw: dict, source: str) -> Experiment:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         value = err.get("input")
+        msg = err["msg"].removeprefix("Value error, ")
+        if not loc:  # a check across sections: the message names its keys
+            raise UserError(f"{msg} (in {source})") from None
         raise UserError(
-            f"config key '{loc}' in {source}: {err['msg'].lower()}, "
+            f"config key '{loc}' in {source}: {msg[:1].lower() + msg[1:]}, "
             f"got {value!r} ({_type_name(value)})"
         ) from None
 

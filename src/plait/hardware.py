@@ -1,12 +1,24 @@
-"""Published peak dense matmul throughput of known devices (FLOP/s per device).
+"""What plait knows of hardware: peak FLOP/s of devices, memory, and target descriptions.
 
-The MFU denominator. Matched against `jax.Device.device_kind`; an unknown
-device (a CPU, a new GPU) has no entry and MFU is reported as null rather than
-guessed. float32 on NVIDIA is the TF32 tensor-core rate, which XLA uses for
-float32 matmuls at default precision.
+`peak_flops` is the MFU denominator, matched against `jax.Device.device_kind`;
+an unknown device (a CPU, a new GPU) has no entry and MFU is reported as null
+rather than guessed. float32 on NVIDIA is the TF32 tensor-core rate, which XLA
+uses for float32 matmuls at default precision.
+
+`load_hardware` reads a target description (the `[hardware]` table of a mesh
+file) for `plait sweep`: a path, or a name looked up in the directories of
+`$PLAIT_HARDWARE_PATH`, then in the descriptions shipped with plait
+(`meshes/`, installed as package data).
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from plait.errors import UserError
 
 # (substring of device_kind, lower case) -> {compute dtype: peak FLOP/s}
 PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
@@ -39,8 +51,6 @@ def peak_flops(device_kind: str, dtype: str) -> float | None:
 def device_memory_bytes(device) -> float:
     """Memory one device may use: an accelerator's limit, or on CPU the host's physical
     memory shared by the process's simulated devices."""
-    import os
-
     import jax
 
     stats = None
@@ -52,3 +62,83 @@ def device_memory_bytes(device) -> float:
         return float(stats["bytes_limit"])
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return host / max(1, jax.local_device_count())
+
+
+@dataclass
+class Hardware:
+    """A target machine for the sweep's cost model (see plait.sweep.cost)."""
+
+    name: str
+    peak_bf16_flops: float
+    peak_fp32_flops: float
+    memory_bytes: float
+    devices_per_node: int
+    intra_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_bandwidth: float
+    inter_node_latency: float
+    efficiency: float = 0.5
+    # Bytes/s of device memory: prices a DLRM's row gathers and sparse updates.
+    memory_bandwidth: float = 0.0
+    shared_compute: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def peak(self, dtype: str, n: int) -> float:
+        p = self.peak_bf16_flops if dtype == "bfloat16" else self.peak_fp32_flops
+        return p / n if self.shared_compute else p
+
+    def bandwidth(self, n: int) -> float:
+        """Memory bandwidth per device (inf where the description has none)."""
+        b = self.memory_bandwidth or float("inf")
+        return b / n if self.shared_compute else b
+
+    def memory(self, n: int) -> float:
+        return self.memory_bytes / n if self.shared_compute else self.memory_bytes
+
+
+_OPTIONAL = ("efficiency", "shared_compute", "memory_bandwidth")
+
+
+def search_path() -> list[Path]:
+    """Where hardware names are looked up, in order."""
+    dirs = [Path(p) for p in os.environ.get("PLAIT_HARDWARE_PATH", "").split(os.pathsep) if p]
+    return [*dirs, Path(str(resources.files("plait") / "meshes"))]
+
+
+def known_hardware() -> list[str]:
+    from plait.config import read_toml
+
+    names = {p.stem for d in search_path() if d.is_dir() for p in d.glob("*.toml")
+             if "hardware" in read_toml(p, "mesh file")}
+    return sorted(names)
+
+
+def load_hardware(name: str) -> Hardware:
+    """A hardware description: a path to a TOML file with a [hardware] table, or a name."""
+    from plait.config import read_toml
+
+    path = Path(name)
+    if not path.is_file():
+        path = next((d / f"{name}.toml" for d in search_path() if (d / f"{name}.toml").is_file()),
+                    None)
+    if path is None:
+        raise UserError(f"unknown hardware '{name}'; known: {', '.join(known_hardware())} "
+                        "(or a path to a TOML file with a [hardware] table; more names "
+                        "from $PLAIT_HARDWARE_PATH)")
+    raw = read_toml(path, "hardware file").get("hardware")
+    if not isinstance(raw, dict):
+        raise UserError(f"'{path}' has no [hardware] table")
+    fields = set(Hardware.__dataclass_fields__) - {"extra"}
+    missing = sorted(f for f in fields - set(raw) if f not in _OPTIONAL)
+    if missing:
+        raise UserError(f"hardware '{path}' lacks {', '.join(missing)}")
+    known = {k: v for k, v in raw.items() if k in fields}
+    return Hardware(**known, extra={k: v for k, v in raw.items() if k not in fields})
+
+
+def for_device(device_kind: str) -> str:
+    """The shipped description closest to a device (for `--mesh auto`)."""
+    kind = device_kind.lower()
+    return next((name for key, name in (("h100", "h100-node"), ("h200", "h100-node"),
+                                        ("a100", "a100-node"), ("tpu v5p", "tpu-v5p-16"))
+                 if key in kind), "cpu-2core")

@@ -9,27 +9,19 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from plait.errors import UserError
 
-# Every axis name of the design, in mesh order (outermost first: the innermost
-# axes talk most and should land on the fastest links).
-KNOWN_AXES = (
+# Every mesh axis, in mesh order (outermost first: the innermost axes talk most
+# and should land on the fastest links).
+AXES = (
     "data", "pipeline", "fsdp",
     "tensor_depth", "tensor_row", "tensor_col",
     "tensor_x", "tensor_y", "tensor_z",
     "tensor",
 )
-# Axes this version can run; the others are accepted by name at size 1.
-IMPLEMENTED_AXES = (
-    "data", "pipeline", "fsdp",
-    "tensor_depth", "tensor_row", "tensor_col",
-    "tensor_x", "tensor_y", "tensor_z",
-    "tensor",
-)
-_FUTURE: dict[str, str] = {}
 # Tensor-parallel modes and the axes that make them (a mesh uses at most one).
 TENSOR_MODES = {
     "1d": ("tensor",),
@@ -41,11 +33,14 @@ TENSOR_MODES = {
 
 @dataclass
 class MeshSpec:
-    """Axis sizes as the user wrote them (one may be -1), plus where they came from."""
+    """Axis sizes as the user wrote them (one may be -1), plus where they came from.
+    Checked when made: known axes, sizes >= 1 or -1, at most one -1."""
 
     axes: dict[str, int]
     source: str
-    hardware: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_axes(self)
 
     def inline(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.axes.items())
@@ -87,30 +82,24 @@ def load_spec(arg: str) -> MeshSpec:
         for k, v in axes.items():
             if not isinstance(v, int) or isinstance(v, bool):
                 raise UserError(f"mesh file '{path}': axis '{k}' must be an integer, got {v!r}")
-        return MeshSpec(dict(axes), str(path), dict(raw.get("hardware", {})))
+        return MeshSpec(dict(axes), str(path))
     if "=" not in arg:
         raise UserError(f"mesh file '{arg}' not found; pass a file or an inline spec like data=8")
     return MeshSpec(parse_inline(arg), "--mesh")
 
 
-def check_axes(spec: MeshSpec) -> None:
+def _check_axes(spec: MeshSpec) -> None:
     for name, size in spec.axes.items():
-        if name not in KNOWN_AXES:
+        if name not in AXES:
             import difflib
 
-            close = difflib.get_close_matches(name, KNOWN_AXES, n=1)
+            close = difflib.get_close_matches(name, AXES, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
             raise UserError(
-                f"unknown mesh axis '{name}' in {spec.source}{hint} "
-                f"(axes: {', '.join(KNOWN_AXES)})"
+                f"unknown mesh axis '{name}' in {spec.source}{hint} (axes: {', '.join(AXES)})"
             )
         if size == 0 or size < -1:
             raise UserError(f"mesh axis '{name}' has size {size} in {spec.source}; use >= 1 or -1")
-        if name not in IMPLEMENTED_AXES and size != 1:
-            raise UserError(
-                f"mesh axis '{name}' ({_FUTURE[name]}) is not implemented yet; "
-                f"remove it from {spec.source} or set it to 1"
-            )
     if sum(1 for s in spec.axes.values() if s == -1) > 1:
         raise UserError(f"only one mesh axis may be -1 in {spec.source}")
 
@@ -120,10 +109,9 @@ def fixed_product(spec: MeshSpec) -> int:
 
 
 def resolve(spec: MeshSpec, n_devices: int) -> dict[str, int]:
-    """Sizes of every implemented axis, with -1 replaced by the devices left."""
-    check_axes(spec)
+    """Sizes of every axis, with -1 replaced by the devices left."""
     fixed = fixed_product(spec)
-    sizes = {a: 1 for a in IMPLEMENTED_AXES}
+    sizes = {a: 1 for a in AXES}
     for name, size in spec.axes.items():
         if name in sizes:
             sizes[name] = size
@@ -212,7 +200,6 @@ def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
     """
     import jax
 
-    check_axes(spec)
     has_free = any(s == -1 for s in spec.axes.values())
     if requested is not None:
         want = requested

@@ -32,14 +32,16 @@ from dataclasses import dataclass
 
 from plait.config import Experiment
 from plait.errors import UserError
-from plait.parallel.embedding import Layout
+from plait.parallel.embedding import TableLayout
+from plait.parallel.sparse_optim import OPTIMIZERS
+from plait.views.common import size_text
 
 BALANCE = 1.25  # table-wise while the busiest device holds at most this x the average
 
 
 @dataclass
 class TablePlan:
-    layout: Layout
+    layout: TableLayout
     why: list[str]  # per table: why this kind
 
     def per_device_bytes(self, opt: str) -> list[int]:
@@ -60,7 +62,7 @@ def plan_tables(exp: Experiment, devices: int, axes: tuple[str, ...]) -> TablePl
             raise UserError(f"embedding.overrides names table '{key}', but the model has {T} "
                             f"tables (0 to {T - 1}); use their indices")
         overrides[t] = kind
-    per_row = Layout(tuple(rows), d, ("replicated",) * T, Pn, axes).row_bytes(e.optimizer)
+    per_row = TableLayout(tuple(rows), d, ("replicated",) * T, Pn, axes).row_bytes(e.optimizer)
     size = [r * per_row for r in rows]
     kinds: list[str | None] = [None] * T
     why = [""] * T
@@ -103,15 +105,8 @@ def plan_tables(exp: Experiment, devices: int, axes: tuple[str, ...]) -> TablePl
     for t in free:
         kinds[t], why[t] = "table", "whole, on the least-loaded device"
     owners = [o if kinds[t] == "table" else -1 for t, o in enumerate(owners)]
-    lay = Layout(tuple(rows), d, tuple(kinds), Pn, axes, tuple(owners))
+    lay = TableLayout(tuple(rows), d, tuple(kinds), Pn, axes, tuple(owners))
     return TablePlan(lay, why)
-
-
-def size_text(x: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= scale:
-            return f"{x / scale:,.2f} {unit}"
-    return f"{x:,.0f} bytes"
 
 
 def check_memory(plan: TablePlan, opt: str, budget: float, dense_bytes: int) -> None:
@@ -129,3 +124,24 @@ def check_memory(plan: TablePlan, opt: str, budget: float, dense_bytes: int) -> 
         f"{worst} needs {size_text(need)} of {size_text(budget)} "
         f"({size_text(need - budget)} missing); shard it (row or column) over more "
         "devices, cap model.max_embedding_rows, or use sgd (no optimizer state)")
+
+
+def row_traffic_per_device(lay: TableLayout, opt: str, batch: int, ids_per_bag: int) -> float:
+    """Bytes of table rows the busiest device moves per step: the gathers of the bags, and
+    the reads and writes of every updated row and its optimizer fields."""
+    gather = lay.dim * 4
+    update = OPTIMIZERS[opt].update_bytes_per_id(lay.dim)
+    ids, P = batch * ids_per_bag, lay.devices
+    load = [0.0] * P
+    for t, kind in enumerate(lay.kinds):
+        if kind == "table":
+            load[lay.owners[t]] += ids * (gather + update)
+            continue
+        for p in range(P):
+            if kind == "replicated":  # local bags; every replica applies every update
+                load[p] += ids / P * gather + ids * update
+            elif kind == "row":  # every id is checked on every device, 1/P of them are here
+                load[p] += ids * gather + ids / P * update
+            else:  # column: every id, 1/P of each row
+                load[p] += ids * (gather + update) / P
+    return max(load)

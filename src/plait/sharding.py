@@ -3,7 +3,8 @@
 Models name the dimensions of their parameters and activations logically
 (`embed`, `heads`, `act_batch`, ...). A rule set maps each logical name to
 zero, one or several mesh axes; this module is the only place that knows the
-mesh. A new parallel mode is a new rule set, never an edit to a model.
+mesh. A new parallel mode is a new rule set, never an edit to a model. The
+compute ops models call (`dense`, `lookup`) are in `plait.parallel.ops`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -189,6 +189,11 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.Context
 )
 
 
+def active() -> tuple[Mesh, Rules] | None:
+    """The mesh and rules of the step being traced (None outside `use`)."""
+    return _ACTIVE.get()
+
+
 @contextlib.contextmanager
 def use(mesh: Mesh, rules: Rules) -> Iterator[None]:
     token = _ACTIVE.set((mesh, rules))
@@ -211,68 +216,3 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         # constraint names the context's mesh, where those axes are Manual.
         return jax.lax.with_sharding_constraint(x, NamedSharding(context, target))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, target))
-
-
-def _letters(n: int, skip: str = "") -> list[str]:
-    return [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in skip][:n]
-
-
-def dense(x: jax.Array, w: nnx.Variable) -> jax.Array:
-    """x [..., *fan_in] times weight `w` (contracting its `fan_in` dimensions).
-
-    The output has x's leading dimensions followed by w's other dimensions, in
-    w's order. Under 1-D (or no) tensor parallelism this is an einsum that GSPMD
-    partitions; under 2-D / 2.5-D / 3-D it is the explicit gathered matmul of
-    `parallel.tensor`, laid out by the active rules.
-    """
-    logical, fan_in = param_meta(w)
-    value = w[...]
-    lead = x.ndim - len(fan_in)
-    names = dict(zip(logical, _letters(len(logical), skip="bs"), strict=True))
-    lead_l = _letters(lead, skip="".join(names.values()))
-    x_l = lead_l + [names[n] for n in fan_in]
-    out_names = [n for n in logical if n not in fan_in]
-    eq = f"{''.join(x_l)},{''.join(names[n] for n in logical)}->" \
-         f"{''.join(lead_l + [names[n] for n in out_names])}"
-    active = _ACTIVE.get()
-    if active is None or active[1].mode in (None, "1d"):
-        return jnp.einsum(eq, x, value)
-    mesh, rules = active
-    from plait.parallel import tensor
-
-    x_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in fan_in], rules, mesh)
-    out_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in out_names],
-                    rules, mesh)
-    w_spec = axes_spec([_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)], mesh)
-    contracted = [logical.index(n) for n in fan_in]
-    return tensor.gathered_matmul(eq, x, value, mesh=mesh, x_spec=x_spec, w_spec=w_spec,
-                                  out_spec=out_spec, x_contracted=list(range(lead, x.ndim)),
-                                  w_contracted=contracted)
-
-
-def lookup(table: nnx.Variable, ids: jax.Array) -> jax.Array:
-    """Rows of an embedding table [vocab, embed] for integer ids [batch, seq].
-
-    The result is laid out like the residual stream. 1-D gathers the table's
-    fsdp shards and lets GSPMD do a vocabulary-parallel lookup; 2-D / 3-D use
-    `parallel.tensor.sharded_lookup`, which never gathers the whole table.
-    """
-    logical, fan_in = param_meta(table)
-    value = table[...]
-    active = _ACTIVE.get()
-    if active is None or active[1].mode in (None, "1d"):
-        # Gather the table's d_model shards (ZeRO-3) before the vocabulary-parallel
-        # lookup; a lookup into a table split both ways has no efficient partition.
-        return jnp.take(constrain(value, ("vocab", "act_embed")), ids, axis=0)
-    mesh, rules = active
-    from plait.parallel import tensor
-
-    t_spec = axes_spec([_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)], mesh)
-    out_spec = spec(["act_batch"] + [None] * (ids.ndim - 1) + ["act_embed"], rules, mesh)
-    return tensor.sharded_lookup(value, ids, mesh=mesh, table_spec=t_spec, out_spec=out_spec)
-
-
-def _without(axes: MeshAxes, drop: str) -> MeshAxes:
-    """Axes minus `drop`: fsdp shards are gathered by GSPMD before a shard_map."""
-    kept = tuple(a for a in axes_tuple(axes) if a != drop)
-    return kept or None

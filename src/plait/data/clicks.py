@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-HELD_OUT = 1 << 40  # steps at and above this index are held out (for AUC)
-
 
 def _id_score(ids: np.ndarray, table: int) -> np.ndarray:
     """A fixed pseudo-random score in [-1, 1) per (table, id)."""

@@ -1,4 +1,4 @@
-"""Model registry and the bridge between NNX modules and plain parameter dicts.
+"""The bridge between NNX modules and plain parameter dicts.
 
 Training, sharding and checkpoints all work on a *pure dict* of arrays (string
 keys, e.g. params["blocks"]["0"]["attn"]["wqkv"]): canonical, independent of
@@ -15,11 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from plait.config import ModelConfig
-from plait.models import dlrm, gpt
+from plait.config import ModelSection
 from plait.models.keys import ParamKeys
-
-_KINDS = {"gpt": gpt.GPT, "dlrm": dlrm.DLRM}
 
 
 def _key(k: Any) -> str:
@@ -46,7 +43,8 @@ def _lookup(tree: dict, path) -> Any:
 class ModelDef:
     """A model's structure without its values: graph, abstract state, config."""
 
-    cfg: ModelConfig
+    cfg: ModelSection
+    cls: type  # the NNX module class, constructed as cls(cfg, ParamKeys)
     graphdef: Any
     abstract: nnx.State
 
@@ -63,7 +61,7 @@ class ModelDef:
 
     def init(self, seed: int) -> dict:
         """Fresh parameters; call under jit with out_shardings so they are born sharded."""
-        module = _KINDS[self.cfg.kind](self.cfg, ParamKeys(seed))
+        module = self.cls(self.cfg, ParamKeys(seed))
         _, state = nnx.split(module)
         return flat_to_pure((p, v.get_value()) for p, v in nnx.to_flat_state(state))
 
@@ -84,9 +82,6 @@ class ModelDef:
         import math
 
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes()))
-
-
-_LAYERS = {"gpt": ("blocks", gpt.Block)}
 
 
 @dataclass(frozen=True)
@@ -116,28 +111,15 @@ class LayerStack:
         return jax.lax.scan(body, x, stacked)[0]
 
 
-def layer_key(cfg: ModelConfig) -> str:
-    """Key of the repeated layers in the parameter dict (`params[key][str(i)]`)."""
-    return _LAYERS[cfg.kind][0]
-
-
-def layer_stack(cfg: ModelConfig) -> LayerStack:
-    module = nnx.eval_shape(lambda: _LAYERS[cfg.kind][1](cfg, ParamKeys(0)))
+def layer_stack(layer_cls: type, cfg: ModelSection) -> LayerStack:
+    """The stack runner of one repeated layer, `layer_cls(cfg, ParamKeys)`."""
+    module = nnx.eval_shape(lambda: layer_cls(cfg, ParamKeys(0)))
     graphdef, abstract = nnx.split(module)
-    return LayerStack(graphdef, abstract, cfg.remat)
+    return LayerStack(graphdef, abstract, bool(getattr(cfg, "remat", False)))
 
 
-def without_layers(cfg: ModelConfig) -> ModelDef:
-    """The model with no repeated layers: its parameters are the ones the layers do not own."""
-    return build(cfg.model_copy(update={"layers": 0}))
-
-
-def build(cfg: ModelConfig) -> ModelDef:
-    module = nnx.eval_shape(lambda: _KINDS[cfg.kind](cfg, ParamKeys(0)))
+def build(cls: type, cfg: ModelSection) -> ModelDef:
+    """The abstract model `cls(cfg, keys)`: its structure, no values."""
+    module = nnx.eval_shape(lambda: cls(cfg, ParamKeys(0)))
     graphdef, abstract = nnx.split(module)
-    return ModelDef(cfg, graphdef, abstract)
-
-
-def flops_per_token(cfg: ModelConfig) -> float | None:
-    """Model FLOPs per trained token (None where MFU is not reported: DLRM)."""
-    return gpt.flops_per_token(cfg) if cfg.kind == "gpt" else None
+    return ModelDef(cfg, cls, graphdef, abstract)

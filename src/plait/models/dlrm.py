@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from plait.config import ModelConfig
+from plait.config import DLRMConfig
 from plait.models.keys import ParamKeys
 
 
@@ -55,7 +55,7 @@ class Cross(nnx.Module):
 
 
 class DLRM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, keys: ParamKeys):
+    def __init__(self, cfg: DLRMConfig, keys: ParamKeys):
         d, T = cfg.embedding_dim, len(cfg.embedding_rows)
         self.bottom = MLP([cfg.dense_features, *cfg.bottom_mlp], keys, last_relu=True)
         if cfg.cross_layers:

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from plait.config import ModelConfig
+from plait.config import GPTConfig
 from plait.models.keys import ParamKeys
-from plait.sharding import constrain, dense, lookup
+from plait.parallel.ops import dense, lookup
+from plait.sharding import constrain
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
 
@@ -54,7 +55,7 @@ class LayerNorm(nnx.Module):
 class Attention(nnx.Module):
     """Causal self-attention; QKV column-split and output row-split by head."""
 
-    def __init__(self, cfg: ModelConfig, rngs: ParamKeys):
+    def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
         d, h = cfg.d_model, cfg.heads
         hd = d // h
         resid_std = 0.02 / math.sqrt(2 * cfg.layers)
@@ -78,7 +79,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: ParamKeys):
+    def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
         d, f = cfg.d_model, cfg.d_ff
         self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02, fan_in=("embed",))
         self.b1 = _param(rngs, (f,), ("mlp",), 0.0)
@@ -94,7 +95,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: ParamKeys):
+    def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
         self.ln1 = LayerNorm(cfg.d_model, cfg.norm_eps, rngs)
         self.attn = Attention(cfg, rngs)
         self.ln2 = LayerNorm(cfg.d_model, cfg.norm_eps, rngs)
@@ -110,7 +111,7 @@ def _run_block(block: Block, x: jax.Array) -> jax.Array:
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: ParamKeys):
+    def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
         v, d = cfg.padded_vocab, cfg.d_model
         # fan_in: the tied output head contracts the table's embed dimension.
         self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",))
@@ -164,7 +165,7 @@ class GPT(nnx.Module):
         return self.logits(x)
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
+def flops_per_token(cfg: GPTConfig) -> float:
     """Model FLOPs per trained token (forward + backward), PaLM-style.
 
     6 x (parameters in matrix multiplies, head included) + 12 x layers x seq x d_model

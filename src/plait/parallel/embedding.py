@@ -31,11 +31,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-KINDS = ("table", "row", "column", "replicated")
+from plait.config import TABLE_PLACEMENTS as PLACEMENTS
+from plait.parallel.sparse_optim import OPTIMIZERS, ROW, SparseOptimizer
 
 
 @dataclass(frozen=True)
-class Layout:
+class TableLayout:
     """Where each table's rows live: the fused buffer of its kind, and its place in it."""
 
     rows: tuple[int, ...]
@@ -53,7 +54,7 @@ class Layout:
         owners = self.owners or tuple(-1 for _ in self.rows)
         object.__setattr__(self, "owners", owners)
         offsets, slots = [0] * len(self.rows), [0] * len(self.rows)
-        block = {k: 0 for k in KINDS}
+        block = {k: 0 for k in PLACEMENTS}
         per_owner = [0] * Pn
         per_owner_count = [0] * Pn
         for t, (r, kind) in enumerate(zip(self.rows, self.kinds, strict=True)):
@@ -82,7 +83,7 @@ class Layout:
 
     @property
     def present(self) -> list[str]:
-        return [k for k in KINDS if self.tables(k)]
+        return [k for k in PLACEMENTS if self.tables(k)]
 
     @property
     def slots_per_device(self) -> int:
@@ -105,9 +106,8 @@ class Layout:
         return P(ax) if kind in ("row", "table") else P(None)
 
     def row_bytes(self, opt: str) -> int:
-        """Bytes of one row with its optimizer state (SGD none, row-wise Adagrad one
-        float, Adam two moments)."""
-        return 4 * self.dim + {"sgd": 0, "adagrad": 4, "adam": 8 * self.dim}[opt]
+        """Bytes of one row with its sparse optimizer's state."""
+        return 4 * self.dim + OPTIMIZERS[opt].state_bytes_per_row(self.dim)
 
     def table_bytes_on(self, t: int, p: int, opt: str) -> float:
         """Bytes of table t (with its optimizer state) on device p."""
@@ -118,9 +118,9 @@ class Layout:
             return whole if self.owners[t] == p else 0
         if kind == "row":
             return self.part(t) * self.row_bytes(opt)
-        # column: the row's floats (and Adam's moments) split, Adagrad's accumulator whole
-        acc = 4 * self.rows[t] if opt == "adagrad" else 0
-        return (whole - acc) / self.devices + acc
+        # column: the row's floats (and full-row state) split, per-row state whole
+        per_row = self.rows[t] * OPTIMIZERS[opt].row_state_bytes()
+        return (whole - per_row) / self.devices + per_row
 
     def per_device_table_bytes(self, opt: str) -> list[float]:
         """Each device's bytes of embedding tables and their optimizer state."""
@@ -131,31 +131,18 @@ class Layout:
 # ---------------------------------------------------------------- state
 
 
-def opt_state_shapes(lay: Layout, opt: str) -> dict:
-    out = {}
-    for kind in lay.present:
-        shape = lay.buffer_shape(kind)
-        if opt == "adagrad":
-            out[kind] = {"acc": jax.ShapeDtypeStruct((shape[0],), jnp.float32)}
-        elif opt == "adam":
-            s = jax.ShapeDtypeStruct(shape, jnp.float32)
-            out[kind] = {"m": s, "v": s}
-        else:
-            out[kind] = {}
-    return out
+def opt_state_shapes(lay: TableLayout, opt: str) -> dict:
+    """The sparse optimizer's state beside each fused buffer."""
+    return {kind: OPTIMIZERS[opt].state_shapes(*lay.buffer_shape(kind)) for kind in lay.present}
 
 
-def shardings(lay: Layout, mesh: Mesh, opt: str) -> tuple[dict, dict]:
-    """Shardings of the fused buffers and of their optimizer state."""
+def shardings(lay: TableLayout, mesh: Mesh, opt: str) -> tuple[dict, dict]:
+    """Shardings of the fused buffers and of their optimizer state (laid like the rows)."""
     tables = {k: NamedSharding(mesh, lay.buffer_spec(k)) for k in lay.present}
-    state = {}
-    for kind in lay.present:
-        if opt == "adagrad":
-            state[kind] = {"acc": NamedSharding(mesh, lay.row_spec(kind))}
-        elif opt == "adam":
-            state[kind] = {"m": tables[kind], "v": tables[kind]}
-        else:
-            state[kind] = {}
+    fields = OPTIMIZERS[opt].fields
+    state = {kind: {f: NamedSharding(mesh, lay.row_spec(kind)) if how == ROW else tables[kind]
+                    for f, how in fields.items()}
+             for kind in lay.present}
     return tables, state
 
 
@@ -166,7 +153,7 @@ def init_table(seed: int, t: int, rows: int, dim: int) -> jax.Array:
     return jax.random.uniform(key, (rows, dim), jnp.float32, -bound, bound)
 
 
-def fuse(lay: Layout, tables: list[jax.Array]) -> dict:
+def fuse(lay: TableLayout, tables: list[jax.Array]) -> dict:
     """Per-table arrays [rows_t, cols] -> the fused buffers of the layout (jnp; jit it).
     cols is the embedding dimension for tables and Adam's moments, 1 for Adagrad's
     accumulators."""
@@ -195,7 +182,7 @@ def fuse(lay: Layout, tables: list[jax.Array]) -> dict:
     return out
 
 
-def unfuse(lay: Layout, buffers: dict) -> list[jax.Array]:
+def unfuse(lay: TableLayout, buffers: dict) -> list[jax.Array]:
     """The fused buffers -> per-table arrays [rows_t, cols] (checkpoints hold these)."""
     Pn = lay.devices
     out: list = [None] * len(lay.rows)
@@ -218,11 +205,11 @@ def unfuse(lay: Layout, buffers: dict) -> list[jax.Array]:
 # ---------------------------------------------------------------- lookup
 
 
-def _index(lay: Layout):
+def _index(lay: TableLayout):
     return jax.lax.axis_index(lay.axes)
 
 
-def _gather_ids(lay: Layout, ids):
+def _gather_ids(lay: TableLayout, ids):
     return jax.lax.all_gather(ids, lay.axes, axis=1, tiled=True)
 
 
@@ -241,7 +228,7 @@ def _pool(buf, rows, valid):
     return jax.lax.scan(add, zero, (jnp.moveaxis(rows, -1, 0), jnp.moveaxis(valid, -1, 0)))[0]
 
 
-def _table_maps(lay: Layout):
+def _table_maps(lay: TableLayout):
     """Table-wise bookkeeping: per device and slot, which table (index among the kind's
     tables, -1 = empty slot) and its offset; per table, its row in the all-to-all output."""
     ts = lay.tables("table")
@@ -256,7 +243,7 @@ def _table_maps(lay: Layout):
     return sel, off, recv
 
 
-def _local_rows(lay: Layout, kind: str, ids_all, p):
+def _local_rows(lay: TableLayout, kind: str, ids_all, p):
     """Rows of this device's block the ids of `kind`'s tables touch, and which ids are here.
 
     ids_all: [T_kind, B, bag] global ids (all-gathered). Returns (rows, valid) with the
@@ -279,7 +266,7 @@ def _local_rows(lay: Layout, kind: str, ids_all, p):
     return ids_all + off, valid
 
 
-def pooled(lay: Layout, mesh: Mesh, buffers: dict, ids: jax.Array, mean: bool) -> jax.Array:
+def pooled(lay: TableLayout, mesh: Mesh, buffers: dict, ids: jax.Array, mean: bool) -> jax.Array:
     """Bags of every table for the batch: ids [T, B, bag] (-1 = no id) -> [T, B, dim].
 
     ids and the result are split over the batch axes (dim 1)."""
@@ -320,71 +307,7 @@ def pooled(lay: Layout, mesh: Mesh, buffers: dict, ids: jax.Array, mean: bool) -
 # ---------------------------------------------------------------- sparse update
 
 
-@dataclass(frozen=True)
-class SparseOpt:
-    name: str  # sgd | adagrad | adam
-    lr: float
-    eps: float = 1e-8
-    b1: float = 0.9
-    b2: float = 0.999
-
-
-def _unique_rows(flat: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
-    """jnp.unique(flat, return_inverse=True, size=n, fill_value=fill), 2.8x faster on CPU.
-
-    XLA's CPU sort is fast on bare keys and slow on (key, index) pairs, which is how
-    jnp.unique finds the inverse (1.6M ids: 538 ms). Sorting the keys alone, then
-    finding each id's first occurrence by binary search, takes 195 ms."""
-    n = flat.shape[0]
-    s = jax.lax.sort(flat)
-    first_of_run = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
-    run = jnp.cumsum(first_of_run) - 1
-    inverse = run[jnp.searchsorted(s, flat, side="left", method="scan")]
-    uniq = jnp.full((n,), fill, flat.dtype).at[run].set(s)
-    return uniq, inverse
-
-
-def _apply(opt: SparseOpt, buf, state, rows, here, g, lr, step, row_sq_sum, cols_total):
-    """Update the rows of `buf` looked up by `rows` [..., bag] (where `here`), each bag's
-    ids with its gradient g [..., cols]."""
-    sentinel = buf.shape[0]
-    rows = jnp.where(here, rows, sentinel)
-    if opt.name == "sgd":
-        # SGD is linear: duplicates merge in the scatter-add itself. One scatter per bag
-        # position (no [..., bag, cols] copy of the gradients): 116 ms against 220 for
-        # 2048 x 100 ids x 8 tables on CPU.
-        upd = -lr * g
-
-        def add(b, r):
-            return b.at[r].add(upd, mode="drop"), None
-
-        return jax.lax.scan(add, buf, jnp.moveaxis(rows, -1, 0))[0], state
-    flat = rows.reshape(-1)
-    n = flat.shape[0]
-    uniq, inv = _unique_rows(flat, sentinel)
-    # Merge duplicates: each distinct row's gradient summed over its ids, one bag
-    # position at a time (no [ids, cols] copy of the bags' gradients).
-    inv = jnp.moveaxis(inv.reshape(rows.shape), -1, 0)
-    gu = jax.lax.scan(lambda acc, i: (acc.at[i].add(g), None),
-                      jnp.zeros((n, g.shape[-1]), g.dtype), inv)[0]
-    if opt.name == "adagrad":
-        sq = row_sq_sum(jnp.sum(gu * gu, axis=-1)) / cols_total
-        acc = state["acc"].at[uniq].add(sq, mode="drop")
-        a = acc.at[uniq].get(mode="fill", fill_value=1.0)
-        upd = -lr * gu / (jnp.sqrt(a)[:, None] + opt.eps)
-        return buf.at[uniq].add(upd, mode="drop"), {"acc": acc}
-    t = (step + 1).astype(jnp.float32)
-    m = state["m"].at[uniq].get(mode="fill", fill_value=0.0) * opt.b1 + (1 - opt.b1) * gu
-    v = state["v"].at[uniq].get(mode="fill", fill_value=0.0) * opt.b2 + (1 - opt.b2) * gu * gu
-    mhat = m / (1 - opt.b1 ** t)
-    vhat = v / (1 - opt.b2 ** t)
-    upd = -lr * mhat / (jnp.sqrt(vhat) + opt.eps)
-    return (buf.at[uniq].add(upd, mode="drop"),
-            {"m": state["m"].at[uniq].set(m, mode="drop"),
-             "v": state["v"].at[uniq].set(v, mode="drop")})
-
-
-def sparse_update(lay: Layout, mesh: Mesh, opt: SparseOpt, buffers: dict, state: dict,
+def sparse_update(lay: TableLayout, mesh: Mesh, opt: SparseOptimizer, buffers: dict, state: dict,
                   ids: jax.Array, grads: jax.Array, lr: jax.Array, step: jax.Array,
                   mean: bool):
     """Apply the gradient of the bags (grads [T, B, dim], batch-split like ids) to the rows
@@ -423,8 +346,9 @@ def sparse_update(lay: Layout, mesh: Mesh, opt: SparseOpt, buffers: dict, state:
                 g = jax.lax.all_to_all(g, lay.axes, 2, 1, tiled=True)  # [T, B, dim/P]
                 rows, here = _local_rows(lay, kind, _gather_ids(lay, mine), p)
                 row_sq_sum = (lambda x: jax.lax.psum(x, lay.axes))
-            new_b[kind], new_s[kind] = _apply(opt, bufs[kind], st[kind], rows, here, g, lr,
-                                              step, row_sq_sum, cols_total)
+            rows = jnp.where(here, rows, bufs[kind].shape[0])  # elsewhere: dropped
+            new_b[kind], new_s[kind] = opt.update(bufs[kind], st[kind], rows, g, lr, step,
+                                                  row_sq_sum, cols_total)
         return new_b, new_s
 
     return jax.shard_map(

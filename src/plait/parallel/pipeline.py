@@ -65,8 +65,9 @@ def _colour(intervals: list[tuple[int, int, int, object]]) -> tuple[dict, int]:
 
 
 @dataclass
-class Plan:
-    """A schedule laid onto ranks, chunks and layers, as arrays the executor indexes."""
+class TickTable:
+    """A schedule laid onto ranks, chunks, layers and buffer slots: the int array the
+    executor indexes, [tick, rank, column]."""
 
     schedule: sch.Schedule
     layers_per_stage: int
@@ -80,15 +81,11 @@ class Plan:
 
     @property
     def chunks(self) -> int:
-        return 2 if self.schedule.pipes == 2 else self.schedule.virtual
-
-    def stage_of(self, rank: int, chunk: int) -> int:
-        if self.schedule.pipes == 2:
-            return rank if chunk == 0 else self.ranks - 1 - rank
-        return chunk * self.ranks + rank
+        return self.schedule.chunks
 
     def layer_of(self, rank: int, chunk: int, i: int) -> int:
-        return self.stage_of(rank, chunk) * self.layers_per_stage + i
+        """The model layer of layer i of a rank's chunk (every pipe runs the whole model)."""
+        return self.schedule.stage_of(rank, chunk)[1] * self.layers_per_stage + i
 
     def branch_weights(self) -> dict[int, list[float]]:
         """How often each branch of the executor's switch runs per tick, averaged over
@@ -98,7 +95,7 @@ class Plan:
         return {n: [float((kinds == k).mean()) for k in range(n)]}
 
 
-def plan(schedule: sch.Schedule, layers: int) -> Plan:
+def tick_table(schedule: sch.Schedule, layers: int) -> TickTable:
     s = schedule
     S = s.num_stages
     if layers % S:
@@ -127,13 +124,11 @@ def plan(schedule: sch.Schedule, layers: int) -> Plan:
                 end = when[sch.Action(sch.W, c.pipe, c.stage, c.mb)]
             inbox.append((t + 1, end, s.rank_of(c.pipe, c.stage), ("msg", a)))
         if a.kind == sch.F and a.stage == last:
-            bwd = sch.Action(sch.BX if s.name == "zb-h1" else sch.B, a.pipe, a.stage, a.mb)
-            end = when[bwd]
-            if s.name == "zb-h1":
-                end = when[sch.Action(sch.W, a.pipe, a.stage, a.mb)]
+            # The loss gradient is read by the backward, and again by W when split.
+            end = when[sch.Action(s.last_use_kind, a.pipe, a.stage, a.mb)]
             inbox.append((t, end, here, ("dy", a)))
         if a.kind == sch.F:
-            done = sch.Action(sch.W if s.name == "zb-h1" else sch.B, a.pipe, a.stage, a.mb)
+            done = sch.Action(s.last_use_kind, a.pipe, a.stage, a.mb)
             stash.append((t, when[done], here, a))
     in_slot, n_in = _colour(inbox)
     res_slot, n_res = _colour(stash)
@@ -173,7 +168,7 @@ def plan(schedule: sch.Schedule, layers: int) -> Plan:
             # The receiver files it when it arrives, at the next tick.
             recv = tab[t + 1, dest]
             recv[RECV_PREV if row[OUT_DIR] == NEXT else RECV_NEXT] = in_slot[("msg", a)]
-    return Plan(s, layers // S, tab, n_in, n_res)
+    return TickTable(s, layers // S, tab, n_in, n_res)
 
 
 @dataclass(frozen=True)
@@ -185,7 +180,7 @@ class StageFns:
     head_loss: Callable  # (shared, x, tokens) -> mean loss of the microbatch
 
 
-def run(p: Plan, fns: StageFns, stage_params, shared, tokens: jax.Array, mesh: Mesh,
+def run(p: TickTable, fns: StageFns, stage_params, shared, tokens: jax.Array, mesh: Mesh,
         act_shape: tuple[int, ...], act_dtype, recompute: bool):
     """Loss and gradients of one step. stage_params leaves: [D, chunks, layers/stage, ...];
     tokens [N, b, seq + 1]. Returns (loss, stage grads, shared grads), grads in float32."""
@@ -340,11 +335,12 @@ def run(p: Plan, fns: StageFns, stage_params, shared, tokens: jax.Array, mesh: M
     )(stage_params, shared, tokens)
 
 
-def sum_chimera_copies(g_stages):
-    """Chimera keeps two copies of each stage (chunk 0 on rank s, chunk 1 on rank D-1-s):
-    both get the sum of their gradients, so the copies stay equal."""
+def sum_pipe_copies(g_stages, virtual: int):
+    """A second pipe (Chimera's up pipe) holds a copy of every stage: stage s's chunk c of
+    pipe 0 sits on rank s, its copy (chunk v + c) on rank D - 1 - s. Both get the sum of
+    their gradients, so the copies stay equal. Leaves: [D, 2v, ...]."""
     def one(g):
-        total = g[:, 0] + jnp.flip(g[:, 1], axis=0)
-        return jnp.stack([total, jnp.flip(total, axis=0)], axis=1)
+        total = g[:, :virtual] + jnp.flip(g[:, virtual:], axis=0)
+        return jnp.concatenate([total, jnp.flip(total, axis=0)], axis=1)
 
     return jax.tree.map(one, g_stages)

@@ -14,19 +14,23 @@ programs give
   exchange with each neighbour between ticks carries every message; and each
   rank's peak number of stashed microbatches.
 
-Stages: a pipe has S = D * v stages (v > 1 only for interleaved). Stage s of
-pipe 0 runs on rank s mod D; pipe 1 (Chimera's upward pipe) runs stage s on
-rank D - 1 - s. A rank's local stages are numbered `chunk` (interleaved:
-s // D; Chimera: the pipe).
+Stages: a pipe has S = D * v stages (v > 1 for schedules that interleave).
+Stage s of pipe 0 runs on rank s mod D; pipe 1 (Chimera's upward pipe) runs
+stage s on rank D - 1 - (s mod D). A rank's local stages are numbered `chunk`
+= pipe * v + s // D.
+
+Each schedule is a `ScheduleKind` registered in SCHEDULES, whose attributes
+(pipes, split backward, default virtual stages, durations, constraints) are
+all the executor, the figures and the sweep ask of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from plait.errors import UserError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "zb-h1")
 F, B, BX, W = "F", "B", "Bx", "W"  # forward, whole backward, input grad, weight grad
 DURATION = {F: 1, B: 2, BX: 1, W: 1}
 
@@ -42,26 +46,171 @@ class Action:
         return f"{self.kind}{self.mb}" + (f".{self.pipe}" if self.pipe else "")
 
 
+class ScheduleKind:
+    """One pipeline schedule: its attributes, its constraints and its per-rank programs.
+
+    A new schedule is a subclass registered in SCHEDULES; the executor, the
+    figures, `plait schedule` and the sweep read only these attributes.
+    """
+
+    name: ClassVar[str]
+    pipes: ClassVar[int] = 1  # pipelines through the ranks (Chimera: a down and an up pipe)
+    split_backward: ClassVar[bool] = False  # backward as input gradient (Bx) + weight (W)
+    default_virtual: ClassVar[int] = 1  # stages per rank per pipe when the config says 0
+    interleaves: ClassVar[bool] = False  # accepts virtual stages > 1
+    # Durations the figures use (the papers' units: forward 1, whole backward 2).
+    durations: ClassVar[dict[str, int]] = DURATION
+
+    def check(self, D: int, N: int, v: int) -> None:
+        """One-line errors for sizes this schedule cannot run."""
+        if D < 1 or N < 1:
+            raise UserError(f"a pipeline needs at least 1 stage and 1 microbatch (got {D}, {N})")
+        if v != 1 and not self.interleaves:
+            raise UserError(f"pipeline.virtual_stages = {v} is only for schedules that "
+                            f"interleave stages (interleaved); {self.name} takes 1")
+
+    def programs(self, s: Schedule) -> list[list[Action]]:
+        raise NotImplementedError
+
+
+def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
+    warmup = min(warmup, len(fwd))
+    out = fwd[:warmup]
+    for i in range(len(fwd) - warmup):
+        out += [fwd[warmup + i], bwd[i]]
+    return out + bwd[len(fwd) - warmup:]
+
+
+class GPipe(ScheduleKind):
+    """Every forward, then every backward (Huang et al. 2019)."""
+
+    name = "gpipe"
+
+    def programs(self, s: Schedule) -> list[list[Action]]:
+        N = s.microbatches
+        return [[Action(F, 0, r, m) for m in range(N)] + [Action(B, 0, r, m) for m in range(N)]
+                for r in range(s.stages)]
+
+
+class OneFOneB(ScheduleKind):
+    """D - 1 - rank warm-up forwards, then one forward and one backward in turn
+    (PipeDream-Flush, as Megatron-LM orders it)."""
+
+    name = "1f1b"
+
+    def programs(self, s: Schedule) -> list[list[Action]]:
+        D, N = s.stages, s.microbatches
+        return [_one_f_one_b([Action(F, 0, r, m) for m in range(N)],
+                             [Action(B, 0, r, m) for m in range(N)], D - 1 - r)
+                for r in range(D)]
+
+
+class Interleaved(ScheduleKind):
+    """Interleaved 1F1B with v stages per rank, in Megatron-LM's order."""
+
+    name = "interleaved"
+    default_virtual = 2
+    interleaves = True
+
+    def check(self, D: int, N: int, v: int) -> None:
+        super().check(D, N, v)
+        if v < 2:
+            raise UserError("the interleaved schedule needs pipeline.virtual_stages >= 2")
+        if N % D:
+            raise UserError(f"the interleaved schedule needs pipeline.microbatches ({N}) to be a "
+                            f"multiple of the pipeline stages ({D})")
+
+    def programs(self, s: Schedule) -> list[list[Action]]:
+        D, N, v = s.stages, s.microbatches, s.virtual
+        groups = [range(g, g + D) for g in range(0, N, D)]
+        progs = []
+        for r in range(D):
+            fwd = [Action(F, 0, c * D + r, m) for grp in groups for c in range(v) for m in grp]
+            bwd = [Action(B, 0, c * D + r, m) for grp in groups for c in reversed(range(v))
+                   for m in grp]
+            progs.append(_one_f_one_b(fwd, bwd, (D - r - 1) * 2 + (v - 1) * D))
+        return progs
+
+
+class Chimera(ScheduleKind):
+    """Two pipelines in opposite directions; each rank holds one stage of each (Li &
+    Hoefler 2021). Its published bubble assumes forward and backward of equal length."""
+
+    name = "chimera"
+    pipes = 2
+    durations = {**DURATION, B: 1}
+
+    def check(self, D: int, N: int, v: int) -> None:
+        super().check(D, N, v)
+        if D % 2 or N % D:
+            raise UserError(f"Chimera needs an even number of stages and microbatches a "
+                            f"multiple of the stages (got {D} stages, {N} microbatches)")
+
+    def programs(self, s: Schedule) -> list[list[Action]]:
+        return _chimera_programs(s)
+
+
+class ZeroBubbleH1(ScheduleKind):
+    """1F1B with the backward split into input and weight gradients, the weight
+    gradients deferred into the cooldown (Qi et al. 2024, ZB-H1)."""
+
+    name = "zb-h1"
+    split_backward = True
+
+    def programs(self, s: Schedule) -> list[list[Action]]:
+        return _zb_h1(s)
+
+
+SCHEDULES: dict[str, ScheduleKind] = {k.name: k() for k in (
+    GPipe, OneFOneB, Interleaved, Chimera, ZeroBubbleH1)}
+
+
+def kind(name: str) -> ScheduleKind:
+    if name not in SCHEDULES:
+        raise UserError(f"unknown pipeline schedule '{name}'; choose one of "
+                        f"{', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
 @dataclass
 class Schedule:
-    name: str
+    kind: ScheduleKind
     stages: int  # D: pipeline ranks
     microbatches: int  # N
     virtual: int  # v: stages per rank per pipe
-    pipes: int
-    programs: list[list[Action]]  # per rank, in order
+    programs: list[list[Action]] = field(default_factory=list)  # per rank, in order
     table: list[list[Action | None]] = field(default_factory=list)  # [tick][rank]
     figures: dict = field(default_factory=dict)
 
     @property
+    def name(self) -> str:
+        return self.kind.name
+
+    @property
+    def pipes(self) -> int:
+        return self.kind.pipes
+
+    @property
     def num_stages(self) -> int:
+        """Stages of one pipe."""
         return self.stages * self.virtual
 
+    @property
+    def chunks(self) -> int:
+        """Stages each rank holds: one per pipe and virtual stage."""
+        return self.pipes * self.virtual
+
     def rank_of(self, pipe: int, stage: int) -> int:
-        return stage % self.stages if pipe == 0 else self.stages - 1 - stage
+        r = stage % self.stages
+        return r if pipe == 0 else self.stages - 1 - r
 
     def chunk_of(self, pipe: int, stage: int) -> int:
-        return pipe if self.pipes == 2 else stage // self.stages
+        return pipe * self.virtual + stage // self.stages
+
+    def stage_of(self, rank: int, chunk: int) -> tuple[int, int]:
+        """(pipe, stage) of a rank's chunk."""
+        pipe, c = divmod(chunk, self.virtual)
+        return pipe, c * self.stages + (rank if pipe == 0 else self.stages - 1 - rank)
 
     def deps(self, a: Action) -> list[Action]:
         last = self.num_stages - 1
@@ -74,57 +223,15 @@ class Schedule:
             before.append(Action(a.kind, a.pipe, a.stage + 1, a.mb))
         return before
 
+    @property
+    def backward_kind(self) -> str:
+        """The action that consumes the loss gradient: B, or Bx when it is split."""
+        return BX if self.kind.split_backward else B
 
-def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
-    warmup = min(warmup, len(fwd))
-    out = fwd[:warmup]
-    for i in range(len(fwd) - warmup):
-        out += [fwd[warmup + i], bwd[i]]
-    return out + bwd[len(fwd) - warmup:]
-
-
-def _programs(name: str, D: int, N: int, v: int) -> tuple[list[list[Action]], int]:
-    if name in ("gpipe", "1f1b", "zb-h1"):
-        progs = []
-        for r in range(D):
-            fwd = [Action(F, 0, r, m) for m in range(N)]
-            bwd = [Action(BX if name == "zb-h1" else B, 0, r, m) for m in range(N)]
-            if name == "gpipe":
-                progs.append(fwd + bwd)
-            else:
-                progs.append(_one_f_one_b(fwd, bwd, D - 1 - r))
-        return progs, 1
-    if name == "interleaved":
-        progs = []
-        groups = [range(g, g + D) for g in range(0, N, D)]
-        for r in range(D):
-            fwd = [Action(F, 0, c * D + r, m) for grp in groups for c in range(v) for m in grp]
-            bwd = [Action(B, 0, c * D + r, m) for grp in groups for c in reversed(range(v))
-                   for m in grp]
-            progs.append(_one_f_one_b(fwd, bwd, (D - r - 1) * 2 + (v - 1) * D))
-        return progs, 1
-    # chimera: built by the greedy scheduler below (no fixed program).
-    return [], 2
-
-
-def check(name: str, D: int, N: int, v: int) -> None:
-    """One-line errors for a schedule these sizes cannot run."""
-    if name not in SCHEDULES:
-        raise UserError(f"unknown pipeline schedule '{name}'; choose one of {', '.join(SCHEDULES)}")
-    if D < 1 or N < 1:
-        raise UserError(f"a pipeline needs at least 1 stage and 1 microbatch (got {D}, {N})")
-    if name == "interleaved":
-        if v < 2:
-            raise UserError("the interleaved schedule needs pipeline.virtual_stages >= 2")
-        if N % D:
-            raise UserError(f"the interleaved schedule needs pipeline.microbatches ({N}) to be a "
-                            f"multiple of the pipeline stages ({D})")
-    elif v != 1:
-        raise UserError(f"pipeline.virtual_stages = {v} is only for the interleaved schedule; "
-                        "set it to 1")
-    if name == "chimera" and (D % 2 or N % D):
-        raise UserError(f"Chimera needs an even number of stages and microbatches a multiple of "
-                        f"the stages (got {D} stages, {N} microbatches)")
+    @property
+    def last_use_kind(self) -> str:
+        """The action after which a microbatch's forward residuals are free: B, or W."""
+        return W if self.kind.split_backward else B
 
 
 def _greedy(s: Schedule, pending: dict[int, list[Action]], key, may_start) -> list[list[Action]]:
@@ -194,7 +301,7 @@ def _timed(s: Schedule) -> dict:
     paper's T_F = T_B = T_W). Chimera's published bubble assumes forward and
     backward of equal length, so its figures use 1 and 1.
     """
-    duration = {**DURATION, B: 1} if s.name == "chimera" else DURATION
+    duration = s.kind.durations
     finish: dict[Action, int] = {}
     free = [0] * s.stages
     pos = [0] * s.stages
@@ -260,16 +367,19 @@ def peak_inflight(s: Schedule) -> list[int]:
     return peaks
 
 
-def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The schedule `name` for D = stages ranks and N microbatches, with its figures."""
-    D, N, v = stages, microbatches, virtual
-    check(name, D, N, v)
-    progs, pipes = _programs(name, D, N, v)
-    s = Schedule(name, D, N, v, pipes, progs)
-    if name == "chimera":
-        s.programs = _chimera_programs(s)
-    if name == "zb-h1":
-        s.programs = _zb_h1(s)
+def check(name: str, D: int, N: int, v: int) -> None:
+    """One-line errors for a schedule these sizes cannot run."""
+    kind(name).check(D, N, v)
+
+
+def build(name: str, stages: int, microbatches: int, virtual: int = 0) -> Schedule:
+    """The schedule `name` for D = stages ranks and N microbatches (and v virtual stages,
+    0 = the schedule's default), with its figures."""
+    k = kind(name)
+    D, N, v = stages, microbatches, virtual or k.default_virtual
+    k.check(D, N, v)
+    s = Schedule(k, D, N, v)
+    s.programs = k.programs(s)
     s.table = _lockstep(s)
     timed = _timed(s)
     idle, busy = max(timed["idle"]), timed["busy"][0]
@@ -283,16 +393,3 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
         "peak_inflight": peak_inflight(s),
     }
     return s
-
-
-def timeline(s: Schedule) -> str:
-    """The lockstep table as text: one row per rank, one column per tick."""
-    width = max(len(str(a)) for row in s.table for a in row if a is not None) + 1
-    lines = []
-    for r in range(s.stages):
-        cells = []
-        for row in s.table:
-            a = row[r]
-            cells.append((str(a) if a is not None else ".").ljust(width))
-        lines.append(f"rank {r}: " + "".join(cells).rstrip())
-    return "\n".join(lines)

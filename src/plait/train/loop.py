@@ -1,4 +1,7 @@
-"""The training loop: resume, run steps, log, checkpoint, stop cleanly on SIGTERM."""
+"""The training loop: resume, run steps, log, checkpoint, stop cleanly on SIGTERM.
+
+It knows a model kind only through the Task interface (`plait.tasks.base`).
+"""
 
 from __future__ import annotations
 
@@ -17,11 +20,10 @@ from jax.sharding import Mesh
 from plait import mesh as mesh_lib
 from plait.checkpoint import Checkpoints
 from plait.config import Experiment
-from plait.data.clicks import HELD_OUT
 from plait.hardware import peak_flops
-from plait.models import flops_per_token
-from plait.train.build import make_job
-from plait.train.metrics import MetricsLog, StepTimer, auc
+from plait.tasks import make_task
+from plait.tasks.base import Task
+from plait.train.metrics import MetricsLog, StepTimer
 
 
 class StopFlag:
@@ -68,117 +70,98 @@ def write_config(run_dir: Path, exp: Experiment, resumed_step: int) -> None:
     tmp.replace(path)
 
 
-def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
-    """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint."""
-    run_dir = Path(run_dir)
-    is_writer = jax.process_index() == 0
-    job = make_job(exp, mesh)
-    source = job.source()
-    total = exp.train.steps
-    ckpt_dir = run_dir / "checkpoints"
-    resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
+class Throughput:
+    """Units (tokens, samples) per second and MFU of a step time; MFU is None where the
+    device's peak or the model's FLOPs are unknown."""
 
-    # Every process makes the same orbax calls (they synchronise across processes).
-    ckpts = None
-    if exp.checkpoint.enabled or ckpt_dir.exists():
-        ckpts = Checkpoints(ckpt_dir, exp.checkpoint.keep, exp.checkpoint.async_save)
-        ckpts.check_model(exp.model.model_dump(), run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, task: Task, mesh: Mesh, precision: str):
+        self.units = task.units_per_step
+        self.key = f"{task.unit}_per_s"
+        peak = peak_flops(mesh.devices.flat[0].device_kind, precision)
+        flops = task.flops_per_unit()
+        self.flops_per_s = peak * mesh.devices.size if peak and flops else None
+        self.flops = flops
 
-    restored = ckpts.restore_latest(job.canonical_layout.abstract()) if ckpts else None
-    if restored is not None:
+    def __call__(self, step_time: float) -> tuple[float, float | None]:
+        rate = self.units / step_time
+        return rate, (self.flops * rate / self.flops_per_s) if self.flops_per_s else None
+
+
+class Run:
+    """One invocation of `plait train`: a task on a mesh in a run directory."""
+
+    def __init__(self, exp: Experiment, mesh: Mesh, run_dir: Path):
+        self.exp, self.mesh, self.run_dir = exp, mesh, Path(run_dir)
+        self.is_writer = jax.process_index() == 0
+        self.task = make_task(exp, mesh)
+        self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
+        self.mesh_text = mesh_lib.inline(dict(mesh.shape))
+        ckpt_dir = self.run_dir / "checkpoints"
+        # Every process makes the same orbax calls (they synchronise across processes).
+        self.ckpts = None
+        if exp.checkpoint.enabled or ckpt_dir.exists():
+            self.ckpts = Checkpoints(ckpt_dir, exp.checkpoint.keep, exp.checkpoint.async_save)
+            self.ckpts.check_model(exp.model, self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.last_saved: int | None = None
+        self.resolved_json = json.loads(self.resolved.model_dump_json())
+
+    def restore(self) -> tuple[dict, int, bool]:
+        """(state, first step, restored?): the newest usable checkpoint, or a fresh state."""
+        abstract = self.task.canonical_layout.abstract()
+        restored = self.ckpts.restore_latest(abstract) if self.ckpts else None
+        if restored is None:
+            return self.task.init_state(), 0, False
         state, meta = restored
-        state = job.from_checkpoint(state)
         start = int(meta["step"])
-    else:
-        state, start = job.init_state(), 0
-    log = MetricsLog(run_dir, start, total, exp.log.tensorboard, exp.log.console, is_writer)
-    mesh_text = mesh_lib.inline(dict(mesh.shape))
-    n_params = job.num_params()
-    log.note(
-        f"plait: {exp.name}: {n_params / 1e6:.2f}M parameters, mesh {mesh_text} "
-        f"({mesh.devices.size} {mesh.devices.flat[0].platform} devices), run dir {run_dir}"
-    )
-    if restored is not None:
-        log.note(f"plait: resumed from the checkpoint at step {start}")
-    if hasattr(job, "describe_tables"):
-        log.note(job.describe_tables(state))
-    if start >= total:
-        log.note(f"plait: already trained to step {start} of {total}; nothing to do "
-                 "(raise --steps to continue)")
-        log.close()
-        if ckpts:
-            ckpts.close()
-        return {"steps_run": 0, "final_step": start, "records": []}
-    if is_writer:
-        write_config(run_dir, resolved, start)
+        self.last_saved = start
+        return self.task.from_checkpoint(state), start, True
 
-    log.note("plait: compiling the train step ...")
-    t0 = time.perf_counter()
-    compiled = job.compile()
-    compile_s = time.perf_counter() - t0
-    log.note(f"plait: step compiled in {compile_s:.1f}s")
-
-    device = mesh.devices.flat[0]
-    peak = peak_flops(device.device_kind, exp.precision.compute)
-    flops_tok = flops_per_token(exp.model)
-    n_dev = mesh.devices.size
-
-    rate_key = f"{job.unit}_per_s"
-
-    def throughput(step_time: float) -> tuple[float, float | None]:
-        """Tokens (or samples) per second and MFU (None where the device's peak or the
-        model's FLOPs are unknown)."""
-        tps = job.units_per_step / step_time
-        return tps, (flops_tok * tps / (n_dev * peak)) if peak and flops_tok else None
-
-    evaluate = getattr(job, "eval_fn", None) if exp.data.eval_batches else None
-    held_out, held_out_labels = [], None
-    if evaluate is not None:
-        steps = [HELD_OUT + i for i in range(exp.data.eval_batches)]
-        held_out = [job.batch(source, k) for k in steps]
-        # Every process scores the whole held-out set; its labels are read once, on the host.
-        held_out_labels = np.concatenate(
-            [source.rows(k, 0, exp.train.global_batch)["labels"] for k in steps])
-
-    def held_out_auc() -> float:
-        """AUC of the current model on the held-out batches."""
-        scores = [_local_values(evaluate(state, b)) for b in held_out]
-        return auc(held_out_labels, np.concatenate(scores))
-
-    stop = StopFlag()
-    stop.install()
-    timer = StepTimer()
-    every = exp.log.every_steps
-    ckpt_every = exp.checkpoint.every_steps
-    last_saved = start if restored is not None else None
-    step_times: list[float] = []
-
-    resolved_json = json.loads(resolved.model_dump_json())
-
-    def meta_for(step: int) -> dict:
-        return {"step": step, "mesh": mesh_text,
+    def meta_for(self, step: int) -> dict:
+        exp = self.exp
+        return {"step": step, "mesh": self.mesh_text,
                 "data": {"source": exp.data.source, "seed": exp.seed, "next_step": step,
                          "samples_seen": step * exp.train.global_batch},
-                "config": resolved_json}
+                "config": self.resolved_json}
 
-    def save(step: int) -> None:
-        nonlocal last_saved
-        if ckpts is not None and last_saved != step:
-            ckpts.save(step, job.to_checkpoint(state), meta_for(step))
-            last_saved = step
+    def save(self, state: dict, step: int) -> None:
+        if self.ckpts is not None and self.last_saved != step:
+            self.ckpts.save(step, self.task.to_checkpoint(state), self.meta_for(step))
+            self.last_saved = step
 
+    def header(self, log: MetricsLog, state: dict, start: int, restored: bool) -> None:
+        mesh = self.mesh
+        log.note(f"plait: {self.exp.name}: {self.task.num_params() / 1e6:.2f}M parameters, mesh "
+                 f"{self.mesh_text} ({mesh.devices.size} {mesh.devices.flat[0].platform} "
+                 f"devices), run dir {self.run_dir}")
+        if restored:
+            log.note(f"plait: resumed from the checkpoint at step {start}")
+        for line in self.task.describe(state):
+            log.note(line)
+
+    def close(self) -> None:
+        if self.ckpts:
+            self.ckpts.wait()
+            self.ckpts.close()
+
+
+def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: StopFlag):
+    """Run steps from `start`; returns (state, last step, step times)."""
+    task, exp = run.task, run.exp
+    total, every, ckpt_every = exp.train.steps, exp.log.every_steps, exp.checkpoint.every_steps
+    source = task.source()
+    evaluate = task.evaluator(source)
+    rate = Throughput(task, run.mesh, exp.precision.compute)
+    timer, step_times = StepTimer(), []
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-data")
-    batch_of = lambda k: job.batch(source, k)
-    next_batch = prefetch.submit(batch_of, start)
-    wall0 = time.perf_counter()
+    next_batch = prefetch.submit(task.batch, source, start)
     step = start
     try:
         timer.lap(step)
         while step < total:
             batch = next_batch.result()
             if step + 1 < total:
-                next_batch = prefetch.submit(batch_of, step + 1)
+                next_batch = prefetch.submit(task.batch, source, step + 1)
             state, metrics = compiled(state, batch)
             step += 1
             if step % every == 0 or step == total or step == start + 1:
@@ -188,53 +171,85 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
                           "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
                 if dt is not None:
                     step_times.append(dt)
-                    tps, mfu = throughput(dt)
-                    record.update(step_time_s=dt, mfu=mfu, **{rate_key: tps})
-                if held_out:
-                    record["auc"] = held_out_auc()
+                    units, mfu = rate(dt)
+                    record.update(step_time_s=dt, mfu=mfu, **{rate.key: units})
+                if evaluate is not None:
+                    record.update(evaluate(state))
                 log.write(record)
             if ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled:
-                save(step)
+                run.save(state, step)
             if stop.signal is not None:
                 break
     finally:
         stop.restore()
         prefetch.shutdown(wait=True, cancel_futures=True)
+    return state, step, step_times
 
-    preempted = stop.signal is not None and step < total
-    if exp.checkpoint.enabled or preempted:
-        save(step)
-    if ckpts:
-        ckpts.wait()
-        ckpts.close()
-    wall = time.perf_counter() - wall0
+
+def _summary(run: Run, log: MetricsLog, start: int, step: int, step_times: list[float],
+             compile_s: float, wall: float, preempted: bool) -> dict:
+    rate = Throughput(run.task, run.mesh, run.exp.precision.compute)
     median_dt = statistics.median(step_times) if step_times else None
-    tps, mfu = throughput(median_dt) if median_dt else (None, None)
-    summary = {
-        "steps_run": step - start,
-        "final_step": step,
-        "final_loss": log.history[-1]["loss"] if log.history else None,
-        "compile_s": compile_s,
-        "wall_s": wall,
-        "median_step_time_s": median_dt,
-        rate_key: tps,
-        "preempted": preempted,
-        "checkpoint_step": last_saved,
-        "records": log.history,
-    }
+    units, mfu = rate(median_dt) if median_dt else (None, None)
+    summary = {"steps_run": step - start, "final_step": step,
+               "final_loss": log.history[-1]["loss"] if log.history else None,
+               "compile_s": compile_s, "wall_s": wall, "median_step_time_s": median_dt,
+               rate.key: units, "preempted": preempted, "checkpoint_step": run.last_saved,
+               "records": log.history}
     if mfu is not None:
         summary["mfu"] = mfu
-    if is_writer:
-        (run_dir / "summary.json").write_text(
+    if run.is_writer:
+        (run.run_dir / "summary.json").write_text(
             json.dumps({k: v for k, v in summary.items() if k != "records"}, indent=2) + "\n")
+    return summary
+
+
+def _final_line(run: Run, log: MetricsLog, summary: dict, total: int) -> str:
+    how = "stopped by signal" if summary["preempted"] else "done"
+    step, final = summary["final_step"], summary["final_loss"]
+    if final is None:
+        return f"plait: {how} at step {step}/{total}"
+    extras = {k: v for k, v in log.history[-1].items() if k in ("auc", "eval_loss")}
+    rate = f"{run.task.unit}_per_s"
+    return (f"plait: {how} at step {step}/{total}: loss {final:.4f}, "
+            f"{summary[rate] or 0:,.0f} {run.task.unit}/s (median), {summary['wall_s']:.1f}s wall"
+            + "".join(f", held-out {k.upper() if k == 'auc' else k} {v:.4f}"
+                      for k, v in extras.items())
+            + (f", checkpoint at step {run.last_saved}" if run.last_saved is not None else ""))
+
+
+def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
+    """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint."""
+    run = Run(exp, mesh, run_dir)
+    total = exp.train.steps
+    state, start, restored = run.restore()
+    log = MetricsLog(run.run_dir, start, total, exp.log.tensorboard, exp.log.console,
+                     run.is_writer)
+    run.header(log, state, start, restored)
+    if start >= total:
+        log.note(f"plait: already trained to step {start} of {total}; nothing to do "
+                 "(raise --steps to continue)")
+        log.close()
+        run.close()
+        return {"steps_run": 0, "final_step": start, "records": []}
+    if run.is_writer:
+        write_config(run.run_dir, run.resolved, start)
+    log.note("plait: compiling the train step ...")
+    t0 = time.perf_counter()
+    compiled = run.task.compile()
+    compile_s = time.perf_counter() - t0
+    log.note(f"plait: step compiled in {compile_s:.1f}s")
+
+    stop = StopFlag()
+    stop.install()
+    wall0 = time.perf_counter()
+    state, step, step_times = _steps(run, compiled, state, start, log, stop)
+    preempted = stop.signal is not None and step < total
+    if exp.checkpoint.enabled or preempted:
+        run.save(state, step)
+    run.close()
+    summary = _summary(run, log, start, step, step_times, compile_s,
+                       time.perf_counter() - wall0, preempted)
     log.close()  # the progress bar ends before the summary line
-    how = "stopped by signal" if preempted else "done"
-    final = summary["final_loss"]
-    log.note(
-        f"plait: {how} at step {step}/{total}: loss {final:.4f}, "
-        f"{summary[rate_key] or 0:,.0f} {job.unit}/s (median), {wall:.1f}s wall"
-        + (f", held-out AUC {log.history[-1]['auc']:.4f}" if "auc" in log.history[-1] else "")
-        + (f", checkpoint at step {last_saved}" if last_saved is not None else "")
-        if final is not None else f"plait: {how} at step {step}/{total}"
-    )
+    log.note(_final_line(run, log, summary, total))
     return summary

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from plait import sharding
 from plait.config import Experiment
 from plait.errors import UserError
-from plait.models import ModelDef, layer_key, layer_stack, without_layers
+from plait.models import ModelDef, build, layer_stack
 from plait.parallel import pipeline, schedules
 
 
@@ -27,7 +27,14 @@ def _is_var(x) -> bool:
 
 
 class Pipelined:
-    def __init__(self, exp: Experiment, mesh: Mesh, model: ModelDef, rules: sharding.Rules):
+    """A model cut into embed -> repeated layers -> head, laid over the pipeline ranks.
+
+    The model's module must have `embed(tokens)` and `logits(x)`, and keep its
+    repeated layers, each a `layer_cls(cfg, keys)`, under `params[layer_key]`.
+    """
+
+    def __init__(self, exp: Experiment, mesh: Mesh, model: ModelDef, rules: sharding.Rules,
+                 layer_key: str, layer_cls: type):
         self.exp, self.mesh, self.model = exp, mesh, model
         cfg, pc = exp.model, exp.pipeline
         D = mesh.shape["pipeline"]
@@ -40,27 +47,28 @@ class Pipelined:
                 f"with a pipeline, split the batch with pipeline.microbatches, not "
                 f"train.microbatches = {exp.train.microbatches}; set train.microbatches = 1")
         N = pc.microbatches or D
-        v = pc.virtual_stages if pc.schedule == "interleaved" else 1
+        self.schedule = schedules.build(pc.schedule, D, N, pc.virtual_stages)
+        v = self.schedule.virtual
         stages = D * v
         if cfg.layers % stages:
             raise UserError(
                 f"model.layers = {cfg.layers} does not split evenly over {stages} pipeline stages"
                 + (f" (pipeline {D} x pipeline.virtual_stages {v})" if v > 1 else "")
                 + f"; use a layer count that is a multiple of {stages}")
-        self.schedule = schedules.build(pc.schedule, D, N, v)
         replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
         if exp.train.global_batch % (N * replicas):
             raise UserError(
                 f"train.global_batch = {exp.train.global_batch} does not split into "
                 f"pipeline.microbatches = {N} of rows over data x fsdp = {replicas}; make it a "
                 f"multiple of {N * replicas}")
-        self.plan = pipeline.plan(self.schedule, cfg.layers)
-        self.key = layer_key(cfg)
-        self.shared_model = without_layers(cfg)
-        self.layers = layer_stack(cfg)
+        self.ticks = pipeline.tick_table(self.schedule, cfg.layers)
+        self.key = layer_key
+        # The model without its repeated layers: what every rank keeps whole.
+        self.shared_model = build(model.cls, cfg.model_copy(update={"layers": 0}))
+        self.layers = layer_stack(layer_cls, cfg)
         self.recompute = pc.recompute
         self.microbatches = N
-        C, Lps = self.plan.chunks, self.plan.layers_per_stage
+        C, Lps = self.ticks.chunks, self.ticks.layers_per_stage
         lead = (D, C, Lps)
 
         layer_vars = model.variables()[self.key]["0"]
@@ -81,7 +89,7 @@ class Pipelined:
         for r in range(D):
             for c in range(C):
                 for i in range(Lps):
-                    self.holder.setdefault(self.plan.layer_of(r, c, i), (r, c, i))
+                    self.holder.setdefault(self.ticks.layer_of(r, c, i), (r, c, i))
 
     def decay_mask(self, params: dict) -> dict:
         """AdamW decays matrices, not vectors: judged on each layer's own shape."""
@@ -90,9 +98,9 @@ class Pipelined:
 
     # --- canonical <-> stacked -------------------------------------------------
     def from_canonical(self, params: dict) -> dict:
-        D, C, Lps = self.plan.ranks, self.plan.chunks, self.plan.layers_per_stage
+        D, C, Lps = self.ticks.ranks, self.ticks.chunks, self.ticks.layers_per_stage
         layers = params[self.key]
-        order = [str(self.plan.layer_of(r, c, i))
+        order = [str(self.ticks.layer_of(r, c, i))
                  for r in range(D) for c in range(C) for i in range(Lps)]
 
         def stack(*leaves):
@@ -142,18 +150,18 @@ class Pipelined:
         b, seq = batch.shape[1], batch.shape[2] - 1
         act_dtype = dtype or jnp.float32
         loss, g_stages, g_shared = pipeline.run(
-            self.plan, pipeline.StageFns(embed, stage, head_loss), params["stages"],
+            self.ticks, pipeline.StageFns(embed, stage, head_loss), params["stages"],
             params["shared"], batch, self.mesh, (b, seq, self.exp.model.d_model), act_dtype,
             self.recompute)
-        if self.schedule.pipes == 2:
-            g_stages = pipeline.sum_chimera_copies(g_stages)
+        if self.schedule.pipes > 1:
+            g_stages = pipeline.sum_pipe_copies(g_stages, self.schedule.virtual)
         return loss, {"stages": g_stages, "shared": g_shared}
 
     def grad_norm(self, grads: dict) -> jax.Array:
-        """Global norm as the canonical model sees it (Chimera's copies counted once)."""
+        """Global norm as the canonical model sees it (a second pipe's copies counted once)."""
         stages = grads["stages"]
-        if self.schedule.pipes == 2:
-            stages = jax.tree.map(lambda g: g[:, :1], stages)
+        if self.schedule.pipes > 1:
+            stages = jax.tree.map(lambda g: g[:, :self.schedule.virtual], stages)
         leaves = jax.tree.leaves(stages) + jax.tree.leaves(grads["shared"])
         return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves))
 

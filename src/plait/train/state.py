@@ -6,6 +6,7 @@ the same whatever the mesh: resharding is only a matter of target shardings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -15,7 +16,6 @@ from jax.sharding import Mesh
 
 from plait import sharding
 from plait.config import Experiment, OptimizerConfig
-from plait.models import ModelDef
 
 
 def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
@@ -32,7 +32,8 @@ def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
 
 def optimizer(exp: Experiment, decay_mask=None) -> tuple[optax.GradientTransformation,
                                                          optax.Schedule]:
-    """AdamW, no decay on vectors (norms, biases). Global-norm clipping happens in the
+    """(the dense optimizer, its learning-rate schedule). AdamW: no decay on vectors
+    (norms, biases). Global-norm clipping happens in the
     step (train.step.clip_by_norm), so the optimizer state has one structure whatever
     the parallel layout and checkpoints move between layouts."""
     opt = exp.optimizer
@@ -67,36 +68,28 @@ class StateLayout:
         )
 
 
-def layout(model: ModelDef, tx: optax.GradientTransformation, mesh: Mesh,
-           rules: sharding.Rules, params: tuple[dict, dict] | None = None) -> StateLayout:
-    """Shapes and shardings of the state; `params` = (shapes, shardings) overrides the
-    model's own parameter layout (a pipeline stacks its layers)."""
-    if params is None:
-        param_sh = sharding.param_shardings(model.variables(), mesh, rules)
-        param_shapes = model.shapes()
-    else:
-        param_shapes, param_sh = params
+def layout(param_shapes: dict, param_shardings: dict, tx: optax.GradientTransformation,
+           mesh: Mesh) -> StateLayout:
+    """Shapes and shardings of {"step", "params", "opt_state"}: the optimizer's moments
+    are laid out like their parameters, its scalars replicated."""
     opt_shapes = jax.eval_shape(tx.init, param_shapes)
     replicated = sharding.replicated(mesh)
     opt_sh = optax.tree_map_params(
-        tx, lambda _, s: s, opt_shapes, param_sh,
+        tx, lambda _, s: s, opt_shapes, param_shardings,
         transform_non_params=lambda _: replicated,
     )
     shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": param_shapes,
               "opt_state": opt_shapes}
-    shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
+    shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_sh}
     return StateLayout(shapes, shardings)
 
 
-def init_state(model: ModelDef, tx: optax.GradientTransformation, seed: int,
-               lay: StateLayout, convert=None) -> dict:
-    """A fresh state, created directly in its shards (never whole on one device).
-    `convert` maps the model's canonical parameters to the layout's (a pipeline's)."""
+def init_state(init_params: Callable[[], dict], tx: optax.GradientTransformation,
+               lay: StateLayout) -> dict:
+    """A fresh state, created directly in its shards (never whole on one device)."""
 
     def init():
-        params = model.init(seed)
-        if convert is not None:
-            params = convert(params)
+        params = init_params()
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
     return jax.jit(init, out_shardings=lay.shardings)()

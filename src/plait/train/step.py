@@ -1,16 +1,22 @@
-"""The jitted train step: loss, gradient accumulation, clipping, AdamW update."""
+"""The jitted train step of dense models: loss, gradient accumulation, clipping, update."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from plait import sharding
 from plait.config import Experiment
-from plait.models import ModelDef
 from plait.train.state import StateLayout
+
+# loss_fn(params, microbatch) -> scalar loss of the microbatch
+LossFn = Callable[[dict, object], jax.Array]
+# loss_and_grads(params, batch) -> (loss, grads): the whole batch at once (a pipeline)
+LossAndGrads = Callable[[dict, object], tuple[jax.Array, dict]]
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -28,7 +34,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 # optax.tree.norm replaced optax.global_norm; keep both optax generations working.
-_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
 def compute_dtype(exp: Experiment):
@@ -42,61 +48,56 @@ def clip_by_norm(grads, norm: jax.Array, max_norm: float):
     return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g / norm * max_norm), grads)
 
 
-def make_train_step(model: ModelDef, exp: Experiment, mesh: Mesh, rules: sharding.Rules,
-                    tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    lay: StateLayout, batch_sharding: NamedSharding, pipe=None):
-    """jit(step)(state, batch) -> (state, metrics), outputs pinned to the state's shardings.
-
-    With `pipe` (a train.pipelined.Pipelined) the loss and gradients come from the
-    pipeline executor over the whole batch of pipeline microbatches.
-    """
-    dtype = compute_dtype(exp)
-
-    def loss_fn(params, tokens):
-        with sharding.use(mesh, rules):
-            logits = model.apply(params, tokens[:, :-1], dtype)
-        return cross_entropy(logits, tokens[:, 1:])
-
+def accumulated(loss_fn: LossFn, pin: Callable) -> LossAndGrads:
+    """Mean loss and gradients over the leading (microbatch) axis of every batch leaf,
+    one microbatch at a time in a lax.scan (one pass when there is one)."""
     grad_fn = jax.value_and_grad(loss_fn)
 
+    def loss_and_grads(params, batch):
+        n_micro = jax.tree.leaves(batch)[0].shape[0]
+        if n_micro == 1:
+            return grad_fn(params, jax.tree.map(lambda x: x[0], batch))
+
+        def add(carry, micro):
+            loss_sum, grad_sum = carry
+            loss, grads = grad_fn(params, micro)
+            return (loss_sum + loss, pin(jax.tree.map(jnp.add, grad_sum, grads))), None
+
+        zeros = pin(jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), zeros), batch)
+        return loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
+
+    return loss_and_grads
+
+
+def make_train_step(mesh: Mesh, lay: StateLayout, batch_sharding, tx: optax.GradientTransformation,
+                    lr_schedule: optax.Schedule, grad_clip: float, loss_fn: LossFn | None = None,
+                    loss_and_grads: LossAndGrads | None = None,
+                    grad_norm: Callable = global_norm):
+    """jit(step)(state, batch) -> (state, metrics), outputs pinned to the state's shardings.
+
+    The state is {"step", "params", "opt_state"}; the gradients come from
+    `loss_and_grads`, or by accumulating `loss_fn` over the batch's microbatches.
+    """
     def pin(grads):
         return jax.lax.with_sharding_constraint(grads, lay.params)
 
+    loss_and_grads = loss_and_grads or accumulated(loss_fn, pin)
+
     def step(state, batch):
         params = state["params"]
-        n_micro = batch.shape[0]
-        if pipe is not None:
-            with sharding.use(mesh, rules):
-                loss, grads = pipe.loss_and_grads(params, batch, dtype, cross_entropy)
-        elif n_micro == 1:
-            loss, grads = grad_fn(params, batch[0])
-        else:
-            def accumulate(carry, tokens):
-                loss_sum, grad_sum = carry
-                loss, grads = grad_fn(params, tokens)
-                return (loss_sum + loss, pin(jax.tree.map(jnp.add, grad_sum, grads))), None
-
-            zeros = pin(jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), batch)
-            loss = loss / n_micro
-            grads = jax.tree.map(lambda g: g / n_micro, grads)
+        loss, grads = loss_and_grads(params, batch)
         grads = pin(grads)
-        grad_norm = pipe.grad_norm(grads) if pipe is not None else _global_norm(grads)
-        grads = clip_by_norm(grads, grad_norm, exp.optimizer.grad_clip)
+        norm = grad_norm(grads)
+        grads = clip_by_norm(grads, norm, grad_clip)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {
-            "step": state["step"] + 1,
-            "params": optax.apply_updates(params, updates),
-            "opt_state": opt_state,
-        }
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
-        return new_state, metrics
+        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+                     "opt_state": opt_state}
+        return new_state, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(state["step"])}
 
     replicated = sharding.replicated(mesh)
-    return jax.jit(
-        step,
-        in_shardings=(lay.shardings, batch_sharding),
-        out_shardings=(lay.shardings, {"loss": replicated, "grad_norm": replicated,
-                                       "lr": replicated}),
-        donate_argnums=0,
-    )
+    return jax.jit(step, in_shardings=(lay.shardings, batch_sharding),
+                   out_shardings=(lay.shardings, {"loss": replicated, "grad_norm": replicated,
+                                                  "lr": replicated}),
+                   donate_argnums=0)
+

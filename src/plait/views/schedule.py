@@ -1,22 +1,20 @@
-"""`plait schedule`: print a pipeline schedule's table and figures, optionally draw it."""
+"""`plait schedule`'s views: the lockstep table as text, its figures, and a chart."""
 
 from __future__ import annotations
 
 import json
 
 from plait.parallel import schedules
+from plait.views.common import pyplot
 
 _COLORS = {"F": "#4c72b0", "B": "#dd8452", "Bx": "#c44e52", "W": "#55a868"}
 
 
 def draw(s: schedules.Schedule, path: str) -> None:
     """One row per rank, one box per tick, coloured by action (like the Chimera paper's figures)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    plt = pyplot()
     ticks = len(s.table)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.45 * s.stages + 1.4))
     for t, row in enumerate(s.table):
@@ -46,20 +44,29 @@ def draw(s: schedules.Schedule, path: str) -> None:
     plt.close(fig)
 
 
-def run(name: str, stages: int, microbatches: int, virtual: int, as_json: bool,
-        png: str | None) -> int:
-    s = schedules.build(name, stages, microbatches, virtual)
+def timeline(s: schedules.Schedule) -> str:
+    """The lockstep table as text: one row per rank, one column per tick."""
+    width = max(len(str(a)) for row in s.table for a in row if a is not None) + 1
+    lines = []
+    for r in range(s.stages):
+        cells = [(str(row[r]) if row[r] is not None else ".").ljust(width) for row in s.table]
+        lines.append(f"rank {r}: " + "".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def show(s: schedules.Schedule, as_json: bool, png: str | None) -> None:
+    """Print the schedule (text or JSON) and draw it into `png`."""
+    name, stages, microbatches, virtual = s.name, s.stages, s.microbatches, s.virtual
     if png:
         draw(s, png)
     if as_json:
         print(json.dumps({**s.figures,
                           "table": [[str(a) if a else None for a in row] for row in s.table]}))
-        return 0
+        return
     f = s.figures
-    print(schedules.timeline(s))
+    print(timeline(s))
     print(f"{name}: {stages} stages, {microbatches} microbatches"
           + (f", {virtual} virtual stages" if virtual > 1 else "")
           + f"; bubble {f['bubble']:.4f} of the makespan ({f['bubble_ratio']:.4f} of the "
           f"compute), {f['ticks']} lockstep ticks, peak in flight per rank "
           f"{f['peak_inflight']}" + (f"; drawn to {png}" if png else ""))
-    return 0

@@ -1,0 +1,18 @@
+"""`plait sweep`: every mesh shape for N devices, compiled ahead of time, predicted, ranked.
+
+- `shapes`: the candidates (the task's mesh axes and sweep settings) and which
+  of them share a compiled program;
+- `compiled`: compile on simulated CPU devices, read FLOPs, collectives and
+  memory, extrapolate what the task says is linear;
+- `cost`: the stated cost model on a hardware description (`plait.hardware`);
+- `run`: the whole sweep, worker processes, `--run` measurements.
+Tables and plots of the results are in `plait.views.sweep`.
+"""
+
+from plait.sweep.compiled import COMPILER_OPTIONS, measure
+from plait.sweep.cost import predict
+from plait.sweep.run import MAX_SIMULATED, candidate_of, measure_runs, run_sweep
+from plait.sweep.shapes import Candidate, enumerate_shapes
+
+__all__ = ["COMPILER_OPTIONS", "MAX_SIMULATED", "Candidate", "candidate_of", "enumerate_shapes",
+           "measure", "measure_runs", "predict", "run_sweep"]

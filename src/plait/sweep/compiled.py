@@ -1,0 +1,94 @@
+"""Compile a candidate's step on simulated CPU devices and read its per-device figures.
+
+What to compile is the task's choice (`Task.sweep_programs`): the experiment as
+is, or two cheaper ones whose figures are linear in a size (a scanned model at
+2 and 4 layers), extrapolated here. FLOPs, collective bytes per mesh-axis group
+and memory come from the compiled HLO (`plait.analysis`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from plait import mesh as mesh_lib
+from plait.config import Experiment
+from plait.sweep.shapes import Candidate
+
+# What the sweep reads (partitioned HLO, buffer assignment) is fixed before LLVM
+# runs; optimising the machine code only costs compile time (about 30%).
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _figures(r: dict) -> dict:
+    """What a prediction needs from an analysis report: FLOPs, collectives grouped by
+    (kind, mesh axes, group size) as [count, wire bytes], and memory."""
+    groups: dict[tuple, list[float]] = {}
+    for op in r["collective_ops"]:
+        key = (op["kind"], ",".join(op["axes"]), op["group_size"])
+        acc = groups.setdefault(key, [0.0, 0.0])
+        acc[0] += op["count"]
+        acc[1] += op["wire_bytes"]
+    m = r["memory"]
+    return {"flops": r["flops_per_device"], "groups": groups, "memory_parts": m,
+            "memory": m.get("argument_bytes", 0.0) + m.get("output_bytes", 0.0)
+            + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0)}
+
+
+def read_program(exp: Experiment, sizes: dict[str, int], n: int) -> dict:
+    """Figures of one compiled step, plus the task's own (`Task.sweep_extras`)."""
+    from plait import analysis
+    from plait.tasks import make_task
+
+    mesh = mesh_lib.build_mesh(sizes, n)
+    task = make_task(exp, mesh)
+    r = analysis.analyze(task.compile(COMPILER_OPTIONS), dict(mesh.shape),
+                         task.branch_weights())
+    return {**_figures(r), "units_per_step": task.units_per_step, **task.sweep_extras()}
+
+
+def extrapolate(a: dict, b: dict, t: float) -> dict:
+    """Figures at a + t (b - a). Parameters, optimizer state and outputs grow exactly
+    linearly with the size; XLA's temporaries only roughly (buffer reuse), so they never
+    drop below what the larger compile needed."""
+    def lerp(x: float, y: float) -> float:
+        return x + (y - x) * t
+
+    keys = set(a["groups"]) | set(b["groups"])
+    groups = {k: [lerp(a["groups"].get(k, [0, 0])[i], b["groups"].get(k, [0, 0])[i])
+                  for i in range(2)] for k in keys}
+    m0, m1 = a["memory_parts"], b["memory_parts"]
+
+    def mem(key: str) -> float:
+        return lerp(m0.get(key, 0.0), m1.get(key, 0.0))
+
+    temp = max(mem("temp_bytes"), float(m1.get("temp_bytes", 0.0)))
+    memory = mem("argument_bytes") + mem("output_bytes") + temp - mem("alias_bytes")
+    return {**b, "flops": lerp(a["flops"], b["flops"]), "groups": groups, "memory": memory}
+
+
+def measure(exp: Experiment, c: Candidate, n: int) -> dict:
+    """Per-device FLOPs, collectives and memory of the candidate's step at full size."""
+    from plait import tasks
+
+    programs, t = tasks.task_class(exp.model.kind).sweep_programs(c.experiment(exp), c.sizes)
+    points = [read_program(e, c.sizes, n) for e in programs]
+    return points[0] if t is None else extrapolate(points[0], points[1], t)
+
+
+def timed_measure(exp: Experiment, c: Candidate, n: int) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    return measure(exp, c, n), time.perf_counter() - t0
+
+
+def worker_init(n: int) -> None:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def default_workers(programs: int) -> int:
+    """Compiles run in parallel processes when there are enough of them to pay for the
+    start of each (about 5 s to import JAX); XLA's compile uses ~1.4 cores of its own."""
+    return max(1, min(os.cpu_count() or 1, 4, programs // 6))

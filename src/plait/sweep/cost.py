@@ -1,0 +1,79 @@
+"""The sweep's cost model: a predicted step time and memory per device on target hardware.
+
+Per step, per device:
+- compute = matmul FLOPs / (peak FLOP/s of the compute dtype x efficiency), plus
+  the task's memory traffic (a DLRM's row gathers and updates) at the memory
+  bandwidth;
+- each collective = count x ring steps x latency + wire bytes / bandwidth of
+  the links its group crosses (within a node, or across nodes by the device
+  order of the mesh); bf16 collectives count at 2 bytes per element on
+  accelerators (the CPU compile runs them in fp32);
+- no overlap of compute and communication;
+- a pipeline multiplies the busy time by 1 + its bubble_ratio from the
+  schedule table;
+- a shape fits if arguments + outputs + temporaries - aliases <= device memory.
+"""
+
+from __future__ import annotations
+
+from plait import mesh as mesh_lib
+from plait.config import Experiment
+from plait.hardware import Hardware
+from plait.sweep.shapes import Candidate, crosses_nodes
+
+RING_STEPS = {"all-reduce": lambda g: 2 * (g - 1), "all-gather": lambda g: g - 1,
+              "reduce-scatter": lambda g: g - 1, "all-to-all": lambda g: g - 1,
+              "collective-permute": lambda g: 1}
+
+
+def comm_time(c: Candidate, groups: dict, hw: Hardware, width: float) -> tuple[float, float]:
+    """(seconds, wire bytes) of the step's collectives on `hw`."""
+    comm = wire = 0.0
+    for (kind, axes, g), (count, nbytes) in groups.items():
+        axis_list = [a for a in axes.split(",") if a]
+        cross = crosses_nodes(c.sizes, axis_list, hw.devices_per_node) if axis_list else False
+        bw = hw.inter_node_bandwidth if cross else hw.intra_node_bandwidth
+        lat = hw.inter_node_latency if cross else hw.intra_node_latency
+        comm += count * RING_STEPS.get(kind, lambda g: g - 1)(int(g)) * lat + nbytes * width / bw
+        wire += nbytes * width
+    return comm, wire
+
+
+def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int) -> dict:
+    """One result row: the candidate, its predicted time, memory and whether it fits."""
+    accelerator = hw.extra.get("device") != "cpu" and not hw.shared_compute
+    width = 0.5 if exp.precision.compute == "bfloat16" and accelerator else 1.0
+    compute = measured["flops"] / (hw.peak(exp.precision.compute, n) * hw.efficiency)
+    comm, wire = comm_time(c, measured["groups"], hw, width)
+    bubble = measured["figures"]["bubble_ratio"] if measured.get("figures") else 0.0
+    traffic = measured.get("row_traffic_bytes", 0.0) / hw.bandwidth(n)
+    compute += traffic
+    step = (compute + comm) * (1 + bubble)
+    extra = {"memory_traffic_s": traffic} if "row_traffic_bytes" in measured else {}
+    if "embedding_kinds" in measured:
+        extra["embedding_kinds"] = measured["embedding_kinds"]
+    return {"mesh": c.mesh, **c.columns(), "settings": dict(c.settings), **extra,
+            "tensor_mode": mesh_lib.tensor_mode(c.sizes) or "none",
+            "flops_per_device": measured["flops"], "collective_bytes": wire,
+            "compute_s": compute, "comm_s": comm, "bubble_ratio": bubble,
+            "predicted_step_s": step,
+            "predicted_units_per_s": measured["units_per_step"] / step,
+            "memory_bytes": measured["memory"], "fits": measured["memory"] <= hw.memory(n)}
+
+
+def predict_group(exp: Experiment, group: list[Candidate], measured: dict, hw: Hardware,
+                  n: int) -> list[dict]:
+    """Rows of candidates that share one compiled program: a pipeline's microbatch counts
+    differ only by their schedule's bubble."""
+    from plait.parallel import schedules
+
+    rows = []
+    for c in group:
+        m = measured
+        if c.pipeline:
+            p = c.pipeline
+            s = schedules.build(p["schedule"], c.sizes["pipeline"], p["microbatches"],
+                                p.get("virtual_stages", 0))
+            m = dict(measured, figures=s.figures)
+        rows.append(predict(exp, c, m, hw, n))
+    return rows

@@ -1,0 +1,115 @@
+"""Running a sweep: compile every distinct program once (in worker processes when it
+pays), predict every shape, rank; and `--run`: train the top shapes for a few steps."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from plait import mesh as mesh_lib
+from plait.config import Experiment
+from plait.errors import UserError
+from plait.hardware import Hardware
+from plait.sweep import compiled, cost
+from plait.sweep.shapes import Candidate, enumerate_shapes, program_key
+
+MAX_SIMULATED = 512
+Program = list[list[Candidate]]  # groups of candidates sharing one compile
+
+
+def programs_of(exp: Experiment, n: int) -> dict[tuple, Program]:
+    """The distinct programs to compile for n devices, each with the candidates it prices."""
+    if n > MAX_SIMULATED:
+        raise UserError(f"--devices {n} is more than plait simulates on one CPU "
+                        f"({MAX_SIMULATED}); sweep a smaller slice or on the target machine")
+    cands, reasons = enumerate_shapes(exp, n)
+    if not cands:
+        why = "; ".join(reasons[:3]) or "no factorisation"
+        raise UserError(f"no mesh shape of {n} devices fits {exp.name}: {why}")
+    groups: dict[tuple, list[Candidate]] = {}
+    for c in cands:
+        groups.setdefault(c.program_group(), []).append(c)
+    programs: dict[tuple, Program] = {}
+    for group in groups.values():
+        programs.setdefault(program_key(exp, group[0]), []).append(group)
+    return programs
+
+
+def _label(program: Program) -> str:
+    rep = program[0][0]
+    if rep.pipeline:
+        return f"{rep.mesh} " + "/".join(g[0].pipeline["schedule"] for g in program)
+    return rep.label
+
+
+def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int, progress: bool):
+    """Yield (program, figures, seconds) as each program is compiled and read."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+
+    from rich.progress import Progress
+
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"compiling {len(programs)} programs", total=len(programs))
+        if workers == 1:
+            for prog in programs:
+                bar.update(task, description=f"compiling {_label(prog)}")
+                yield (prog, *compiled.timed_measure(exp, prog[0][0], n))
+                bar.advance(task)
+            return
+        bar.update(task, description=f"compiling {len(programs)} programs in {workers} processes")
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
+                                 initializer=compiled.worker_init, initargs=(n,)) as pool:
+            futures = {pool.submit(compiled.timed_measure, exp, prog[0][0], n): prog
+                       for prog in programs}
+            for fut in as_completed(futures):
+                yield (futures[fut], *fut.result())
+                bar.update(task, description=f"compiled {_label(futures[fut])}")
+                bar.advance(task)
+
+
+def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
+              workers: int | None = None) -> list[dict]:
+    """Compile every distinct program once, predict every shape, rank (fitting first)."""
+    programs = list(programs_of(exp, n).values())
+    workers = workers or compiled.default_workers(len(programs))
+    rows: list[dict] = []
+    for prog, figures, seconds in _compile_all(exp, n, programs, workers, progress):
+        for group in prog:
+            for r in cost.predict_group(exp, group, figures, hw, n):
+                r["compile_s"] = seconds
+                r["shares_program_with"] = prog[0][0].label
+                rows.append(r)
+    rows.sort(key=lambda r: (not r["fits"], r["predicted_step_s"], r["mesh"],
+                             str(r.get("pipeline_schedule")),
+                             r.get("pipeline_microbatches") or 0))
+    for i, r in enumerate(rows, 1):
+        r["rank"] = i
+    return rows
+
+
+def candidate_of(row: dict, n: int) -> Candidate:
+    """The shape a result row stands for (its mesh and settings)."""
+    sizes = mesh_lib.resolve(mesh_lib.load_spec(row["mesh"]), n)
+    return Candidate(sizes, dict(row.get("settings") or {}))
+
+
+def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> None:
+    """Train each row's shape for a few steps on the devices at hand; add its median step time."""
+    from plait.train.loop import train
+
+    for r in rows:
+        cand = candidate_of(r, n)
+        short = cand.experiment(exp).model_copy(update={
+            "train": exp.train.model_copy(update={"steps": steps}),
+            "checkpoint": exp.checkpoint.model_copy(update={"enabled": False}),
+            "log": exp.log.model_copy(update={"every_steps": 1, "tensorboard": False,
+                                              "console": "none"})})
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = train(short, mesh_lib.build_mesh(cand.sizes, n), Path(tmp))
+        times = [rec["step_time_s"] for rec in summary["records"][1:]]
+        r["measured_step_s"] = float(np.median(times)) if times else None
+
+

@@ -1,0 +1,121 @@
+"""The shapes a sweep considers: every factorisation of N devices over the task's mesh
+axes that the task accepts, times the settings it wants swept (pipeline schedules and
+microbatches, embedding placements); and which of them compile to the same program."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from plait import mesh as mesh_lib
+from plait.config import Experiment
+from plait.errors import UserError
+
+MICROBATCHES = "pipeline.microbatches"
+
+
+@dataclass
+class Candidate:
+    """A mesh shape and the config settings (dotted keys) that go with it."""
+
+    sizes: dict[str, int]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def mesh(self) -> str:
+        return mesh_lib.inline(self.sizes)
+
+    @property
+    def label(self) -> str:
+        shown = [str(v) for k, v in self.settings.items()
+                 if k not in (MICROBATCHES, "pipeline.virtual_stages")]
+        return " ".join([self.mesh, *shown])
+
+    @property
+    def pipeline(self) -> dict[str, Any]:
+        """The pipeline settings (schedule, microbatches, virtual_stages), if any."""
+        return {k.split(".", 1)[1]: v for k, v in self.settings.items()
+                if k.startswith("pipeline.")}
+
+    def program_group(self) -> tuple:
+        """Candidates of one group share a compiled program: they differ only in the
+        pipeline's microbatch count, which changes the bubble, not the step's costs."""
+        return (self.mesh, tuple((k, v) for k, v in self.settings.items() if k != MICROBATCHES))
+
+    def experiment(self, exp: Experiment) -> Experiment:
+        for key, value in self.settings.items():
+            section, name = key.split(".", 1)
+            part = getattr(exp, section).model_copy(update={name: value})
+            exp = exp.model_copy(update={section: part})
+        return exp
+
+    def columns(self) -> dict[str, Any]:
+        """The settings as result columns: pipeline.schedule -> pipeline_schedule."""
+        return {k.replace(".", "_"): v for k, v in self.settings.items()}
+
+
+def factorisations(n: int, axes: tuple[str, ...]):
+    """Every assignment of sizes to `axes` whose product is n."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+
+    def rec(i: int, left: int):
+        if i == len(axes) - 1:
+            yield (left,)
+            return
+        for d in divisors:
+            if left % d == 0:
+                for rest in rec(i + 1, left // d):
+                    yield (d, *rest)
+
+    for combo in rec(0, n):
+        yield dict(zip(axes, combo, strict=True))
+
+
+def enumerate_shapes(exp: Experiment, n: int) -> tuple[list[Candidate], list[str]]:
+    """Every valid shape with its settings, and why others fail (most frequent first)."""
+    from plait import tasks
+
+    task = tasks.task_class(exp.model.kind)
+    out: list[Candidate] = []
+    reasons: dict[str, int] = {}
+    for sizes in factorisations(n, task.sweep_axes):
+        try:
+            mesh_lib.tensor_mode(sizes)
+            variants = task.sweep_variants(exp, sizes)
+        except UserError as e:
+            reasons[str(e)] = reasons.get(str(e), 0) + 1
+            continue
+        out += [Candidate(sizes, v) for v in variants]
+    return out, sorted(reasons, key=lambda r: -reasons[r])
+
+
+def program_key(exp: Experiment, c: Candidate) -> tuple:
+    """Groups with equal keys compile to the same program (up to the table's values).
+
+    The pipeline executor compiles one switch over every action kind whatever
+    the schedule; its buffers follow the tick table's slots, its loop the ticks,
+    and what the analysis weights follow the branch frequencies. GPipe and 1F1B
+    at N = D, for instance, agree on all of them.
+    """
+    pipe = c.pipeline
+    if not pipe:
+        return c.program_group()
+    from plait.parallel import pipeline, schedules
+
+    s = schedules.build(pipe["schedule"], c.sizes["pipeline"], pipe["microbatches"],
+                        pipe.get("virtual_stages", 0))
+    t = pipeline.tick_table(s, exp.model.layers)
+    weights = tuple(round(w, 12) for ws in t.branch_weights().values() for w in ws)
+    return (c.mesh, s.pipes, t.chunks, len(t.table), t.inbox_slots, t.stash_slots, weights)
+
+
+def crosses_nodes(sizes: dict[str, int], axes: list[str], per_node: int) -> bool:
+    """Whether a group over `axes` spans several nodes (innermost axes on neighbouring
+    devices, `per_node` devices a node)."""
+    import numpy as np
+
+    names = list(sizes)
+    ids = np.arange(math.prod(sizes.values())).reshape([sizes[a] for a in names])
+    index = tuple(slice(None) if a in axes else 0 for a in names)
+    return len(set((ids[index].ravel() // per_node).tolist())) > 1

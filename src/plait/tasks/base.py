@@ -1,0 +1,150 @@
+"""The Task interface: what a model kind gives the loop, inspect, the sweep and checkpoints.
+
+A Task is one model kind on one mesh, built from an experiment after checking
+that the two fit. Its state is a pytree of arrays laid out by `layout` (what
+lives in memory) and `canonical_layout` (what checkpoints hold, the same for
+every mesh, so a run resumes on another one); its step is one jitted function
+(state, batch) -> (state, {"loss", "grad_norm", "lr"}).
+
+Subclasses must provide `layout`, `init_state`, `step_fn`, `abstract_batch`,
+`source`, `batch`, `units_per_step` and `num_params`; the rest has defaults.
+The class-level `sweep_*` hooks let `plait sweep` enumerate and price mesh
+shapes without building a Task per shape.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
+
+from jax.sharding import Mesh
+
+from plait.config import Experiment
+from plait.train.state import StateLayout
+
+Metrics = dict[str, float]
+
+
+class Source(Protocol):
+    """A deterministic data source: rows [start, stop) of the global batch of `step`."""
+
+    def rows(self, step: int, start: int, stop: int) -> Any: ...
+
+
+class Evaluator(Protocol):
+    """Held-out metrics of a state (e.g. {"auc": 0.8}), computed on the task's mesh."""
+
+    def __call__(self, state: dict) -> Metrics: ...
+
+
+class Task(abc.ABC):
+    """One model kind on one mesh (see the module docstring)."""
+
+    # What `units_per_step` counts, as the logs name it: tokens, samples.
+    unit: ClassVar[str] = "samples"
+    # Mesh axes `plait sweep` factors the devices over (others stay 1).
+    sweep_axes: ClassVar[tuple[str, ...]] = ("data", "fsdp")
+
+    def __init__(self, exp: Experiment, mesh: Mesh):
+        self.exp, self.mesh = exp, mesh
+
+    # ------------------------------------------------------------------ state
+    @property
+    @abc.abstractmethod
+    def layout(self) -> StateLayout:
+        """Shapes and shardings of the state in memory."""
+
+    @property
+    def canonical_layout(self) -> StateLayout:
+        """Shapes and shardings of the state in checkpoints (default: as in memory)."""
+        return self.layout
+
+    @abc.abstractmethod
+    def init_state(self) -> dict:
+        """A fresh state, created in its shards."""
+
+    def to_checkpoint(self, state: dict) -> dict:
+        """The state as checkpoints hold it (canonical_layout)."""
+        return state
+
+    def from_checkpoint(self, state: dict) -> dict:
+        """A restored canonical state, laid out for this mesh."""
+        return state
+
+    # ------------------------------------------------------------------ step
+    @property
+    @abc.abstractmethod
+    def step_fn(self) -> Callable:
+        """jit(step)(state, batch) -> (state, {"loss", "grad_norm", "lr"}), state donated."""
+
+    @abc.abstractmethod
+    def abstract_batch(self) -> Any:
+        """ShapeDtypeStructs (with shardings) of one batch, for ahead-of-time compiles."""
+
+    def compile(self, compiler_options: dict | None = None):
+        """Ahead-of-time compile of the step for the state and batch layouts."""
+        lowered = self.step_fn.lower(self.layout.abstract(), self.abstract_batch())
+        return lowered.compile(compiler_options) if compiler_options else lowered.compile()
+
+    def branch_weights(self) -> dict[int, list[float]] | None:
+        """How often each branch of a conditional in the step runs (plait.analysis)."""
+        return None
+
+    # ------------------------------------------------------------------ data
+    @abc.abstractmethod
+    def source(self) -> Source:
+        """The data source of the experiment (each process reads only its rows)."""
+
+    @abc.abstractmethod
+    def batch(self, source: Source, step: int) -> Any:
+        """The global batch of `step`, sharded as `abstract_batch` says."""
+
+    def evaluator(self, source: Source) -> Evaluator | None:
+        """Held-out evaluation logged with the training metrics, or None."""
+        return None
+
+    # ------------------------------------------------------------------ figures
+    @property
+    @abc.abstractmethod
+    def units_per_step(self) -> int:
+        """Tokens or samples one step trains on (for throughput)."""
+
+    @abc.abstractmethod
+    def num_params(self) -> int: ...
+
+    def flops_per_unit(self) -> float | None:
+        """Model FLOPs per trained unit, forward and backward (MFU); None if not defined."""
+        return None
+
+    def describe(self, state: dict) -> list[str]:
+        """Lines the run log prints after its header (e.g. where the tables live)."""
+        return []
+
+    def placement_report(self) -> dict | None:
+        """Where the task's largest state lives, worked out without compiling (`plait
+        plan`: a DLRM's embedding tables); None where the sharding rules say it all."""
+        return None
+
+    def report(self, analysis: dict) -> dict:
+        """Extra fields of `plait inspect`'s report, given the compiled step's analysis."""
+        return {}
+
+    # ------------------------------------------------------------------ sweep
+    @classmethod
+    def sweep_variants(cls, exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:
+        """The settings (dotted config keys) worth sweeping on a mesh of these sizes, e.g.
+        pipeline schedules; [{}] for none. A UserError says why the sizes do not fit."""
+        return [{}]
+
+    @classmethod
+    def sweep_programs(cls, exp: Experiment, sizes: dict[str, int]
+                       ) -> tuple[list[Experiment], float | None]:
+        """What to compile to price `exp`: ([exp], None) compiles it as is; ([a, b], t)
+        compiles two cheaper experiments whose figures are linear in a size, with exp's
+        figures at a + t (b - a) (e.g. a scanned model at two depths)."""
+        return [exp], None
+
+    def sweep_extras(self) -> dict:
+        """Figures the sweep's cost model adds to the compiled ones (e.g. memory traffic)."""
+        return {}

@@ -1,0 +1,279 @@
+"""The language-model task (`model.kind = "gpt"`): a GPT over every parallel mode.
+
+Data, fsdp and 1-D tensor parallelism come from the rule set's annotations,
+2-D / 2.5-D / 3-D tensor parallelism from `parallel.tensor` (through the
+model's `dense` / `lookup`), the pipeline from `train.pipelined`. Checkpoints
+hold the canonical per-layer parameters whatever the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from plait import data, sharding
+from plait import mesh as mesh_lib
+from plait.config import Experiment, GPTConfig
+from plait.errors import UserError
+from plait.models import ModelDef, build, gpt
+from plait.parallel import formulas, schedules
+from plait.tasks.base import Source, Task
+from plait.train.pipelined import Pipelined
+from plait.train.state import StateLayout, init_state, layout, optimizer
+from plait.train.step import compute_dtype, cross_entropy, make_train_step
+
+# What each logical dimension is in the config, for error messages, checked in
+# this order so the most actionable key is named first.
+_DIM_KEYS = {
+    "heads": ("model.heads", lambda m: m.heads),
+    "embed": ("model.d_model", lambda m: m.d_model),
+    "mlp": ("model.d_ff", lambda m: m.d_ff),
+    "head_dim": ("the head size model.d_model / model.heads", lambda m: m.d_model // m.heads),
+    "seq": ("model.seq_len", lambda m: m.seq_len),
+    "vocab": ("the padded vocabulary", lambda m: m.padded_vocab),
+}
+TENSOR_AXES = frozenset(a for axes in mesh_lib.TENSOR_MODES.values() for a in axes)
+MODE_NAMES = {None: "none", "1d": "1-D", "2d": "2-D", "2.5d": "2.5-D", "3d": "3-D"}
+
+
+def tensor_wire_bytes(analysis: dict) -> float:
+    """Ring wire bytes of the collectives that run over tensor axes only."""
+    return sum(b for axes, b in analysis["wire_by_axes"].items()
+               if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)
+
+
+@functools.lru_cache(maxsize=8)
+def abstract_model(cfg_json: str) -> ModelDef:
+    return build(gpt.GPT, GPTConfig.model_validate_json(cfg_json))
+
+
+def _axes_text(axes: tuple[str, ...], n: int) -> str:
+    return f"the {axes[0]} axis ({n})" if len(axes) == 1 else f"{' x '.join(axes)} = {n}"
+
+
+def _check_batch(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules) -> None:
+    t = exp.train
+    if t.global_batch % t.microbatches:
+        raise UserError(f"train.global_batch = {t.global_batch} is not divisible by "
+                        f"train.microbatches = {t.microbatches}")
+    per_micro = t.global_batch // t.microbatches
+    for feature in ("act_embed", "act_heads"):
+        taken = set(sharding.axes_tuple(rules.get(feature)))
+        split = tuple(a for a in sharding.axes_tuple(rules.get("act_batch"))
+                      if sizes.get(a, 1) > 1 and a not in taken)
+        n = math.prod(sizes[a] for a in split)
+        if per_micro % n:
+            raise UserError(
+                f"train.global_batch = {t.global_batch} does not split over {' x '.join(split)}"
+                f" = {n} in each of train.microbatches = {t.microbatches}; make global_batch a "
+                f"multiple of {n * t.microbatches}")
+
+
+def check_fits(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules,
+               model: ModelDef) -> None:
+    """Divisibility of the model and the batch by the mesh, as one-line errors.
+
+    Every parameter dimension is checked against the mesh axes its rules split
+    it over, so a new tensor mode needs no new checks here.
+    """
+    m = exp.model
+    if m.d_model % m.heads:
+        raise UserError(f"model.d_model = {m.d_model} is not divisible by model.heads = "
+                        f"{m.heads}; pick sizes with d_model a multiple of heads")
+    failures: dict[str, tuple[tuple[str, ...], int]] = {}
+    for var in jax.tree.leaves(model.variables(), is_leaf=lambda v: hasattr(v, "get_metadata")):
+        logical, fan_in = sharding.param_meta(var)
+        for name, dim, axes in zip(logical, var.get_value().shape,
+                                   rules.param_axes(logical, fan_in), strict=True):
+            split = tuple(a for a in sharding.axes_tuple(axes) if sizes.get(a, 1) > 1)
+            n = math.prod(sizes[a] for a in split)
+            if dim % n and name not in failures:
+                failures[name] = (split, n)
+    for name, (key, get) in _DIM_KEYS.items():
+        if name in failures:
+            axes, n = failures[name]
+            hint = (f"set model.vocab_multiple to a multiple of {n}" if name == "vocab"
+                    else f"use sizes where {n} divides {get(m)}")
+            raise UserError(f"{key} = {get(m)} is not divisible by {_axes_text(axes, n)}; {hint}")
+    _check_batch(exp, sizes, rules)
+
+
+class GPTTask(Task):
+    unit = "tokens"
+    sweep_axes = mesh_lib.AXES
+
+    def __init__(self, exp: Experiment, mesh: Mesh):
+        super().__init__(exp, mesh)
+        self.rules = sharding.rules_for(mesh)
+        self.model = abstract_model(exp.model.model_dump_json())
+        check_fits(exp, dict(mesh.shape), self.rules, self.model)
+        self.pipeline: Pipelined | None = None
+        if mesh.shape.get("pipeline", 1) > 1:
+            self.pipeline = Pipelined(exp, mesh, self.model, self.rules, "blocks", gpt.Block)
+        mask = self.pipeline.decay_mask if self.pipeline else None
+        self.tx, self.lr_schedule = optimizer(exp, mask)
+        if self.pipeline:
+            params = (self.pipeline.param_shapes, self.pipeline.param_shardings)
+        else:
+            params = (self.model.shapes(),
+                      sharding.param_shardings(self.model.variables(), mesh, self.rules))
+        self._layout = layout(*params, self.tx, mesh)
+        t, n = exp.train, (self.pipeline.microbatches if self.pipeline else exp.train.microbatches)
+        # [microbatch, row, token]: rows split over the batch axes.
+        self.batch_shape = (n, t.global_batch // n, exp.model.seq_len + 1)
+        self.batch_sharding: NamedSharding = sharding.batch_sharding(mesh, self.rules, 3,
+                                                                     batch_dim=1)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def layout(self) -> StateLayout:
+        return self._layout
+
+    @functools.cached_property
+    def canonical_layout(self) -> StateLayout:
+        """One entry per layer, whatever the pipeline does in memory."""
+        if self.pipeline is None:
+            return self.layout
+        shardings = sharding.param_shardings(self.model.variables(), self.mesh, self.rules)
+        return layout(self.model.shapes(), shardings, optimizer(self.exp)[0], self.mesh)
+
+    def init_state(self) -> dict:
+        def params():
+            p = self.model.init(self.exp.seed)
+            return self.pipeline.from_canonical(p) if self.pipeline else p
+
+        return init_state(params, self.tx, self.layout)
+
+    def to_checkpoint(self, state: dict) -> dict:
+        if self.pipeline is None:
+            return state
+        return jax.jit(lambda s: self.pipeline.map_state(s, self.pipeline.to_canonical),
+                       out_shardings=self.canonical_layout.shardings)(state)
+
+    def from_checkpoint(self, state: dict) -> dict:
+        if self.pipeline is None:
+            return state
+        return jax.jit(lambda s: self.pipeline.map_state(s, self.pipeline.from_canonical),
+                       out_shardings=self.layout.shardings)(state)
+
+    # ------------------------------------------------------------------ step
+    def loss(self, params: dict, tokens: jax.Array) -> jax.Array:
+        """Mean next-token loss of tokens [rows, seq + 1]."""
+        with sharding.use(self.mesh, self.rules):
+            logits = self.model.apply(params, tokens[:, :-1], compute_dtype(self.exp))
+        return cross_entropy(logits, tokens[:, 1:])
+
+    def _pipeline_loss_and_grads(self, params: dict, batch: jax.Array):
+        with sharding.use(self.mesh, self.rules):
+            return self.pipeline.loss_and_grads(params, batch, compute_dtype(self.exp),
+                                                cross_entropy)
+
+    @functools.cached_property
+    def step_fn(self):
+        pipe = self.pipeline
+        return make_train_step(
+            self.mesh, self.layout, self.batch_sharding, self.tx, self.lr_schedule,
+            self.exp.optimizer.grad_clip, loss_fn=self.loss,
+            loss_and_grads=self._pipeline_loss_and_grads if pipe else None,
+            **({"grad_norm": pipe.grad_norm} if pipe else {}))
+
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.batch_shape, np.int32, sharding=self.batch_sharding)
+
+    def branch_weights(self):
+        return self.pipeline.ticks.branch_weights() if self.pipeline else None
+
+    # ------------------------------------------------------------------ data
+    def source(self) -> Source:
+        m, d = self.exp.model, self.exp.data
+        if d.source == "synthetic":
+            from plait.data.synthetic import SyntheticTokens
+
+            return SyntheticTokens(m.vocab, m.seq_len, self.exp.seed, d.successors)
+        from plait.data.tokens import TokenFile
+
+        return TokenFile(d.path or "", d.dtype, m.seq_len, self.exp.seed, m.vocab)
+
+    def batch(self, source: Source, step: int) -> jax.Array:
+        return data.global_batch(source, step, self.batch_shape, self.batch_sharding)
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def units_per_step(self) -> int:
+        return self.exp.train.global_batch * self.exp.model.seq_len
+
+    def num_params(self) -> int:
+        return self.model.num_params()
+
+    def flops_per_unit(self) -> float:
+        return gpt.flops_per_token(self.exp.model)
+
+    def param_bytes_per_device(self) -> int:
+        """Bytes of this device's shards of the parameters (fp32 master weights)."""
+        total = 0
+        for shape, sh in zip(jax.tree.leaves(self.layout.shapes["params"]),
+                             jax.tree.leaves(self.layout.params), strict=True):
+            total += math.prod(sh.shard_shape(shape.shape)) * shape.dtype.itemsize
+        return total
+
+    def report(self, analysis: dict) -> dict:
+        sizes = dict(self.mesh.shape)
+        platform = self.mesh.devices.flat[0].platform
+        wire = tensor_wire_bytes(analysis)
+        mode = MODE_NAMES[mesh_lib.tensor_mode(sizes)]
+        # The formulas describe tensor parallelism without a pipeline.
+        formula = None if self.pipeline else formulas.tensor_bytes(self.exp, sizes, platform)
+        out = {"tensor_mode": mode, "tensor_wire_bytes": wire, "tensor_formula_bytes": formula,
+               "param_bytes_per_device": self.param_bytes_per_device(),
+               "pipeline": self.pipeline.figures if self.pipeline else None}
+        return out
+
+    # ------------------------------------------------------------------ sweep
+    @classmethod
+    def sweep_variants(cls, exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:
+        """Every shape the model divides; a pipeline axis adds each schedule x microbatch
+        count (D, 2D, 4D) the layers and the batch split into."""
+        mode = mesh_lib.tensor_mode(sizes)
+        check_fits(exp, sizes, sharding.rules_for_sizes(sizes),
+                   abstract_model(exp.model.model_dump_json()))
+        D = sizes.get("pipeline", 1)
+        if D == 1:
+            return [{}]
+        if mode not in (None, "1d"):
+            raise UserError("the pipeline composes with data, fsdp and 1-D tensor axes only")
+        replicas = sizes.get("data", 1) * sizes.get("fsdp", 1)
+        out = []
+        for name, kind in schedules.SCHEDULES.items():
+            v = kind.default_virtual
+            for N in (D, 2 * D, 4 * D):
+                if exp.model.layers % (D * v) or exp.train.global_batch % (N * replicas):
+                    continue
+                try:
+                    kind.check(D, N, v)
+                except UserError:
+                    continue
+                out.append({"pipeline.schedule": name, "pipeline.microbatches": N,
+                            "pipeline.virtual_stages": v})
+        return out
+
+    @classmethod
+    def sweep_programs(cls, exp: Experiment, sizes: dict[str, int]):
+        """Scanned layers make every per-layer cost linear in depth: without a pipeline,
+        compile at 2 and 4 layers and extrapolate. A pipeline stacks its stage parameters,
+        so its program does not grow with depth: compile it at the full depth."""
+        def scanned(layers: int) -> Experiment:
+            model = exp.model.model_copy(update={"layers": layers, "scan_layers": True})
+            return exp.model_copy(update={"model": model})
+
+        L = exp.model.layers
+        if sizes.get("pipeline", 1) > 1:
+            return [scanned(L)], None
+        return [scanned(2), scanned(4)], (L - 2) / 2
+
+    def sweep_extras(self) -> dict:
+        return {"figures": self.pipeline.figures} if self.pipeline else {}

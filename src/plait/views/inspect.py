@@ -1,0 +1,81 @@
+"""`plait inspect`'s views: the compiled step's figures, and the tensor-mode comparison."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from plait import analysis
+from plait.views.common import console, size_text
+
+
+def render_comparison(name: str, rows: list[dict]) -> None:
+    c = console(150)
+    t = Table(title=f"{name}: tensor modes, per device per step")
+    for col in ("mode", "mesh", "tensor-axis bytes (HLO)", "formula", "HLO/formula",
+                "all collectives", "weights", "temp (activations)", "compile"):
+        t.add_column(col, justify="left" if col in ("mode", "mesh") else "right")
+    for r in rows:
+        if "error" in r:
+            t.add_row(r["mode"], r["mesh"], f"[red]{r['error']}[/red]", *[""] * 6)
+            continue
+        ratio = (r["tensor_wire_bytes"] / r["tensor_formula_bytes"]
+                 if r["tensor_formula_bytes"] else float("nan"))
+        t.add_row(r["mode"], r["mesh"], size_text(r["tensor_wire_bytes"]),
+                  size_text(r["tensor_formula_bytes"]), f"{ratio:.3f}", size_text(r["wire_bytes"]),
+                  size_text(r["param_bytes_per_device"]), size_text(r["temp_bytes"]),
+                  f"{r['compile_s']:.0f}s")
+    c.print(t)
+
+
+def render(r: dict) -> None:
+    c = console()
+    c.print(f"[bold]{r['experiment']}[/bold] on mesh {r['mesh']} ({r['devices']} "
+            f"{r['platform']} devices), {r['parameters'] / 1e6:.2f}M parameters, "
+            f"{r['units_per_step']:,} {r['unit']}/step, compiled in {r['compile_s']:.1f}s")
+    if r.get("model_flops_per_device"):
+        c.print(f"FLOPs per device per step: {r['flops_per_device']:.4g} from the HLO matmuls "
+                f"(model FLOPs {r['model_flops_per_device']:.4g})")
+    if r.get("tables"):  # a DLRM's embedding tables
+        kinds = ", ".join(f"t{x['table']} {x['kind']}" for x in r["tables"])
+        c.print(f"tables: {kinds}; largest collective {size_text(r['largest_collective_bytes'])} "
+                f"against a largest table of {size_text(r['largest_table_bytes'])}")
+    if r.get("pipeline"):
+        p = r["pipeline"]
+        c.print(f"pipeline {p['schedule']}: {p['stages']} stages, {p['microbatches']} "
+                f"microbatches, bubble {p['bubble']:.3f}, {p['ticks']} ticks, peak in flight "
+                f"{p['peak_inflight']}")
+    if "tensor_formula_bytes" in r:
+        formula = (f" (formula {size_text(r['tensor_formula_bytes'])})"
+                   if r["tensor_formula_bytes"] is not None else "")
+        c.print(f"tensor mode {r['tensor_mode']}: {size_text(r['tensor_wire_bytes'])} over tensor "
+                f"axes per device per step{formula}; parameters "
+                f"{size_text(r['param_bytes_per_device'])} per device")
+    if r["wire_by_axes"]:
+        ax = Table(title="wire bytes per device per step, by mesh axes")
+        ax.add_column("axes")
+        ax.add_column("bytes", justify="right")
+        for axes, b in r["wire_by_axes"].items():
+            ax.add_row(axes, size_text(b))
+        c.print(ax)
+    t = Table(title="collectives per device per step")
+    for col in ("kind", "bytes", "wire bytes (ring)"):
+        t.add_column(col, justify="right" if col != "kind" else "left")
+    for kind in analysis.COLLECTIVE_KINDS:
+        t.add_row(kind, size_text(r["collectives"][kind]), size_text(r["collectives_wire"][kind]))
+    c.print(t)
+    if r["collective_ops"]:
+        ops = Table(title="largest collective ops")
+        for col in ("kind", "shape", "axes", "group", "count", "bytes"):
+            ops.add_column(col)
+        for op in r["collective_ops"][:12]:
+            ops.add_row(op["kind"], op["shape"][:48], ",".join(op["axes"]) or "-",
+                        str(op["group_size"]), f"{op['count']:g}", size_text(op["bytes"]))
+        c.print(ops)
+    m = r["memory"]
+    if m:
+        mt = Table(title="memory per device")
+        mt.add_column("kind")
+        mt.add_column("bytes", justify="right")
+        for key in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "total_bytes"):
+            mt.add_row(key.removesuffix("_bytes"), size_text(m[key]))
+        c.print(mt)

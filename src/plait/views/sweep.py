@@ -1,0 +1,79 @@
+"""`plait sweep`'s outputs: the ranked table, sweep.csv / sweep.json, and sweep.png."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from plait.views.common import console, pyplot
+
+COLUMNS = ["rank", "mesh", "pipeline_schedule", "pipeline_microbatches", "embedding_sharding",
+           "embedding_kinds", "tensor_mode",
+           "predicted_step_s", "predicted_units_per_s", "compute_s", "comm_s", "bubble_ratio",
+           "flops_per_device", "collective_bytes", "memory_bytes", "fits", "measured_step_s"]
+
+
+def write_outputs(rows: list[dict], out: Path, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in COLUMNS})
+    (out / "sweep.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    plot(rows, out / "sweep.png", meta)
+
+
+def plot(rows: list[dict], path: Path, meta: dict, top: int = 25) -> None:
+    plt = pyplot()
+    shown = rows[:top]
+    labels = [r["mesh"] + (f" {r['pipeline_schedule']} N={r['pipeline_microbatches']}"
+                           if r.get("pipeline_schedule") else
+                           f" {r['embedding_sharding']}" if r.get("embedding_sharding") else "")
+              for r in shown]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.32 * len(shown) + 1.6), sharey=True)
+    y = list(range(len(shown)))
+    colors = ["#4c72b0" if r["fits"] else "#c44e52" for r in shown]
+    ax1.barh(y, [r["compute_s"] for r in shown], color=colors, label="compute")
+    ax1.barh(y, [r["predicted_step_s"] - r["compute_s"] for r in shown],
+             left=[r["compute_s"] for r in shown], color="#dd8452", label="communication + bubble")
+    ax1.set_yticks(y, labels, fontsize=7)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("predicted step time (s)")
+    ax1.legend(fontsize=7)
+    ax2.barh(y, [r["memory_bytes"] / 2**30 for r in shown], color=colors)
+    ax2.axvline(meta["device_memory_bytes"] / 2**30, color="black", linestyle="--", linewidth=1)
+    ax2.set_xlabel("memory per device (GiB); dashed: device memory; red: does not fit")
+    fig.suptitle(f"{meta['experiment']} on {meta['devices']} x {meta['hardware']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render(rows: list[dict], meta: dict) -> None:
+    from rich.table import Table
+
+    c = console()
+    t = Table(title=f"{meta['experiment']}: {meta['devices']} devices, predicted on "
+                    f"{meta['hardware']} (sweep {meta['sweep_s']:.0f}s)")
+    cols = ["rank", "mesh", "pipeline", "tensor", "step s", f"{meta.get('unit', 'units')}/s",
+            "compute s", "comm s",
+            "bubble", "GiB/device", "fits"]
+    if any("measured_step_s" in r for r in rows):
+        cols.append("measured s")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("mesh", "pipeline", "tensor") else "right")
+    for r in rows:
+        pipe = (f"{r['pipeline_schedule']} N={r['pipeline_microbatches']}"
+                if r.get("pipeline_schedule") else
+                f"tables {r['embedding_kinds']}" if r.get("embedding_sharding") else "-")
+        cells = [str(r["rank"]), r["mesh"], pipe, r["tensor_mode"],
+                 f"{r['predicted_step_s']:.4g}", f"{r['predicted_units_per_s']:,.0f}",
+                 f"{r['compute_s']:.3g}", f"{r['comm_s']:.3g}", f"{r['bubble_ratio']:.3f}",
+                 f"{r['memory_bytes'] / 2**30:.2f}", "yes" if r["fits"] else "[red]no[/red]"]
+        if "measured s" in cols:
+            m = r.get("measured_step_s")
+            cells.append(f"{m:.4g}" if m else "")
+        t.add_row(*cells)
+    c.print(t)
