@@ -56,7 +56,7 @@ def test_hlo_flops_equal_model_flops_with_accumulation_loop():
 def test_data_parallel_reduces_every_gradient_once():
     exp = tiny()
     r = inspect_step(exp, make_mesh("data=8"))
-    param_bytes = 4 * build(exp.model).num_params()
+    param_bytes = 4 * build(gpt.GPT, exp.model).num_params()
     embed_bytes = 4 * exp.model.padded_vocab * exp.model.d_model
     assert {a for op in r["collective_ops"] for a in op["axes"]} == {"data"}
     assert param_bytes <= r["collectives"]["all-reduce"] <= param_bytes + embed_bytes

@@ -138,7 +138,7 @@ class EmbeddingConfig(Section):
     """DLRM embedding tables: how each is laid over the mesh (plait.parallel.embedding)."""
 
     # For every table: auto (the planner decides), or one of TABLE_PLACEMENTS.
-    sharding: Literal["auto", TABLE_PLACEMENTS] = "auto"
+    sharding: Literal[("auto", *TABLE_PLACEMENTS)] = "auto"
     # Per-table overrides: table index (as a string) -> placement, e.g. {"0" = "row"}.
     overrides: dict[str, Literal[TABLE_PLACEMENTS]] = {}
     # Sparse optimizer of the tables (only looked-up rows change): sgd, row-wise

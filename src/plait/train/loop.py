@@ -94,6 +94,7 @@ class Run:
         self.exp, self.mesh, self.run_dir = exp, mesh, Path(run_dir)
         self.is_writer = jax.process_index() == 0
         self.task = make_task(exp, mesh)
+        self.source = self.task.source()  # checks data files before anything is written
         self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
         self.mesh_text = mesh_lib.inline(dict(mesh.shape))
         ckpt_dir = self.run_dir / "checkpoints"
@@ -149,7 +150,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     """Run steps from `start`; returns (state, last step, step times)."""
     task, exp = run.task, run.exp
     total, every, ckpt_every = exp.train.steps, exp.log.every_steps, exp.checkpoint.every_steps
-    source = task.source()
+    source = run.source
     evaluate = task.evaluator(source)
     rate = Throughput(task, run.mesh, exp.precision.compute)
     timer, step_times = StepTimer(), []
