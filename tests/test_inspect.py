@@ -66,7 +66,7 @@ def test_data_parallel_reduces_every_gradient_once():
 def test_fsdp_gathers_sharded_weights():
     exp = tiny()
     r = inspect_step(exp, make_mesh("fsdp=8"))
-    model = build(exp.model)
+    model = build(gpt.GPT, exp.model)
     sharded = sum(4 * math.prod(v.get_value().shape)
                   for v in jax.tree.leaves(model.variables(),
                                            is_leaf=lambda x: hasattr(x, "get_metadata"))
