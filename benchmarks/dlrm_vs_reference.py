@@ -65,13 +65,13 @@ class PlaitBench:
 
         from plait import mesh as mesh_lib
         from plait.config import load_experiment
-        from plait.train.dlrm_job import DLRMJob
+        from plait.tasks.dlrm import DLRMTask
 
         spec = mesh_lib.load_spec(mesh_text)
         n = mesh_lib.provision_devices(spec)
         self.mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
         self.exp = load_experiment(BENCH, sets)
-        self.job = DLRMJob(self.exp, self.mesh)
+        self.job = DLRMTask(self.exp, self.mesh)
         source = self.job.source()
         self.batches = [self.job.batch(source, k) for k in range(n_batches)]
         self.state = self.job.init_state()

@@ -115,8 +115,8 @@ def main() -> int:
 
     from plait import mesh as mesh_lib
     from plait.config import load_experiment
-    from plait.models import flops_per_token
-    from plait.train.build import Job
+    from plait.models import gpt
+    from plait.tasks.gpt import GPTTask as Job
     from plait.train.loop import train
     from plait.train.state import optimizer
 
@@ -131,7 +131,7 @@ def main() -> int:
     cfg = exp.model
     from plait import data
 
-    batch = data.global_batch(data.make_source(exp), 0, job.batch_shape, job.batch_sharding)
+    batch = data.global_batch(job.source(), 0, job.batch_shape, job.batch_sharding)
     tokens = jnp.asarray(np.asarray(batch)[0])
 
     # plait
@@ -225,7 +225,7 @@ def main() -> int:
         "overhead_vs_bare_pct_median_of_paired_rounds":
             100 * (statistics.median(bare_ratios) - 1),
         "plait_loop_step_ms": 1e3 * loop_med if loop_med else None,
-        "model_gflops_per_step": flops_per_token(cfg) * tokens_per_step / 1e9,
+        "model_gflops_per_step": gpt.flops_per_token(cfg) * tokens_per_step / 1e9,
         "plait_rounds_ms": [1e3 * t for t in p_times],
         "hand_rounds_ms": [1e3 * t for t in h_times],
         "bare_rounds_ms": [1e3 * t for t in b_times],

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from plait.config import Experiment  # noqa: E402
-from plait.models import build, layer_stack  # noqa: E402
+from plait.models import build, gpt, layer_stack  # noqa: E402
 from plait.parallel import schedules  # noqa: E402
 
 STAGE_MODEL = {"layers": 2, "d_model": 512, "heads": 8, "d_ff": 2048, "vocab": 4096,
@@ -50,8 +50,8 @@ def stage_times(batch: int) -> dict:
     """Milliseconds of one stage's forward, backward, input-gradient and weight-gradient."""
     exp = Experiment.model_validate({"model": STAGE_MODEL})
     cfg = exp.model
-    stack = layer_stack(cfg)
-    params = build(cfg).init(0)["blocks"]
+    stack = layer_stack(gpt.Block, cfg)
+    params = build(gpt.GPT, cfg).init(0)["blocks"]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for k in sorted(params)))
     x = jax.random.normal(jax.random.key(0), (batch, cfg.seq_len, cfg.d_model))
     g = jax.random.normal(jax.random.key(1), x.shape)
@@ -81,16 +81,16 @@ def lockstep_cost(s: schedules.Schedule, ms: dict) -> float:
 
 def compiled_memory(name: str, D: int, N: int, v: int) -> dict:
     from plait.mesh import build_mesh
-    from plait.train.build import Job
+    from plait.tasks.gpt import GPTTask
 
     exp = Experiment.model_validate({
         "model": {"layers": 8, "d_model": 128, "heads": 4, "d_ff": 512, "vocab": 512,
                   "seq_len": 64},
         "train": {"global_batch": 4 * N, "steps": 10},
         "pipeline": {"schedule": name, "microbatches": N, "virtual_stages": v}})
-    job = Job(exp, build_mesh({"pipeline": D}, D))
+    job = GPTTask(exp, build_mesh({"pipeline": D}, D))
     mem = job.compile().memory_analysis()
-    plan = job.pipe.plan
+    plan = job.pipeline.ticks
     x_bytes = 4 * 4 * exp.model.seq_len * exp.model.d_model
     return {"stash_slots": plan.stash_slots, "inbox_slots": plan.inbox_slots,
             "temp_bytes": int(mem.temp_size_in_bytes), "activation_bytes": x_bytes}

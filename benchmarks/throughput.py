@@ -34,7 +34,7 @@ def main() -> int:
     from plait import mesh as mesh_lib
     from plait.config import load_experiment
     from plait.hardware import peak_flops
-    from plait.models import flops_per_token
+    from plait.models.gpt import flops_per_token
     from plait.train.loop import train
 
     exp = load_experiment(args.experiment, [

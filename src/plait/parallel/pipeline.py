@@ -180,154 +180,159 @@ class StageFns:
     head_loss: Callable  # (shared, x, tokens) -> mean loss of the microbatch
 
 
+def _vary(x):
+    return x if AXIS in varying_axes(x) else jax.lax.pcast(x, AXIS, to="varying")
+
+
+def _f32(t):
+    return jax.tree.map(lambda a: a.astype(jnp.float32), t)
+
+
+class _Rank:
+    """One pipeline rank inside the shard_map: its chunks' forward and backward, the
+    action switch of a tick, and the scan over ticks."""
+
+    def __init__(self, p: TickTable, fns: StageFns, stage_local, shared, tokens,
+                 act_shape: tuple[int, ...], act_dtype, recompute: bool):
+        self.p, self.fns, self.tokens = p, fns, tokens
+        self.act_shape, self.act_dtype, self.recompute = act_shape, act_dtype, recompute
+        self.N = p.schedule.microbatches
+        self.stage_local = jax.tree.map(lambda a: a[0], stage_local)  # [chunks, L/S, ...]
+        # Replicated parameters become varying here, outside the switch: a gradient
+        # taken inside a branch with respect to an invariant value would carry an
+        # implicit psum over the pipeline, a collective only some ranks reach.
+        self.shared = jax.tree.map(_vary, shared)
+        self.x0 = _vary(jnp.zeros(act_shape, act_dtype))
+        if recompute:
+            self.res_example, self.treedef = [self.x0], None
+        else:
+            chunk0 = jax.tree.map(lambda a: a[0], self.stage_local)
+            _, vjp0 = jax.vjp(fns.stage, chunk0, self.x0)
+            self.res_example, self.treedef = jax.tree.flatten(vjp0)
+        zeros32 = (lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t))
+        self.g_stage0, self.g_shared0 = zeros32(self.stage_local), zeros32(self.shared)
+        self.res_zero = [jnp.zeros_like(r) for r in self.res_example]
+
+    def chunk_params(self, c):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False),
+                            self.stage_local)
+
+    def forward(self, c, x):
+        pc = self.chunk_params(c)
+        if self.recompute:
+            return self.fns.stage(pc, x), [x]
+        y, vjp_fn = jax.vjp(self.fns.stage, pc, x)
+        return y, jax.tree.leaves(vjp_fn)
+
+    def backward(self, c, res, g):
+        if self.recompute:
+            _, vjp_fn = jax.vjp(self.fns.stage, self.chunk_params(c), res[0])
+        else:
+            vjp_fn = jax.tree.unflatten(self.treedef, res)
+        return vjp_fn(g)
+
+    def out(self, msg=None, res=None, g_chunk=None, g_shared=None, loss=None):
+        """What every branch returns: the same types, all varying over the pipeline."""
+        return jax.tree.map(_vary, (
+            msg if msg is not None else self.x0,
+            res if res is not None else self.res_zero,
+            g_chunk if g_chunk is not None else jax.tree.map(lambda a: a[0], self.g_stage0),
+            g_shared if g_shared is not None else self.g_shared0,
+            loss if loss is not None else jnp.zeros((), jnp.float32)))
+
+    def embed_grad(self, toks, dx):
+        _, vjp_e = jax.vjp(lambda sh: self.fns.embed(sh, toks), self.shared)
+        return _f32(vjp_e(dx)[0])
+
+    def act(self, row, inbox, stash):
+        """Run this tick's action (the table's KIND column) with lax.switch."""
+        c, m, N, fns, out = row[CHUNK], row[MB], self.N, self.fns, self.out
+        toks = self.tokens[m]
+        x_in = inbox[row[IN_SLOT]]
+        res = [s[row[RES_SLOT]] for s in stash]
+
+        def f_first():
+            y, r = self.forward(c, fns.embed(self.shared, toks).astype(self.act_dtype))
+            return out(msg=y, res=r)
+
+        def f_mid():
+            y, r = self.forward(c, x_in)
+            return out(msg=y, res=r)
+
+        def f_last():
+            y, r = self.forward(c, x_in)
+            loss, (dsh, dy) = jax.value_and_grad(fns.head_loss, argnums=(0, 1))(
+                self.shared, y, toks)
+            return out(msg=(dy / N).astype(self.act_dtype), res=r,
+                       g_shared=jax.tree.map(lambda g: g / N, _f32(dsh)),
+                       loss=loss.astype(jnp.float32))
+
+        def b_first():
+            dp, dx = self.backward(c, res, x_in)
+            return out(g_chunk=_f32(dp), g_shared=self.embed_grad(toks, dx))
+
+        def b_mid():
+            dp, dx = self.backward(c, res, x_in)
+            return out(msg=dx.astype(self.act_dtype), g_chunk=_f32(dp))
+
+        def bx_first():
+            return out(g_shared=self.embed_grad(toks, self.backward(c, res, x_in)[1]))
+
+        def bx_mid():
+            return out(msg=self.backward(c, res, x_in)[1].astype(self.act_dtype))
+
+        def w_any():
+            return out(g_chunk=_f32(self.backward(c, res, x_in)[0]))
+
+        return jax.lax.switch(row[KIND], [out, f_first, f_mid, f_last, b_first, b_mid,
+                                          bx_first, bx_mid, w_any])
+
+    def tick(self, carry, t):
+        """Receive the previous tick's messages, act, file and send the results."""
+        inbox, stash, g_stage, g_shared, loss, send_next, send_prev = carry
+        D = self.p.ranks
+        from_prev = jax.lax.ppermute(send_next, AXIS, [(i, (i + 1) % D) for i in range(D)])
+        from_next = jax.lax.ppermute(send_prev, AXIS, [(i, (i - 1) % D) for i in range(D)])
+        row = jnp.asarray(self.p.table)[t, jax.lax.axis_index(AXIS)]
+        inbox = inbox.at[row[RECV_PREV]].set(from_prev)
+        inbox = inbox.at[row[RECV_NEXT]].set(from_next)
+        msg, res, g_chunk, g_sh, mb_loss = self.act(row, inbox, stash)
+        is_f = (row[KIND] >= F_FIRST) & (row[KIND] <= F_LAST)
+        stash_slot = jnp.where(is_f, row[RES_SLOT], self.p.stash_slots)
+        stash = [s.at[stash_slot].set(r) for s, r in zip(stash, res, strict=True)]
+        inbox = inbox.at[row[DY_SLOT]].set(msg)
+        c = row[CHUNK]
+        g_stage = jax.tree.map(
+            lambda acc, g: jax.lax.dynamic_update_index_in_dim(
+                acc, jax.lax.dynamic_index_in_dim(acc, c, keepdims=False) + g, c, 0),
+            g_stage, g_chunk)
+        g_shared = jax.tree.map(jnp.add, g_shared, g_sh)
+        send_next = jnp.where(row[OUT_DIR] == NEXT, msg, jnp.zeros_like(msg))
+        send_prev = jnp.where(row[OUT_DIR] == PREV, msg, jnp.zeros_like(msg))
+        return (inbox, stash, g_stage, g_shared, loss + mb_loss, send_next, send_prev), None
+
+    def run(self):
+        """(mean loss, this rank's stage gradients [1, chunks, ...], shared gradients)."""
+        p = self.p
+        inbox = _vary(jnp.zeros((p.inbox_slots + 1, *self.act_shape), self.act_dtype))
+        stash = [_vary(jnp.zeros((p.stash_slots + 1, *r.shape), r.dtype))
+                 for r in self.res_example]
+        carry = (inbox, stash, jax.tree.map(_vary, self.g_stage0),
+                 jax.tree.map(_vary, self.g_shared0), _vary(jnp.zeros((), jnp.float32)),
+                 self.x0, self.x0)
+        carry, _ = jax.lax.scan(self.tick, carry, jnp.arange(p.table.shape[0]))
+        _, _, g_stage, g_shared, loss, _, _ = carry
+        loss = jax.lax.psum(loss, AXIS) / self.N
+        return loss, jax.tree.map(lambda a: a[None], g_stage), jax.lax.psum(g_shared, AXIS)
+
+
 def run(p: TickTable, fns: StageFns, stage_params, shared, tokens: jax.Array, mesh: Mesh,
         act_shape: tuple[int, ...], act_dtype, recompute: bool):
     """Loss and gradients of one step. stage_params leaves: [D, chunks, layers/stage, ...];
     tokens [N, b, seq + 1]. Returns (loss, stage grads, shared grads), grads in float32."""
-    D, N = p.ranks, p.schedule.microbatches
-    table = jnp.asarray(p.table)
-    perm_next = [(i, (i + 1) % D) for i in range(D)]
-    perm_prev = [(i, (i - 1) % D) for i in range(D)]
-
     def body(stage_local, shared, tokens):
-        stage_local = jax.tree.map(lambda a: a[0], stage_local)  # [chunks, L/S, ...]
-        rank = jax.lax.axis_index(AXIS)
-        zeros_like32 = (lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t))
-
-        def vary(x):
-            return x if AXIS in varying_axes(x) else jax.lax.pcast(x, AXIS, to="varying")
-
-        # Replicated parameters become varying here, outside the switch: a gradient
-        # taken inside a branch with respect to an invariant value would carry an
-        # implicit psum over the pipeline, a collective only some ranks reach.
-        shared = jax.tree.map(vary, shared)
-        x0 = vary(jnp.zeros(act_shape, act_dtype))
-        chunk0 = jax.tree.map(lambda a: a[0], stage_local)
-        if recompute:
-            res_example = [x0]
-            treedef = None
-        else:
-            _, vjp0 = jax.vjp(fns.stage, chunk0, x0)
-            res_example, treedef = jax.tree.flatten(vjp0)
-
-        def chunk_params(c):
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False),
-                                stage_local)
-
-        def forward(c, x):
-            pc = chunk_params(c)
-            if recompute:
-                return fns.stage(pc, x), [x]
-            y, vjp_fn = jax.vjp(fns.stage, pc, x)
-            return y, jax.tree.leaves(vjp_fn)
-
-        def backward(c, res, g):
-            pc = chunk_params(c)
-            if recompute:
-                _, vjp_fn = jax.vjp(fns.stage, pc, res[0])
-            else:
-                vjp_fn = jax.tree.unflatten(treedef, res)
-            return vjp_fn(g)
-
-        g_stage0 = zeros_like32(stage_local)
-        g_shared0 = zeros_like32(shared)
-        res_zero = [jnp.zeros_like(r) for r in res_example]
-
-        def out(msg=None, res=None, g_chunk=None, g_shared=None, loss=None):
-            # Every branch returns the same types, all varying over the pipeline.
-            return jax.tree.map(vary, (
-                msg if msg is not None else x0,
-                res if res is not None else res_zero,
-                g_chunk if g_chunk is not None else jax.tree.map(lambda a: a[0], g_stage0),
-                g_shared if g_shared is not None else g_shared0,
-                loss if loss is not None else jnp.zeros((), jnp.float32)))
-
-        def f32(t):
-            return jax.tree.map(lambda a: a.astype(jnp.float32), t)
-
-        def embed_grad(toks, dx):
-            _, vjp_e = jax.vjp(lambda sh: fns.embed(sh, toks), shared)
-            return f32(vjp_e(dx)[0])
-
-        def branches(row, inbox, stash):
-            c, m = row[CHUNK], row[MB]
-            toks = tokens[m]
-            x_in = inbox[row[IN_SLOT]]
-            res = [s[row[RES_SLOT]] for s in stash]
-
-            def idle():
-                return out()
-
-            def f_first():
-                y, r = forward(c, fns.embed(shared, toks).astype(act_dtype))
-                return out(msg=y, res=r)
-
-            def f_mid():
-                y, r = forward(c, x_in)
-                return out(msg=y, res=r)
-
-            def f_last():
-                y, r = forward(c, x_in)
-                loss, (dsh, dy) = jax.value_and_grad(fns.head_loss, argnums=(0, 1))(
-                    shared, y, toks)
-                return out(msg=(dy / N).astype(act_dtype), res=r,
-                           g_shared=jax.tree.map(lambda g: g / N, f32(dsh)),
-                           loss=loss.astype(jnp.float32))
-
-            def b_first():
-                dp, dx = backward(c, res, x_in)
-                return out(g_chunk=f32(dp), g_shared=embed_grad(toks, dx))
-
-            def b_mid():
-                dp, dx = backward(c, res, x_in)
-                return out(msg=dx.astype(act_dtype), g_chunk=f32(dp))
-
-            def bx_first():
-                _, dx = backward(c, res, x_in)
-                return out(g_shared=embed_grad(toks, dx))
-
-            def bx_mid():
-                _, dx = backward(c, res, x_in)
-                return out(msg=dx.astype(act_dtype))
-
-            def w_any():
-                dp, _ = backward(c, res, x_in)
-                return out(g_chunk=f32(dp))
-
-            return jax.lax.switch(row[KIND], [idle, f_first, f_mid, f_last, b_first, b_mid,
-                                              bx_first, bx_mid, w_any])
-
-        def tick(carry, t):
-            inbox, stash, g_stage, g_shared, loss, send_next, send_prev = carry
-            from_prev = jax.lax.ppermute(send_next, AXIS, perm_next)
-            from_next = jax.lax.ppermute(send_prev, AXIS, perm_prev)
-            row = table[t, rank]
-            inbox = inbox.at[row[RECV_PREV]].set(from_prev)
-            inbox = inbox.at[row[RECV_NEXT]].set(from_next)
-            msg, res, g_chunk, g_sh, mb_loss = branches(row, inbox, stash)
-            is_f = (row[KIND] >= F_FIRST) & (row[KIND] <= F_LAST)
-            stash_slot = jnp.where(is_f, row[RES_SLOT], p.stash_slots)
-            stash = [s.at[stash_slot].set(r) for s, r in zip(stash, res, strict=True)]
-            inbox = inbox.at[row[DY_SLOT]].set(msg)
-            c = row[CHUNK]
-            g_stage = jax.tree.map(
-                lambda acc, g: jax.lax.dynamic_update_index_in_dim(
-                    acc, jax.lax.dynamic_index_in_dim(acc, c, keepdims=False) + g, c, 0),
-                g_stage, g_chunk)
-            g_shared = jax.tree.map(jnp.add, g_shared, g_sh)
-            send_next = jnp.where(row[OUT_DIR] == NEXT, msg, jnp.zeros_like(msg))
-            send_prev = jnp.where(row[OUT_DIR] == PREV, msg, jnp.zeros_like(msg))
-            return (inbox, stash, g_stage, g_shared, loss + mb_loss, send_next, send_prev), None
-
-        inbox = vary(jnp.zeros((p.inbox_slots + 1, *act_shape), act_dtype))
-        stash = [vary(jnp.zeros((p.stash_slots + 1, *r.shape), r.dtype)) for r in res_example]
-        carry = (inbox, stash, jax.tree.map(vary, g_stage0), jax.tree.map(vary, g_shared0),
-                 vary(jnp.zeros((), jnp.float32)), x0, x0)
-        carry, _ = jax.lax.scan(tick, carry, jnp.arange(p.table.shape[0]))
-        _, _, g_stage, g_shared, loss, _, _ = carry
-        loss = jax.lax.psum(loss, AXIS) / N
-        g_shared = jax.lax.psum(g_shared, AXIS)
-        return loss, jax.tree.map(lambda a: a[None], g_stage), g_shared
+        return _Rank(p, fns, stage_local, shared, tokens, act_shape, act_dtype,
+                     recompute).run()
 
     return jax.shard_map(
         body, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(), P(AXIS), P()),
