@@ -39,12 +39,14 @@ def test_non_editable_install_sweeps_and_trains_from_another_directory(tmp_path)
     elsewhere.mkdir()
     exp = str(ROOT / "experiments" / "quickstart.toml")
     env = subprocess_env()
+    # One layer: no pipeline shapes, so the sweep compiles only data / fsdp / tensor = 2.
     sweep = subprocess.run([plait, "sweep", exp, "--devices", "2", "--hardware", "h100-node",
-                            "--workers", "1"], capture_output=True, text=True, cwd=elsewhere,
-                           env=env, timeout=600)
+                            "--workers", "1", "--set", "model.layers=1"], capture_output=True,
+                           text=True, cwd=elsewhere, env=env, timeout=600)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     rows = json.loads((elsewhere / "sweeps" / "quickstart-2" / "sweep.json").read_text())
-    assert rows["hardware"] == "h100-sxm-node" and rows["rows"]
+    assert rows["hardware"] == "h100-sxm-node"
+    assert {r["mesh"] for r in rows["rows"]} == {"data=2", "fsdp=2", "tensor=2"}
     run = subprocess.run([plait, "train", exp, "--mesh", "data=2", "--steps", "3",
                           "--run-dir", "r"], capture_output=True, text=True, cwd=elsewhere,
                          env=env, timeout=600)
