@@ -174,7 +174,7 @@ def test_train_cli_reports_samples_and_auc(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["auc"] > 0.7 and recs[-1]["samples_per_s"] > 0
-    assert "samples/s" in out.stdout and "AUC" in out.stdout
+    assert "samples/s" in out.stdout and "held-out auc" in out.stdout
 
 
 def test_auc_matches_pairwise_definition():

@@ -74,3 +74,13 @@ def test_state_is_born_sharded(tmp_path):
     assert w1.addressable_shards[0].data.shape == (32, 64)
     mu = jax.tree.leaves(state["opt_state"])
     assert any(x.ndim == 2 and x.sharding.spec == w1.sharding.spec for x in mu)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocabulary_padding_leaves_losses_unchanged(tied, tmp_path):
+    """vocab 200 padded to 256 (for sharding) trains exactly like vocab 200 unpadded: the
+    padded rows start at zero, are never looked up, and their logits leave the loss."""
+    model = {"vocab": 200, "tie_embeddings": tied}
+    exact = losses(run(tiny(model={**model, "vocab_multiple": 1}), "data=1", tmp_path / "a"))
+    padded = losses(run(tiny(model={**model, "vocab_multiple": 128}), "data=1", tmp_path / "b"))
+    np.testing.assert_allclose(padded, exact, rtol=1e-5)

@@ -24,13 +24,18 @@ from plait.sharding import constrain
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
 
 
-def _param(rngs: ParamKeys, shape, logical, std: float | None, fan_in=()) -> nnx.Param:
+def _param(rngs: ParamKeys, shape, logical, std: float | None, fan_in=(),
+           used: tuple[int, ...] | None = None) -> nnx.Param:
+    """A parameter of `shape`; with `used`, only that leading block is drawn and the rest
+    (vocabulary padding) is zeros, so the values do not depend on the padding."""
     if std is None:  # ones (norm scales)
         value = jnp.ones(shape, jnp.float32)
     elif std == 0.0:
         value = jnp.zeros(shape, jnp.float32)
     else:
-        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+        value = std * jax.random.normal(rngs.params(), used or shape, jnp.float32)
+        value = jnp.pad(value, [(0, full - u) for full, u in zip(shape, value.shape,
+                                                                   strict=True)])
     return nnx.Param(value, logical_axes=tuple(logical), fan_in=tuple(fan_in))
 
 
@@ -114,12 +119,16 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
         v, d = cfg.padded_vocab, cfg.d_model
         # fan_in: the tied output head contracts the table's embed dimension.
-        self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",))
+        # Rows past model.vocab pad the table for sharding; no token uses them, and the
+        # loss ignores their logits (train.step.cross_entropy's `vocab`).
+        self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",),
+                                used=(cfg.vocab, d))
         self.pos_embed = _param(rngs, (cfg.seq_len, d), ("seq", "embed"), 0.01)
         self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
         self.ln_f = LayerNorm(d, cfg.norm_eps, rngs)
         if not cfg.tie_embeddings:
-            self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02, fan_in=("embed",))
+            self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02, fan_in=("embed",),
+                               used=(d, cfg.vocab))
         self.tied = cfg.tie_embeddings
         self.remat = cfg.remat
         self.scan_layers = cfg.scan_layers

@@ -166,12 +166,13 @@ class GPTTask(Task):
         """Mean next-token loss of tokens [rows, seq + 1]."""
         with sharding.use(self.mesh, self.rules):
             logits = self.model.apply(params, tokens[:, :-1], compute_dtype(self.exp))
-        return cross_entropy(logits, tokens[:, 1:])
+        return cross_entropy(logits, tokens[:, 1:], self.exp.model.vocab)
 
     def _pipeline_loss_and_grads(self, params: dict, batch: jax.Array):
         with sharding.use(self.mesh, self.rules):
-            return self.pipeline.loss_and_grads(params, batch, compute_dtype(self.exp),
-                                                cross_entropy)
+            return self.pipeline.loss_and_grads(
+                params, batch, compute_dtype(self.exp),
+                functools.partial(cross_entropy, vocab=self.exp.model.vocab))
 
     @functools.cached_property
     def step_fn(self):

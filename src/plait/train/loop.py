@@ -23,7 +23,7 @@ from plait.config import Experiment
 from plait.hardware import peak_flops
 from plait.tasks import make_task
 from plait.tasks.base import Task
-from plait.train.metrics import MetricsLog, StepTimer
+from plait.train.metrics import MetricsLog, StepTimer, evaluation_keys
 
 
 class StopFlag:
@@ -210,12 +210,11 @@ def _final_line(run: Run, log: MetricsLog, summary: dict, total: int) -> str:
     step, final = summary["final_step"], summary["final_loss"]
     if final is None:
         return f"plait: {how} at step {step}/{total}"
-    extras = {k: v for k, v in log.history[-1].items() if k in ("auc", "eval_loss")}
+    extras = {k: log.history[-1][k] for k in evaluation_keys(log.history[-1])}
     rate = f"{run.task.unit}_per_s"
     return (f"plait: {how} at step {step}/{total}: loss {final:.4f}, "
             f"{summary[rate] or 0:,.0f} {run.task.unit}/s (median), {summary['wall_s']:.1f}s wall"
-            + "".join(f", held-out {k.upper() if k == 'auc' else k} {v:.4f}"
-                      for k, v in extras.items())
+            + "".join(f", held-out {k} {v:.4f}" for k, v in extras.items())
             + (f", checkpoint at step {run.last_saved}" if run.last_saved is not None else ""))
 
 

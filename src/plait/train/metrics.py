@@ -10,8 +10,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-SCALARS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "samples_per_s",
-           "mfu", "auc")
+# Keys every record of the loop has; anything else in a record is a task's evaluation
+# metric (e.g. a DLRM's held-out "auc"), shown and logged as it comes.
+STANDARD = ("step", "loss", "lr", "grad_norm", "step_time_s", "mfu")
+
+
+def evaluation_keys(record: dict) -> list[str]:
+    return [k for k in record if k not in STANDARD and not k.endswith("_per_s")]
 
 
 def trim_jsonl(path: Path, keep_through_step: int) -> None:
@@ -79,9 +84,9 @@ class MetricsLog:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
-            for key in SCALARS:
-                if record.get(key) is not None:
-                    self.tb.add_scalar(f"train/{key}", record[key], record["step"])
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(f"train/{key}", value, record["step"])
         status = format_status(record)
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=status)
@@ -103,8 +108,8 @@ def format_status(r: dict) -> str:
         parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
     if r.get("samples_per_s"):
         parts.append(f"{r['samples_per_s']:,.0f} samples/s")
-    if r.get("auc") is not None:
-        parts.append(f"AUC {r['auc']:.4f}")
+    for key in evaluation_keys(r):
+        parts.append(f"{key} {r[key]:.4f}")
     if r.get("step_time_s"):
         parts.append(f"{r['step_time_s'] * 1e3:.1f} ms/step")
     if r.get("mfu") is not None:

@@ -37,16 +37,16 @@ def optimizer(exp: Experiment, decay_mask=None) -> tuple[optax.GradientTransform
     step (train.step.clip_by_norm), so the optimizer state has one structure whatever
     the parallel layout and checkpoints move between layouts."""
     opt = exp.optimizer
-    schedule = lr_schedule(opt, exp.train.steps)
+    lr = lr_schedule(opt, exp.train.steps)
     if opt.name == "sgd":
-        return optax.sgd(schedule), schedule
+        return optax.sgd(lr), lr
     if opt.name == "adagrad":
-        return optax.adagrad(schedule, eps=opt.eps), schedule
+        return optax.adagrad(lr, eps=opt.eps), lr
     adamw = optax.adamw(
-        schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+        lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
         mask=decay_mask or (lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
     )
-    return adamw, schedule
+    return adamw, lr
 
 
 @dataclass(frozen=True)
