@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from plait.errors import UserError
+from plait.errors import RunFailed, UserError
 
 
 def _quiet_libraries() -> None:
@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
     _common(t)
     t.add_argument("--run-dir", help="run directory (default: runs/<experiment name>)")
     t.add_argument("--steps", type=int, help="train to this many steps (sets train.steps)")
+    t.add_argument("--profile", metavar="START:STOP",
+                   help="write a jax.profiler trace of steps START+1..STOP into "
+                        "RUN_DIR/profile (e.g. 10:15)")
 
     i = sub.add_parser("inspect", help="compile the train step and report FLOPs, "
                                        "collective bytes and memory per device")
@@ -194,12 +197,26 @@ def _auto_mesh(args, exp):
     return cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n)
 
 
+def _profile_window(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise UserError(f"--profile takes START:STOP step numbers, e.g. 10:15; got '{text}'"
+                        ) from None
+    if not 0 <= start < stop:
+        raise UserError(f"--profile {text}: need 0 <= START < STOP")
+    return start, stop
+
+
 def cmd_train(args) -> int:
+    profile = _profile_window(args.profile)
     exp, mesh = _setup(args)
     from plait.train.loop import train
 
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / exp.name
-    train(exp, mesh, run_dir)
+    train(exp, mesh, run_dir, profile)
     return 0
 
 
@@ -308,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"plait: error: {e}", file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"plait: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("plait: interrupted", file=sys.stderr)
         return 130

@@ -47,6 +47,24 @@ def tensor_wire_bytes(analysis: dict) -> float:
                if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)
 
 
+def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str
+                  ) -> tuple[str, str]:
+    """(implementation, why) for `model.attention`: "auto" takes the fused cuDNN flash
+    kernel of `jax.nn.dot_product_attention` where it applies (an NVIDIA GPU, bf16 compute,
+    a head size cuDNN takes), XLA's attention otherwise. (JAX's own default chose XLA's
+    unfused attention on an H100, 2.2x slower: shared/gpu-findings.)"""
+    if cfg.attention != "auto":
+        return cfg.attention, "model.attention"
+    head = cfg.d_model // cfg.heads
+    if platform != "gpu" or "nvidia" not in device_kind.lower():
+        return "xla", f"auto: no fused kernel on {platform}"
+    if compute != "bfloat16":
+        return "xla", "auto: cuDNN flash attention needs bf16 compute"
+    if head % 8 or head > 128:
+        return "xla", f"auto: head size {head} is not one cuDNN takes (a multiple of 8, <= 128)"
+    return "cudnn", "auto: fused flash attention on an NVIDIA GPU"
+
+
 @functools.lru_cache(maxsize=8)
 def abstract_model(cfg_json: str) -> ModelDef:
     return build(gpt.GPT, GPTConfig.model_validate_json(cfg_json))
@@ -110,6 +128,13 @@ class GPTTask(Task):
     def __init__(self, exp: Experiment, mesh: Mesh):
         super().__init__(exp, mesh)
         self.rules = sharding.rules_for(mesh)
+        device = mesh.devices.flat[0]
+        self.attention, self.attention_why = attention_for(
+            exp.model, exp.precision.compute, device.platform, device.device_kind)
+        if self.attention != exp.model.attention:  # the model runs the resolved kernel
+            exp = exp.model_copy(update={"model": exp.model.model_copy(
+                update={"attention": self.attention})})
+            self.exp = exp
         self.model = abstract_model(exp.model.model_dump_json())
         check_fits(exp, dict(mesh.shape), self.rules, self.model)
         self.pipeline: Pipelined | None = None
@@ -213,6 +238,9 @@ class GPTTask(Task):
 
     def flops_per_unit(self) -> float:
         return gpt.flops_per_token(self.exp.model)
+
+    def describe(self, state: dict) -> list[str]:
+        return [f"plait: attention {self.attention} ({self.attention_why})"]
 
     def param_bytes_per_device(self) -> int:
         """Bytes of this device's shards of the parameters (fp32 master weights)."""

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from plait import mesh as mesh_lib
 from plait.checkpoint import Checkpoints
 from plait.config import Experiment
+from plait.errors import RunFailed
 from plait.hardware import peak_flops
 from plait.tasks import make_task
 from plait.tasks.base import Task
@@ -146,27 +147,81 @@ class Run:
             self.ckpts.close()
 
 
-def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: StopFlag):
+class Profiler:
+    """A jax.profiler trace of steps [start, stop) into RUN_DIR/profile (TensorBoard's
+    profile plugin, XProf or Perfetto read it)."""
+
+    def __init__(self, window: tuple[int, int] | None, run_dir: Path, log: MetricsLog):
+        self.window, self.dir, self.log, self.on = window, run_dir / "profile", log, False
+
+    def before(self, step: int) -> None:
+        """Called before running step `step` + 1."""
+        if self.window and step == self.window[0] and not self.on:
+            jax.profiler.start_trace(str(self.dir))
+            self.on = True
+
+    def after(self, step: int, state) -> None:
+        """Called after `step` steps have run."""
+        if self.on and step >= self.window[1]:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            self.on = False
+            self.log.note(f"plait: profile of steps {self.window[0] + 1}-{step} written to "
+                          f"{self.dir} (tensorboard --logdir {self.dir}, or XProf / Perfetto)")
+
+    def close(self) -> None:
+        if self.on:
+            jax.profiler.stop_trace()
+            self.on = False
+
+
+def _failed(run: Run, step: int, err: Exception) -> RunFailed:
+    """One line for an XLA runtime error in the step: what failed, what to try, what is kept."""
+    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    hint = ""
+    if getattr(run.task, "attention", None) == "cudnn":
+        hint = '; if it is the attention kernel, retry with --set model.attention="xla"'
+    kept = (f"the checkpoint at step {run.last_saved} is intact: rerun the same command to "
+            "resume" if run.last_saved is not None else "no checkpoint was written")
+    return RunFailed(f"the train step failed at step {step + 1}: {first}{hint}; {kept}")
+
+
+def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: StopFlag,
+           profiler: Profiler):
     """Run steps from `start`; returns (state, last step, step times)."""
     task, exp = run.task, run.exp
     total, every, ckpt_every = exp.train.steps, exp.log.every_steps, exp.checkpoint.every_steps
-    source = run.source
-    evaluate = task.evaluator(source)
+    evaluate = task.evaluator(run.source)
     rate = Throughput(task, run.mesh, exp.precision.compute)
     timer, step_times = StepTimer(), []
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-data")
-    next_batch = prefetch.submit(task.batch, source, start)
+    # The first step runs alone on the device: its batch is ready before it starts and
+    # the next one is made after it ends (a transfer during the first execution broke
+    # cuDNN's graph capture on an H100: shared/gpu-findings).
+    next_batch = prefetch.submit(lambda: jax.block_until_ready(task.batch(run.source, start)))
     step = start
     try:
         timer.lap(step)
         while step < total:
             batch = next_batch.result()
-            if step + 1 < total:
-                next_batch = prefetch.submit(task.batch, source, step + 1)
-            state, metrics = compiled(state, batch)
+            if step > start and step + 1 < total:
+                next_batch = prefetch.submit(task.batch, run.source, step + 1)
+            profiler.before(step)
+            try:
+                state, metrics = compiled(state, batch)
+                if step == start:
+                    jax.block_until_ready(metrics)
+            except jax.errors.JaxRuntimeError as e:
+                raise _failed(run, step, e) from None
+            if step == start and step + 1 < total:
+                next_batch = prefetch.submit(task.batch, run.source, step + 1)
             step += 1
+            profiler.after(step, state)
             if step % every == 0 or step == total or step == start + 1:
-                metrics = _local_values(metrics)
+                try:
+                    metrics = _local_values(metrics)
+                except jax.errors.JaxRuntimeError as e:
+                    raise _failed(run, step - 1, e) from None
                 dt = timer.lap(step)
                 record = {"step": step, "loss": float(metrics["loss"]),
                           "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
@@ -183,6 +238,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
                 break
     finally:
         stop.restore()
+        profiler.close()
         prefetch.shutdown(wait=True, cancel_futures=True)
     return state, step, step_times
 
@@ -218,8 +274,10 @@ def _final_line(run: Run, log: MetricsLog, summary: dict, total: int) -> str:
             + (f", checkpoint at step {run.last_saved}" if run.last_saved is not None else ""))
 
 
-def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
-    """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint."""
+def train(exp: Experiment, mesh: Mesh, run_dir: Path,
+          profile: tuple[int, int] | None = None) -> dict:
+    """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint; with
+    `profile` = (start, stop), trace steps start + 1 .. stop into RUN_DIR/profile."""
     run = Run(exp, mesh, run_dir)
     total = exp.train.steps
     state, start, restored = run.restore()
@@ -243,7 +301,13 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path) -> dict:
     stop = StopFlag()
     stop.install()
     wall0 = time.perf_counter()
-    state, step, step_times = _steps(run, compiled, state, start, log, stop)
+    try:
+        state, step, step_times = _steps(run, compiled, state, start, log, stop,
+                                         Profiler(profile, run.run_dir, log))
+    except RunFailed:
+        log.close()
+        run.close()  # pending saves finish; nothing after the failure is written
+        raise
     preempted = stop.signal is not None and step < total
     if exp.checkpoint.enabled or preempted:
         run.save(state, step)

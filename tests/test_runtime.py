@@ -1,0 +1,86 @@
+"""What the loop does on real accelerators, checked on CPU: the attention kernel "auto"
+picks, a profile of chosen steps, and an XLA runtime error in the step ending in one line
+with the last checkpoint intact."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from helpers import tiny, write_experiment
+
+from plait.tasks.gpt import attention_for
+
+
+@pytest.mark.parametrize("platform,kind,compute,heads,want", [
+    ("gpu", "NVIDIA H100 80GB HBM3", "bfloat16", 12, "cudnn"),
+    ("gpu", "NVIDIA A100-SXM4-80GB", "bfloat16", 16, "cudnn"),
+    ("gpu", "NVIDIA H100 80GB HBM3", "float32", 12, "xla"),  # cuDNN flash needs bf16
+    ("gpu", "NVIDIA H100 80GB HBM3", "bfloat16", 3, "xla"),  # head size 256 > 128
+    ("gpu", "AMD Instinct MI300X", "bfloat16", 12, "xla"),
+    ("cpu", "cpu", "bfloat16", 12, "xla"),
+    ("tpu", "TPU v5p", "bfloat16", 12, "xla"),
+])
+def test_auto_attention_per_platform(platform, kind, compute, heads, want):
+    cfg = tiny(model={"d_model": 768, "heads": heads}).model
+    assert attention_for(cfg, compute, platform, kind)[0] == want
+    forced = cfg.model_copy(update={"attention": "xla"})
+    assert attention_for(forced, compute, platform, kind) == ("xla", "model.attention")
+
+
+def test_startup_says_which_attention_runs(tmp_path, capsys):
+    from plait.cli import main
+
+    exp = write_experiment(tmp_path / "t.toml", tiny(train={"steps": 2},
+                                                     log={"console": "line"}))
+    assert main(["train", str(exp), "--mesh", "data=1", "--run-dir", str(tmp_path / "r")]) == 0
+    assert "attention xla (auto: no fused kernel on cpu)" in capsys.readouterr().out
+
+
+def test_profile_writes_a_trace_of_the_chosen_steps(tmp_path, capsys):
+    from plait.cli import main
+
+    exp = write_experiment(tmp_path / "t.toml", tiny(train={"steps": 5},
+                                                     log={"console": "line"}))
+    run = tmp_path / "r"
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run),
+                 "--profile", "2:4"]) == 0
+    assert "profile of steps 3-4 written to" in capsys.readouterr().out
+    traces = list((run / "profile").rglob("*.xplane.pb"))
+    assert traces and traces[0].stat().st_size > 0
+    assert main(["train", str(exp), "--profile", "4:2"]) == 2
+    assert "need 0 <= START < STOP" in capsys.readouterr().err
+
+
+def test_xla_runtime_error_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys,
+                                                                      monkeypatch):
+    from plait.cli import main
+    from plait.tasks.gpt import GPTTask
+
+    real_compile = GPTTask.compile
+
+    def failing_compile(self, *a, **kw):
+        step = real_compile(self, *a, **kw)
+        calls = []
+
+        def run(state, batch):
+            calls.append(1)
+            if len(calls) == 4:  # the 4th step fails on the device
+                raise jax.errors.JaxRuntimeError("INTERNAL: cuda_graph_end_capture failed\n"
+                                                 "  ... 40 lines of C++ context ...")
+            return step(state, batch)
+        return run
+
+    monkeypatch.setattr(GPTTask, "compile", failing_compile)
+    ckpt = {"enabled": True, "every_steps": 2, "keep": 3, "async_save": True}
+    exp = write_experiment(tmp_path / "t.toml", tiny(train={"steps": 8}, checkpoint=ckpt,
+                                                     log={"console": "line"}))
+    run = tmp_path / "r"
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "the train step failed at step 4: INTERNAL: cuda_graph_end_capture failed" in err[0]
+    assert "the checkpoint at step 2 is intact" in err[0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+    monkeypatch.setattr(GPTTask, "compile", real_compile)
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run)]) == 0
+    assert "resumed from the checkpoint at step 2" in capsys.readouterr().out
