@@ -70,3 +70,31 @@ def test_more_devices_than_accelerators_exist(monkeypatch):
         M.provision_devices(M.load_spec("data=2,tensor=4"))
     # -1 takes every accelerator.
     assert M.provision_devices(M.load_spec("data=-1")) == 4
+
+
+def test_experiment_mesh_falls_back_to_cpu_devices_where_accelerators_are_fewer(
+        monkeypatch, capsys):
+    """The quickstart's own mesh (8 devices) on a one-GPU machine runs on simulated CPU
+    devices with a one-line notice; an explicit --mesh that does not fit stays an error."""
+    import jax
+
+    real = jax.devices
+
+    class OneGPU:
+        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [OneGPU()] if backend is None
+                        else real(backend))
+    explicit = M.MeshSpec({"data": 2, "fsdp": 2, "tensor": 2}, "--mesh")
+    with pytest.raises(UserError, match=r"needs 8 devices but only 1 gpu devices exist"):
+        M.provision_devices(explicit)
+    own = M.MeshSpec({"data": 2, "fsdp": 2, "tensor": 2}, "[mesh] of quickstart.toml",
+                     cpu_fallback=True)
+    try:
+        assert M.provision_devices(own) == 8
+        note = capsys.readouterr().err.strip().splitlines()
+        assert len(note) == 1 and "running it on 8 simulated CPU devices" in note[0]
+        mesh = M.build_mesh(M.resolve(own, 8), 8)
+        assert {d.platform for d in mesh.devices.flat} == {"cpu"}
+    finally:
+        monkeypatch.setattr(M, "_ON_CPU", False)
