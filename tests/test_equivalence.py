@@ -38,6 +38,18 @@ def test_scanned_layers_equal_the_unrolled_loop(model, tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-4)
 
 
+def test_remat_policies_train_equally(tmp_path):
+    """save_dots keeps matmul outputs and recomputes the rest: same losses as no remat;
+    the old boolean spelling still reads."""
+    from plait.config import GPTConfig
+
+    assert GPTConfig(remat=True).remat == "full" and GPTConfig(remat=False).remat == "none"
+    ref = losses(run(tiny(model={"layers": 3}), "data=1", tmp_path / "a"))
+    got = losses(run(tiny(model={"layers": 3, "remat": "save_dots", "scan_layers": True}),
+                     "data=2,fsdp=2,tensor=2", tmp_path / "b"))
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
+
+
 def test_untied_head_and_remat_train_equally(tmp_path):
     base = losses(run(tiny(model={"tie_embeddings": False}), "data=1", tmp_path / "a"))
     remat = losses(run(tiny(model={"tie_embeddings": False, "remat": True}), "fsdp=2,tensor=4",

@@ -160,7 +160,8 @@ def _setup(args):
     if args.mesh:
         spec = mesh_lib.load_spec(args.mesh)
     elif exp.mesh:
-        spec = mesh_lib.MeshSpec(dict(exp.mesh), f"[mesh] of {args.experiment}")
+        spec = mesh_lib.MeshSpec(dict(exp.mesh), f"[mesh] of {args.experiment}",
+                                 cpu_fallback=True)
     else:
         spec = mesh_lib.MeshSpec({"data": -1}, "the default mesh")
     if args.devices is not None and args.devices < 1:

@@ -69,7 +69,10 @@ class GPTConfig(ModelSection):
     vocab_multiple: PosInt = 128
     norm_eps: PosFloat = 1e-5
     attention: Literal["auto", "xla", "cudnn"] = "auto"
-    remat: bool = False
+    # Recompute activations in the backward: none, full (keep each block's input only)
+    # or save_dots (keep the matmul outputs, recompute the rest); true/false read as
+    # full/none.
+    remat: Literal["none", "full", "save_dots"] = "none"
     # Run the blocks as one lax.scan body (same parameters, same results): compile
     # time no longer grows with the number of layers.
     scan_layers: bool = False
@@ -78,6 +81,12 @@ class GPTConfig(ModelSection):
     shape_keys: ClassVar[tuple[str, ...]] = (
         "layers", "d_model", "heads", "d_ff", "vocab", "seq_len", "tie_embeddings",
         "vocab_multiple")
+
+    @field_validator("remat", mode="before")
+    @classmethod
+    def _remat_from_bool(cls, value: Any) -> Any:
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) \
+            else value
 
     @property
     def padded_vocab(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,9 @@ class MeshSpec:
 
     axes: dict[str, int]
     source: str
+    # An experiment's own mesh may run on simulated CPU devices when the machine has
+    # fewer accelerators than it needs (the quickstart on a one-GPU machine).
+    cpu_fallback: bool = False
 
     def __post_init__(self) -> None:
         _check_axes(self)
@@ -189,6 +193,7 @@ def _xla_flag_device_count() -> int | None:
 
 
 _PENDING_PROCESSES = 1
+_ON_CPU = False  # the mesh falls back to simulated CPU devices (provision_devices)
 
 
 def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
@@ -230,6 +235,14 @@ def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
                 f"mesh {spec.inline()} needs {want} devices but this process has {len(devices)} "
                 "CPU devices (fixed when JAX started); run plait in a fresh process"
             )
+        if spec.cpu_fallback and len(jax.devices("cpu")) >= want:
+            global _ON_CPU
+            _ON_CPU = True
+            print(f"plait: the {spec.source} needs {want} devices and this machine has "
+                  f"{len(devices)} {platform}; running it on {want} simulated CPU devices "
+                  f"(--mesh data={len(devices)} trains on the {platform} instead)",
+                  file=sys.stderr, flush=True)
+            return want
         raise UserError(
             f"mesh {spec.inline()} needs {want} devices but only {len(devices)} "
             f"{platform} devices exist; shrink the mesh or use -1 for one axis"
@@ -259,5 +272,5 @@ def build_mesh(sizes: dict[str, int], n_devices: int):
 
     names = tuple(sizes)
     shape = tuple(sizes[a] for a in names)
-    devices = jax.devices()[:n_devices]
+    devices = (jax.devices("cpu") if _ON_CPU else jax.devices())[:n_devices]
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)

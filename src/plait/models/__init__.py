@@ -84,6 +84,12 @@ class ModelDef:
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes()))
 
 
+def remat_policy(remat: str):
+    """The jax.checkpoint policy of `model.remat`: full saves nothing (None), save_dots
+    keeps every matmul output."""
+    return jax.checkpoint_policies.checkpoint_dots if remat == "save_dots" else None
+
+
 @dataclass(frozen=True)
 class LayerStack:
     """One repeated layer of a model, run over a stack of per-layer parameters.
@@ -94,7 +100,7 @@ class LayerStack:
 
     graphdef: Any
     abstract: nnx.State
-    remat: bool
+    remat: str  # none | full | save_dots (config.GPTConfig.remat)
 
     def apply(self, stacked: dict, x: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
         flat_abstract = list(nnx.to_flat_state(self.abstract))
@@ -106,8 +112,8 @@ class LayerStack:
                 flat.append((path, var.replace(value.astype(dtype) if dtype else value)))
             return nnx.merge(self.graphdef, nnx.from_flat_state(flat))(h), None
 
-        if self.remat:
-            body = jax.checkpoint(body)
+        if self.remat != "none":
+            body = jax.checkpoint(body, policy=remat_policy(self.remat))
         return jax.lax.scan(body, x, stacked)[0]
 
 
@@ -115,7 +121,7 @@ def layer_stack(layer_cls: type, cfg: ModelSection) -> LayerStack:
     """The stack runner of one repeated layer, `layer_cls(cfg, ParamKeys)`."""
     module = nnx.eval_shape(lambda: layer_cls(cfg, ParamKeys(0)))
     graphdef, abstract = nnx.split(module)
-    return LayerStack(graphdef, abstract, bool(getattr(cfg, "remat", False)))
+    return LayerStack(graphdef, abstract, getattr(cfg, "remat", "none"))
 
 
 def build(cls: type, cfg: ModelSection) -> ModelDef:

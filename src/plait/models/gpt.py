@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from plait.config import GPTConfig
+from plait.models import remat_policy
 from plait.models.keys import ParamKeys
 from plait.parallel.ops import dense, lookup
 from plait.sharding import constrain
@@ -136,7 +137,8 @@ class GPT(nnx.Module):
 
     def _loop_blocks(self, x: jax.Array) -> jax.Array:
         for block in self.blocks:
-            x = nnx.remat(_run_block)(block, x) if self.remat else block(x)
+            x = (nnx.remat(_run_block, policy=remat_policy(self.remat))(block, x)
+                 if self.remat != "none" else block(x))
         return x
 
     def _scan_blocks(self, x: jax.Array) -> jax.Array:
@@ -152,8 +154,8 @@ class GPT(nnx.Module):
         def body(h, layer_state):
             return nnx.merge(graphdef, layer_state)(h), None
 
-        if self.remat:
-            body = jax.checkpoint(body)
+        if self.remat != "none":
+            body = jax.checkpoint(body, policy=remat_policy(self.remat))
         x, _ = jax.lax.scan(body, x, stacked)
         return x
 
