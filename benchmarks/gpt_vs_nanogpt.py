@@ -1,0 +1,100 @@
+"""plait against nanoGPT's `bench.py` at the same model shape and batch, side by side.
+
+    python benchmarks/gpt_vs_nanogpt.py --reference PATH/TO/nanoGPT \
+        [--torch-python PYTHON] [--batch 32] [--seq 1024] [--rounds 3] [--steps 30] \
+        [--set model.attention=cudnn ...] [--json out.json]
+
+nanoGPT's `bench.py` (a checkout the user passes; not part of plait) trains
+GPT-2 124M (12 layers, 12 heads, d_model 768, vocabulary 50304, no biases) on
+fixed random tokens (`--real_data=False`) with torch.compile, fused AdamW and
+bf16 autocast, and prints its time per iteration over 20 steps after 10 of
+burn-in. plait runs `benchmarks/throughput.py` on `experiments/gpt2-124m.toml`
+at the same batch, sequence length and vocabulary (plait keeps its biases and
+padded-vocabulary masking): the training loop as `plait train` runs it, data
+included, compile excluded. The two alternate for `--rounds` rounds so machine
+noise hits both; printed: tokens/s of each per round, the medians and the
+median of the per-round ratios (plait / nanoGPT).
+
+bench.py calls torch.cuda.synchronize(), so it needs a CUDA build of torch and
+a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def nanogpt_tokens_per_s(ref: Path, python: str, batch: int, seq: int) -> float:
+    args = [python, "bench.py", f"--batch_size={batch}", f"--block_size={seq}",
+            "--real_data=False", "--profile=False"]
+    out = subprocess.run(args, cwd=ref, capture_output=True, text=True)
+    found = re.findall(r"time per iteration: ([0-9.]+)ms", out.stdout)
+    if out.returncode or not found:
+        sys.exit(f"nanoGPT bench.py failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n"
+                 f"{out.stderr[-3000:]}")
+    return batch * seq / (float(found[-1]) / 1e3)
+
+
+def plait_tokens_per_s(batch: int, seq: int, steps: int, sets: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = Path(tmp) / "plait.json"
+        args = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
+                str(ROOT / "experiments" / "gpt2-124m.toml"), "--steps", str(steps),
+                "--json", str(out_json), "--set", f"train.global_batch={batch}",
+                "--set", f"model.seq_len={seq}", "--set", "model.vocab=50304"]
+        for s in sets:
+            args += ["--set", s]
+        out = subprocess.run(args, capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"plait throughput.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        return json.loads(out_json.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reference", required=True, help="a nanoGPT checkout (has bench.py)")
+    ap.add_argument("--torch-python", default=sys.executable,
+                    help="the Python with torch for bench.py (default: this one)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30, help="plait steps per round")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="extra plait --set overrides, e.g. model.scan_layers=false")
+    ap.add_argument("--json", help="write the results here too")
+    args = ap.parse_args()
+    ref = Path(args.reference)
+    if not (ref / "bench.py").is_file():
+        sys.exit(f"{ref} has no bench.py; pass a nanoGPT checkout with --reference")
+    rounds = []
+    for i in range(args.rounds):
+        ref_tps = nanogpt_tokens_per_s(ref, args.torch_python, args.batch, args.seq)
+        mine = plait_tokens_per_s(args.batch, args.seq, args.steps, args.sets)
+        rounds.append({"nanogpt_tokens_per_s": ref_tps, "plait_tokens_per_s":
+                       mine["tokens_per_s"], "plait_mfu": mine["mfu"],
+                       "ratio": mine["tokens_per_s"] / ref_tps})
+        print(f"round {i + 1}: nanoGPT {ref_tps:,.0f} tokens/s, plait "
+              f"{mine['tokens_per_s']:,.0f} tokens/s, ratio {rounds[-1]['ratio']:.3f}",
+              flush=True)
+    result = {"device": mine["device"], "date": mine["date"], "batch": args.batch,
+              "seq": args.seq, "plait_sets": args.sets, "rounds": rounds,
+              "nanogpt_median": statistics.median(r["nanogpt_tokens_per_s"] for r in rounds),
+              "plait_median": statistics.median(r["plait_tokens_per_s"] for r in rounds),
+              "ratio_median": statistics.median(r["ratio"] for r in rounds)}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
