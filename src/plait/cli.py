@@ -31,6 +31,17 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plait")
+    except PackageNotFoundError:  # run from a checkout without installing
+        from plait import __version__
+
+        return __version__
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("experiment", help="experiment file, e.g. experiments/quickstart.toml")
     p.add_argument("--mesh", help="mesh file (meshes/x.toml) or inline spec like data=2,tensor=4")
@@ -46,6 +57,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="plait", description="Train one model over any device mesh.")
+    ap.add_argument("--version", action="version", version=f"plait {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train an experiment (resumes from --run-dir)")
@@ -71,7 +83,8 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--hardware", default=None,
                     help="hardware description: a meshes/NAME.toml with a [hardware] table "
                          "(default: cpu-2core)")
-    sw.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    sw.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (value parsed as TOML); repeatable")
     sw.add_argument("--top", type=int, default=None, help="rows to print (and to --run)")
     sw.add_argument("--run", action="store_true",
                     help="also train the top rows for a few steps here and add measured times")
@@ -106,7 +119,8 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="turn a text file into a token file (byte-level ids)")
     d.add_argument("text", help="UTF-8 text file")
     d.add_argument("out", help="output token file (flat binary)")
-    d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16")
+    d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16",
+                   help="element type of the token file (uint16 for vocabularies up to 65536)")
     return ap
 
 

@@ -297,6 +297,9 @@ def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: 
             siblings = [f"{prefix}{k}" for k in model.model_fields]
             close = (difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.6)
                      or difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6))
+            alias = ALIASES.get(key)
+            if alias:
+                close = [alias]
             hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
             kind = f" (a {raw['kind']} model)" if prefix == "model." and "kind" in raw else ""
             raise UserError(f"unknown config key '{dotted}'{kind} in {source}{hint}")
@@ -357,18 +360,56 @@ def apply_override(raw: dict, assignment: str) -> None:
 
 
 def read_toml(path: Path, what: str) -> dict:
+    if path.is_dir():
+        raise UserError(f"{what} '{path}' is a directory; pass a .toml file in it")
     if not path.is_file():
         raise UserError(f"{what} '{path}' not found; check the path")
     try:
         return tomllib.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise UserError(f"{what} '{path}' is not a text file (not UTF-8); pass a TOML "
+                        "file") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{what} '{path}' is not valid TOML: {e}") from None
+
+
+# Names users bring from other trainers, for "did you mean" on --set and in files.
+ALIASES = {"learning_rate": "optimizer.lr", "lr": "optimizer.lr",
+           "batch_size": "train.global_batch", "global_batch_size": "train.global_batch",
+           "n_layer": "model.layers", "num_layers": "model.layers",
+           "n_head": "model.heads", "num_heads": "model.heads",
+           "n_embd": "model.d_model", "hidden_size": "model.d_model",
+           "block_size": "model.seq_len", "max_iters": "train.steps",
+           "vocab_size": "model.vocab", "weight_decay": "optimizer.weight_decay"}
+
+
+def _name_is_plain(raw: dict, source: str) -> None:
+    """The run name becomes runs/<name>: one plain directory name, nothing that climbs out."""
+    name = raw.get("name")
+    if isinstance(name, str) and (not name or name in (".", "..") or "/" in name
+                                  or "\\" in name or name.startswith("~")):
+        raise UserError(f"name = {name!r} in {source} must be a plain directory name (no '/', "
+                        "'..' or '~'); pick another name, or place the run with --run-dir")
 
 
 def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     path = Path(path)
     raw = read_toml(path, "experiment file")
+    if not raw:
+        raise UserError(f"experiment file '{path}' is empty; start from "
+                        "experiments/quickstart.toml")
     raw.setdefault("name", path.stem)
+    _check_unknown_keys(raw, Experiment, "", str(path))
     for assignment in overrides:
         apply_override(raw, assignment)
+        key = assignment.split("=", 1)[0].strip()
+        try:  # an error in a key or value given with --set names --set, not the file
+            _check_unknown_keys(raw, Experiment, "", f"--set {key}")
+            Experiment.model_validate(raw)
+        except UserError:
+            raise
+        except ValidationError as e:
+            if ".".join(str(p) for p in e.errors()[0]["loc"]) == key:
+                validate(raw, f"--set {key}")
+    _name_is_plain(raw, str(path))
     return validate(raw, str(path))

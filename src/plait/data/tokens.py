@@ -20,7 +20,9 @@ class TokenFile:
         if not path.is_file():
             raise UserError(
                 f"data file '{path}' not found; make one with `plait data TEXT_FILE {path}` "
-                "or fix data.path"
+                "or fix data.path" if str(path) not in ("", ".") else
+                "data.source = \"tokens\" needs data.path, a token file; make one with "
+                "`plait data TEXT_FILE data/tokens.bin` and set data.path to it"
             )
         itemsize = np.dtype(dtype).itemsize
         size = path.stat().st_size

@@ -116,7 +116,7 @@ def check_fits(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules,
         if name in failures:
             axes, n = failures[name]
             hint = (f"set model.vocab_multiple to a multiple of {n}" if name == "vocab"
-                    else f"use sizes where {n} divides {get(m)}")
+                    else f"make it a multiple of {n}, or split it over fewer devices")
             raise UserError(f"{key} = {get(m)} is not divisible by {_axes_text(axes, n)}; {hint}")
     _check_batch(exp, sizes, rules)
 

@@ -1,0 +1,71 @@
+"""Messages a new user meets first: each one line that names the problem, where it came
+from (the file or --set) and the fix."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ROOT
+
+QUICK = str(ROOT / "experiments" / "quickstart.toml")
+
+
+def _one_line(capsys, argv) -> str:
+    from plait.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["optimizer.learning_rate=1e-3"],
+     "unknown config key 'optimizer.learning_rate' in --set optimizer.learning_rate; did you "
+     "mean 'optimizer.lr'?"),
+    (["train.batch_size=8"], "did you mean 'train.global_batch'?"),
+    (["model.n_layer=4"], "did you mean 'model.layers'?"),
+    (["train.steps=ten"],
+     "config key 'train.steps' in --set train.steps: input should be a valid integer"),
+    (['data.source="tokens"'], 'data.source = "tokens" needs data.path, a token file'),
+])
+def test_set_mistakes_name_set_and_the_right_key(sets, needle, capsys, tmp_path):
+    args = ["train", QUICK, "--mesh", "data=1", "--run-dir", str(tmp_path / "r")]
+    for s in sets:
+        args += ["--set", s]
+    line = _one_line(capsys, args)
+    assert needle in line, line
+    assert "quickstart.toml" not in line or "tokens" in needle
+    assert not (tmp_path / "r").exists()
+
+
+def test_indivisible_sizes_suggest_the_right_direction(capsys):
+    line = _one_line(capsys, ["inspect", QUICK, "--mesh", "tensor=8"])
+    assert "model.heads = 4 is not divisible by the tensor axis (8); make it a multiple of 8" \
+        in line, line
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"", "is empty; start from experiments/quickstart.toml"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not a text file"),
+    (b'name = "../../escape"\n[train]\nsteps = 2\n', "must be a plain directory name"),
+    (b'name = "/tmp/abs"\n', "must be a plain directory name"),
+])
+def test_bad_experiment_files_are_one_line(content, needle, capsys, tmp_path):
+    path = tmp_path / "exp.toml"
+    path.write_bytes(content)
+    line = _one_line(capsys, ["train", str(path), "--mesh", "data=1"])
+    assert needle in line, line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_directory_as_the_experiment_says_so(capsys, tmp_path):
+    line = _one_line(capsys, ["train", str(tmp_path), "--mesh", "data=1"])
+    assert "is a directory; pass a .toml file in it" in line, line
+
+
+def test_version(capsys):
+    from plait.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("plait 0.")
