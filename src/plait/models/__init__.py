@@ -1,9 +1,15 @@
 """The bridge between NNX modules and plain parameter dicts.
 
 Training, sharding and checkpoints all work on a *pure dict* of arrays (string
-keys, e.g. params["blocks"]["0"]["attn"]["wqkv"]): canonical, independent of
-the mesh, and what a checkpoint stores. NNX modules are rebuilt from it inside
-the traced step with `apply`.
+keys, e.g. params["blocks"]["0"]["attn"]["wqkv"]): independent of the mesh.
+NNX modules are rebuilt from it inside the traced step with `apply`.
+
+A model may keep its repeated layers *stacked* (`stacked_layers`): one array
+per parameter with a leading `layers` axis, params["blocks"]["attn"]["wqkv"]
+of shape [L, ...], initialised by one layer's program vmapped over the layers
+and run by `LayerStack` under lax.scan, so neither program grows with depth.
+Checkpoints hold one entry per layer whatever the layout (`unstack` /
+`stack` convert), so runs move between the two.
 """
 
 from __future__ import annotations
@@ -82,6 +88,63 @@ class ModelDef:
         import math
 
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes()))
+
+
+LAYERS = "layers"  # the logical name of a stacked layer axis; no rule splits it
+
+
+def keys_per_layer(layer_cls: type, cfg: ModelSection) -> int:
+    """How many parameter keys one `layer_cls(cfg, keys)` draws."""
+    counter = ParamKeys(0)
+    nnx.eval_shape(lambda: layer_cls(cfg, counter))
+    return counter.count
+
+
+def stacked_layers(layer_cls: type, cfg: ModelSection, keys: ParamKeys, n: int) -> nnx.Module:
+    """`n` layers as one `layer_cls` module whose parameters have a leading `layers` axis.
+
+    One layer's init is vmapped over the layer index: the program is the same
+    size at any depth. Layer i draws the keys the i-th of `n` layers built one
+    after another would, so the values equal the unstacked model's.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: layer_cls(cfg, ParamKeys(0))))
+    per, base, start = keys_per_layer(layer_cls, cfg), keys.key, keys.count
+
+    def one(i):
+        _, state = nnx.split(layer_cls(cfg, ParamKeys(base, start + i * per)))
+        return [v.get_value() for _, v in nnx.to_flat_state(state)]
+
+    values = jax.vmap(one)(jnp.arange(n))
+    keys.count = start + n * per
+    flat = [(path, var.replace(value, logical_axes=(LAYERS, *var.get_metadata()["logical_axes"])))
+            for (path, var), value in zip(nnx.to_flat_state(abstract), values, strict=True)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def module_values(module: nnx.Module) -> dict:
+    """A module's parameter values as a pure dict."""
+    return flat_to_pure((p, v.get_value()) for p, v in nnx.to_flat_state(nnx.state(module)))
+
+
+def unstack(params: dict, key: str) -> dict:
+    """params[key] stacked [L, ...] -> one entry per layer, {"0": ..., "L-1": ...}."""
+    n = jax.tree.leaves(params[key])[0].shape[0]
+    layers = {str(i): jax.tree.map(lambda a, i=i: a[i], params[key]) for i in range(n)}
+    return {**params, key: layers}
+
+
+def stack(params: dict, key: str) -> dict:
+    """params[key] with one entry per layer -> stacked [L, ...] in layer order."""
+    layers = params[key]
+    ordered = [layers[str(i)] for i in range(len(layers))]
+    return {**params, key: jax.tree.map(lambda *xs: jnp.stack(xs), *ordered)}
+
+
+def decay_mask(variables: dict) -> dict:
+    """Weight decay on matrices, not vectors (norms, biases), judged per layer."""
+    return jax.tree.map(
+        lambda v: sum(a != LAYERS for a in v.get_metadata()["logical_axes"]) >= 2,
+        variables, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def remat_policy(remat: str):

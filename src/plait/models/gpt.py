@@ -10,6 +10,7 @@ in `plait.sharding` from the mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from plait.config import GPTConfig
-from plait.models import remat_policy
+from plait.models import layer_stack, module_values, remat_policy, stacked_layers
 from plait.models.keys import ParamKeys
 from plait.parallel.ops import dense, lookup
 from plait.sharding import constrain
@@ -117,6 +118,11 @@ def _run_block(block: Block, x: jax.Array) -> jax.Array:
     return block(x)
 
 
+@functools.lru_cache(maxsize=8)
+def _block_stack(config_json: str):
+    return layer_stack(Block, GPTConfig.model_validate_json(config_json))
+
+
 class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
         v, d = cfg.padded_vocab, cfg.d_model
@@ -126,14 +132,18 @@ class GPT(nnx.Module):
         self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",),
                                 used=(cfg.vocab, d))
         self.pos_embed = _param(rngs, (cfg.seq_len, d), ("seq", "embed"), 0.01)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+        self.scan_layers = cfg.scan_layers and cfg.layers > 0
+        if self.scan_layers:  # one Block whose parameters are stacked [layers, ...]
+            self.blocks = stacked_layers(Block, cfg, rngs, cfg.layers)
+            self.config_json = cfg.model_dump_json()  # for the scan body's one-layer graph
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
         self.ln_f = LayerNorm(d, cfg.norm_eps, rngs)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02, fan_in=("embed",),
                                used=(d, cfg.vocab))
         self.tied = cfg.tie_embeddings
         self.remat = cfg.remat
-        self.scan_layers = cfg.scan_layers
 
     def _loop_blocks(self, x: jax.Array) -> jax.Array:
         for block in self.blocks:
@@ -142,22 +152,9 @@ class GPT(nnx.Module):
         return x
 
     def _scan_blocks(self, x: jax.Array) -> jax.Array:
-        """One compiled block body under lax.scan: compile time stops growing with depth.
-
-        Parameters stay one dict per layer (the canonical layout); they are
-        stacked here, inside the step, and the stack's gradient splits back.
-        """
-        graphdef, _ = nnx.split(self.blocks[0])
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
-                               *(nnx.state(b) for b in self.blocks))
-
-        def body(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h), None
-
-        if self.remat != "none":
-            body = jax.checkpoint(body, policy=remat_policy(self.remat))
-        x, _ = jax.lax.scan(body, x, stacked)
-        return x
+        """One compiled block body under lax.scan over the stacked parameters: no copy
+        of them per step, and compile time does not grow with depth."""
+        return _block_stack(self.config_json).apply(module_values(self.blocks), x)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> the residual stream entering the first block."""
@@ -172,8 +169,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> logits [batch, seq, padded_vocab] in the compute dtype."""
         x = self.embed(tokens)
-        if self.blocks:
-            x = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
+        x = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
         return self.logits(x)
 
 

@@ -14,11 +14,16 @@ import jax
 
 
 class ParamKeys:
-    """Successive parameter keys: fold_in(key(seed), 0), fold_in(key(seed), 1), ..."""
+    """Successive parameter keys: fold_in(key(seed), 0), fold_in(key(seed), 1), ...
 
-    def __init__(self, seed: int | jax.Array):
+    `start` (a Python or traced integer) begins the count elsewhere: a stacked
+    layer's init, vmapped over layer indices, draws the keys that layer would
+    draw were the layers built one after another.
+    """
+
+    def __init__(self, seed: int | jax.Array, start: int | jax.Array = 0):
         self.key = jax.random.key(seed) if isinstance(seed, int) else seed
-        self.count = 0
+        self.count = start
 
     def params(self) -> jax.Array:
         key = jax.random.fold_in(self.key, self.count)

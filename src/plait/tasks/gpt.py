@@ -2,8 +2,10 @@
 
 Data, fsdp and 1-D tensor parallelism come from the rule set's annotations,
 2-D / 2.5-D / 3-D tensor parallelism from `parallel.tensor` (through the
-model's `dense` / `lookup`), the pipeline from `train.pipelined`. Checkpoints
-hold the canonical per-layer parameters whatever the layout.
+model's `dense` / `lookup`), the pipeline from `train.pipelined`. With
+`model.scan_layers` the blocks live stacked [layers, ...] in the state, the
+optimizer and the step. Checkpoints hold one entry per layer whatever the
+layout, so a run resumes scanned or not, pipelined or not.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from plait import data, sharding
 from plait import mesh as mesh_lib
 from plait.config import Experiment, GPTConfig
 from plait.errors import UserError
+from plait import models
 from plait.models import ModelDef, build, gpt
 from plait.parallel import formulas, schedules
 from plait.tasks.base import Source, Task
 from plait.train.pipelined import Pipelined
-from plait.train.state import StateLayout, init_state, layout, optimizer
+from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
 from plait.train.step import compute_dtype, cross_entropy, make_train_step
 
 # What each logical dimension is in the config, for error messages, checked in
@@ -139,8 +142,11 @@ class GPTTask(Task):
         check_fits(exp, dict(mesh.shape), self.rules, self.model)
         self.pipeline: Pipelined | None = None
         if mesh.shape.get("pipeline", 1) > 1:
-            self.pipeline = Pipelined(exp, mesh, self.model, self.rules, "blocks", gpt.Block)
-        mask = self.pipeline.decay_mask if self.pipeline else None
+            self.pipeline = Pipelined(exp, mesh, self.model, self.rules, "blocks", gpt.Block,
+                                      stacked=exp.model.scan_layers)
+        self.stacked = exp.model.scan_layers and exp.model.layers > 0
+        mask = (self.pipeline.decay_mask if self.pipeline
+                else models.decay_mask(self.model.variables()))
         self.tx, self.lr_schedule = optimizer(exp, mask)
         if self.pipeline:
             params = (self.pipeline.param_shapes, self.pipeline.param_shardings)
@@ -159,13 +165,20 @@ class GPTTask(Task):
     def layout(self) -> StateLayout:
         return self._layout
 
+    @property
+    def _converts(self) -> bool:
+        """Whether memory and checkpoints lay the layers out differently."""
+        return self.pipeline is not None or self.stacked
+
     @functools.cached_property
     def canonical_layout(self) -> StateLayout:
-        """One entry per layer, whatever the pipeline does in memory."""
-        if self.pipeline is None:
+        """One entry per layer, whatever the pipeline or the stacked layers do in memory."""
+        if not self._converts:
             return self.layout
-        shardings = sharding.param_shardings(self.model.variables(), self.mesh, self.rules)
-        return layout(self.model.shapes(), shardings, optimizer(self.exp)[0], self.mesh)
+        per_layer = abstract_model(self.exp.model.model_copy(
+            update={"scan_layers": False}).model_dump_json())
+        shardings = sharding.param_shardings(per_layer.variables(), self.mesh, self.rules)
+        return layout(per_layer.shapes(), shardings, optimizer(self.exp)[0], self.mesh)
 
     def init_state(self) -> dict:
         def params():
@@ -174,17 +187,38 @@ class GPTTask(Task):
 
         return init_state(params, self.tx, self.layout)
 
-    def to_checkpoint(self, state: dict) -> dict:
-        if self.pipeline is None:
+    def _model_params(self, tree) -> bool:
+        return isinstance(tree, dict) and "blocks" in tree
+
+    @functools.cached_property
+    def _to_checkpoint(self):
+        def convert(state):
+            if self.pipeline:
+                state = self.pipeline.map_state(state, self.pipeline.to_canonical)
+            if self.stacked:
+                state = map_params(state, self._model_params,
+                                   lambda p: models.unstack(p, "blocks"))
             return state
-        return jax.jit(lambda s: self.pipeline.map_state(s, self.pipeline.to_canonical),
-                       out_shardings=self.canonical_layout.shardings)(state)
+
+        return jax.jit(convert, out_shardings=self.canonical_layout.shardings)
+
+    @functools.cached_property
+    def _from_checkpoint(self):
+        def convert(state):
+            if self.stacked:
+                state = map_params(state, self._model_params,
+                                   lambda p: models.stack(p, "blocks"))
+            if self.pipeline:
+                state = self.pipeline.map_state(state, self.pipeline.from_canonical)
+            return state
+
+        return jax.jit(convert, out_shardings=self.layout.shardings)
+
+    def to_checkpoint(self, state: dict) -> dict:
+        return self._to_checkpoint(state) if self._converts else state
 
     def from_checkpoint(self, state: dict) -> dict:
-        if self.pipeline is None:
-            return state
-        return jax.jit(lambda s: self.pipeline.map_state(s, self.pipeline.from_canonical),
-                       out_shardings=self.layout.shardings)(state)
+        return self._from_checkpoint(state) if self._converts else state
 
     # ------------------------------------------------------------------ step
     def loss(self, params: dict, tokens: jax.Array) -> jax.Array:

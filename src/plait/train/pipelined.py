@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from plait import sharding
 from plait.config import Experiment
 from plait.errors import UserError
-from plait.models import ModelDef, build, layer_stack
+from plait.models import ModelDef, build, flat_to_pure, layer_stack
 from plait.parallel import pipeline, schedules
+from plait.train.state import map_params
 
 
 def _is_var(x) -> bool:
@@ -30,11 +33,13 @@ class Pipelined:
     """A model cut into embed -> repeated layers -> head, laid over the pipeline ranks.
 
     The model's module must have `embed(tokens)` and `logits(x)`, and keep its
-    repeated layers, each a `layer_cls(cfg, keys)`, under `params[layer_key]`.
+    repeated layers, each a `layer_cls(cfg, keys)`, under `params[layer_key]`:
+    one entry per layer, or stacked [layers, ...] (`stacked`), which the stages
+    take by one gather, so the program does not grow with depth.
     """
 
     def __init__(self, exp: Experiment, mesh: Mesh, model: ModelDef, rules: sharding.Rules,
-                 layer_key: str, layer_cls: type):
+                 layer_key: str, layer_cls: type, stacked: bool = False):
         self.exp, self.mesh, self.model = exp, mesh, model
         cfg, pc = exp.model, exp.pipeline
         D = mesh.shape["pipeline"]
@@ -71,7 +76,8 @@ class Pipelined:
         C, Lps = self.ticks.chunks, self.ticks.layers_per_stage
         lead = (D, C, Lps)
 
-        layer_vars = model.variables()[self.key]["0"]
+        self.stacked = stacked
+        layer_vars = flat_to_pure(nnx.to_flat_state(self.layers.abstract))
         stage_shapes = jax.tree.map(
             lambda v: jax.ShapeDtypeStruct(lead + v.get_value().shape, v.get_value().dtype),
             layer_vars, is_leaf=_is_var)
@@ -98,21 +104,34 @@ class Pipelined:
 
     # --- canonical <-> stacked -------------------------------------------------
     def from_canonical(self, params: dict) -> dict:
+        """The model's parameters -> {"stages": [rank, chunk, layer, ...], "shared"}."""
         D, C, Lps = self.ticks.ranks, self.ticks.chunks, self.ticks.layers_per_stage
         layers = params[self.key]
-        order = [str(self.ticks.layer_of(r, c, i))
+        order = [self.ticks.layer_of(r, c, i)
                  for r in range(D) for c in range(C) for i in range(Lps)]
+        if self.stacked:
+            index = np.asarray(order)
+            stages = jax.tree.map(
+                lambda a: jnp.take(a, index, axis=0).reshape((D, C, Lps) + a.shape[1:]), layers)
+        else:
+            def stack(*leaves):
+                return jnp.stack(leaves).reshape((D, C, Lps) + leaves[0].shape)
 
-        def stack(*leaves):
-            return jnp.stack(leaves).reshape((D, C, Lps) + leaves[0].shape)
-
-        stages = jax.tree.map(stack, *(layers[k] for k in order))
+            stages = jax.tree.map(stack, *(layers[str(k)] for k in order))
         shared = {k: v for k, v in params.items() if k != self.key}
         return {"stages": stages, "shared": shared}
 
     def to_canonical(self, params: dict) -> dict:
-        layers = {str(layer): jax.tree.map(lambda a, idx=idx: a[idx], params["stages"])
-                  for layer, idx in sorted(self.holder.items())}
+        """The inverse of from_canonical (a layer held twice, as Chimera does, read once)."""
+        if self.stacked:
+            _, C, Lps = self.ticks.ranks, self.ticks.chunks, self.ticks.layers_per_stage
+            index = np.asarray([r * C * Lps + c * Lps + i
+                                for _, (r, c, i) in sorted(self.holder.items())])
+            layers = jax.tree.map(lambda a: jnp.take(a.reshape((-1,) + a.shape[3:]), index,
+                                                     axis=0), params["stages"])
+        else:
+            layers = {str(layer): jax.tree.map(lambda a, idx=idx: a[idx], params["stages"])
+                      for layer, idx in sorted(self.holder.items())}
         return {**params["shared"], self.key: layers}
 
     def is_params(self, tree) -> bool:
@@ -120,18 +139,8 @@ class Pipelined:
 
     def map_state(self, state: dict, fn) -> dict:
         """Apply a params -> params conversion to the parameters and every moment like them."""
-        def walk(node):
-            if self.is_params(node) or (isinstance(node, dict) and self.key in node):
-                return fn(node)
-            if isinstance(node, tuple) and hasattr(node, "_fields"):
-                return type(node)(*(walk(x) for x in node))
-            if isinstance(node, (tuple, list)):
-                return type(node)(walk(x) for x in node)
-            if isinstance(node, dict):
-                return {k: walk(v) for k, v in node.items()}
-            return node
-
-        return {k: walk(v) if k in ("params", "opt_state") else v for k, v in state.items()}
+        return map_params(state, lambda n: self.is_params(n) or (
+            isinstance(n, dict) and self.key in n), fn)
 
     # --- the step ----------------------------------------------------------------
     def loss_and_grads(self, params: dict, batch: jax.Array, dtype, loss_fn):

@@ -84,6 +84,24 @@ def layout(param_shapes: dict, param_shardings: dict, tx: optax.GradientTransfor
     return StateLayout(shapes, shardings)
 
 
+def map_params(state: dict, is_params: Callable[[object], bool], fn: Callable[[dict], dict]
+               ) -> dict:
+    """Apply a params -> params conversion to the parameters and to every optimizer
+    moment shaped like them (the subtrees `is_params` recognises)."""
+    def walk(node):
+        if is_params(node):
+            return fn(node)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(walk(x) for x in node))
+        if isinstance(node, (tuple, list)):
+            return type(node)(walk(x) for x in node)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    return {k: walk(v) if k in ("params", "opt_state") else v for k, v in state.items()}
+
+
 def init_state(init_params: Callable[[], dict], tx: optax.GradientTransformation,
                lay: StateLayout) -> dict:
     """A fresh state, created directly in its shards (never whole on one device)."""
