@@ -18,11 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from plait import data, sharding
+from plait import data, models, sharding
 from plait import mesh as mesh_lib
 from plait.config import Experiment, GPTConfig
 from plait.errors import UserError
-from plait import models
 from plait.models import ModelDef, build, gpt
 from plait.parallel import formulas, schedules
 from plait.tasks.base import Source, Task
