@@ -8,7 +8,7 @@ import jax
 import pytest
 from helpers import tiny, write_experiment
 
-from plait.tasks.gpt import attention_for
+from plait.tasks.gpt import UNROLL_MAX_LAYERS, attention_for, scan_for
 
 
 @pytest.mark.parametrize("platform,kind,compute,heads,want", [
@@ -27,13 +27,27 @@ def test_auto_attention_per_platform(platform, kind, compute, heads, want):
     assert attention_for(forced, compute, platform, kind) == ("xla", "model.attention")
 
 
-def test_startup_says_which_attention_runs(tmp_path, capsys):
+@pytest.mark.parametrize("platform,layers,want", [
+    ("gpu", 12, False), ("gpu", UNROLL_MAX_LAYERS, False), ("gpu", 64, True),
+    ("cpu", 12, True), ("tpu", 12, True),
+])
+def test_auto_scan_per_platform_and_depth(platform, layers, want):
+    cfg = tiny(model={"layers": layers, "scan_layers": "auto"}).model
+    assert scan_for(cfg, platform)[0] is want
+    for forced in (True, False):
+        assert scan_for(cfg.model_copy(update={"scan_layers": forced}), platform) == \
+            (forced, "model.scan_layers")
+
+
+def test_startup_says_which_attention_and_layout_run(tmp_path, capsys):
     from plait.cli import main
 
-    exp = write_experiment(tmp_path / "t.toml", tiny(train={"steps": 2},
-                                                     log={"console": "line"}))
+    exp = write_experiment(tmp_path / "t.toml", tiny(train={"steps": 2}, model={
+        "scan_layers": "auto"}, log={"console": "line"}))
     assert main(["train", str(exp), "--mesh", "data=1", "--run-dir", str(tmp_path / "r")]) == 0
-    assert "attention xla (auto: no fused kernel on cpu)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "attention xla (auto: no fused kernel on cpu); layers scanned (auto: scanned on cpu)" \
+        in out
 
 
 def test_profile_writes_a_trace_of_the_chosen_steps(tmp_path, capsys):
@@ -84,3 +98,17 @@ def test_xla_runtime_error_is_one_line_and_keeps_the_last_checkpoint(tmp_path, c
     monkeypatch.setattr(GPTTask, "compile", real_compile)
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run)]) == 0
     assert "resumed from the checkpoint at step 2" in capsys.readouterr().out
+
+
+def test_xla_defaults_yield_to_the_users_flags():
+    from plait import xla_flags
+
+    env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x"}
+    added = xla_flags.apply_defaults(env)
+    assert "--xla_gpu_enable_triton_gemm=false" not in env["XLA_FLAGS"]
+    assert env["XLA_FLAGS"].startswith("--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x ")
+    assert len(added) == len(xla_flags.DEFAULTS) - 1
+    assert all(a in env["XLA_FLAGS"] for a in added)
+    assert xla_flags.apply_defaults(env) == []  # idempotent
+    off = {"PLAIT_XLA_DEFAULTS": "0"}
+    assert xla_flags.apply_defaults(off) == [] and "XLA_FLAGS" not in off

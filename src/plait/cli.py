@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from plait import xla_flags
 from plait.errors import RunFailed, UserError
 
 
@@ -333,6 +334,7 @@ def cmd_data(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _quiet_libraries()
+    xla_flags.apply_defaults()  # before any device is touched
     try:
         return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
                 "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,

@@ -73,9 +73,10 @@ class GPTConfig(ModelSection):
     # or save_dots (keep the matmul outputs, recompute the rest); true/false read as
     # full/none.
     remat: Literal["none", "full", "save_dots"] = "none"
-    # Run the blocks as one lax.scan body (same parameters, same results): compile
-    # time no longer grows with the number of layers.
-    scan_layers: bool = False
+    # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
+    # parameters, same results): compile time no longer grows with the number of
+    # layers. "auto": tasks.gpt.scan_for's rule (unrolled on GPUs up to 24 layers).
+    scan_layers: bool | Literal["auto"] = False
 
     data_sources: ClassVar[tuple[str, ...]] = ("synthetic", "tokens")
     shape_keys: ClassVar[tuple[str, ...]] = (

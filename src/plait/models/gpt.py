@@ -132,7 +132,7 @@ class GPT(nnx.Module):
         self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",),
                                 used=(cfg.vocab, d))
         self.pos_embed = _param(rngs, (cfg.seq_len, d), ("seq", "embed"), 0.01)
-        self.scan_layers = cfg.scan_layers and cfg.layers > 0
+        self.scan_layers = cfg.scan_layers is True and cfg.layers > 0
         if self.scan_layers:  # one Block whose parameters are stacked [layers, ...]
             self.blocks = stacked_layers(Block, cfg, rngs, cfg.layers)
             self.config_json = cfg.model_dump_json()  # for the scan body's one-layer graph

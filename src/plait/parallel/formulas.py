@@ -68,7 +68,7 @@ def tensor_elements(exp: Experiment, sizes: dict[str, int]) -> Counts:
     linears = [(h, 3 * h), (h, h), (h, f), (f, h)]
     remat = m.remat != "none"  # save_dots counted as full: an upper bound
     # Sets of weight gathers per step (see the module docstring).
-    w_sets = M * (2 if remat else 1) if m.scan_layers else 1 + (M if remat and M > 1 else 0)
+    w_sets = M * (2 if remat else 1) if m.scan_layers is True else 1 + (M if remat and M > 1 else 0)
     tables = 3 if m.tie_embeddings else 4  # forward gathers + gradient reductions of V x h
 
     if mode is None:
