@@ -10,10 +10,14 @@ dlrm-bench shape (8 tables x 1M rows x 64, 100 ids per bag, fixed; bottom
 plait's `experiments/dlrm-bench.toml` in alternating rounds, so machine noise
 hits both alike. The reference's own per-iteration times are read from its
 log (`--print-freq=1 --print-time`: forward, backward and optimizer, data
-loading excluded); plait's are the compiled step on batches generated
-beforehand (data excluded likewise, compile excluded). Reported: the median
-ms/step and samples/s of each per round, and the median of the per-round
-ratios. The checkout of the reference is not part of plait: pass its path.
+loading excluded); plait's are timed twice: the compiled step on batches
+generated beforehand (data excluded likewise, compile excluded), and plait's
+training loop as `plait train` runs it (`train.loop.train`: batches made each
+step, metrics, no checkpoints; the step times metrics.jsonl records, after
+--warmup). Reported: the median ms/step and samples/s of each per round, and
+the medians of the per-round ratios (reference / plait's loop is the end-to-end
+figure). The checkout of the reference is not part of plait: pass its path.
+Without --reference, plait alone: its loop against its step.
 
 `--scaling` times plait's step with every table at each of --rows (fewer
 tables, --tables, so 10M rows fit in memory): a sparse update should make the
@@ -80,6 +84,22 @@ class PlaitBench:
         self.compile_s = time.perf_counter() - t0
         self.jax = jax
 
+    def loop_ms(self, steps: int, warmup: int) -> list[float]:
+        """Per-step ms of the training loop a user runs, data included."""
+        import tempfile
+
+        from plait.train.loop import train
+
+        exp = self.exp.model_copy(update={
+            "train": self.exp.train.model_copy(update={"steps": warmup + steps}),
+            "checkpoint": self.exp.checkpoint.model_copy(update={"enabled": False}),
+            "log": self.exp.log.model_copy(update={"every_steps": 1, "console": "none",
+                                                   "tensorboard": False})})
+        with tempfile.TemporaryDirectory() as tmp:
+            records = train(exp, self.mesh, Path(tmp) / "run")["records"]
+        return [1e3 * r["step_time_s"] for r in records if r["step"] > warmup
+                and "step_time_s" in r]
+
     def ms(self, steps: int, warmup: int) -> list[float]:
         out = []
         for k in range(warmup + steps):
@@ -126,24 +146,29 @@ def main() -> None:
                       ratio=per_rows[hi]["median_ms"] / per_rows[lo]["median_ms"])
         print(f"step time at {hi:,} rows / at {lo:,} rows: {result['ratio']:.3f}")
     else:
-        if not a.reference:
-            sys.exit("--reference PATH (a facebookresearch/dlrm checkout) is required")
         rows = [1_000_000] * 8
         bench = PlaitBench(a.mesh, a.sets)
         rounds = []
         for r in range(a.rounds):
-            ref = statistics.median(reference_ms(Path(a.reference), a.torch_python, a.steps,
-                                                 a.warmup, rows, a.gpu))
-            mine = statistics.median(bench.ms(a.steps, a.warmup))
-            rounds.append({"reference_ms": ref, "plait_ms": mine, "speedup": ref / mine})
-            print(f"round {r + 1}: reference {ref:.1f} ms/step ({2048e3 / ref:,.0f} samples/s), "
-                  f"plait {mine:.1f} ms/step ({2048e3 / mine:,.0f} samples/s): "
-                  f"{ref / mine:.2f}x", flush=True)
-        speedup = statistics.median(x["speedup"] for x in rounds)
-        result.update(rounds=rounds, speedup=speedup, plait_compile_s=bench.compile_s,
-                      reference_ms=statistics.median(x["reference_ms"] for x in rounds),
-                      plait_ms=statistics.median(x["plait_ms"] for x in rounds))
-        print(f"plait / reference samples/s (median of rounds): {speedup:.2f}x")
+            step = statistics.median(bench.ms(a.steps, a.warmup))
+            loop = statistics.median(bench.loop_ms(a.steps, a.warmup))
+            row = {"plait_step_ms": step, "plait_loop_ms": loop, "loop_over_step": loop / step}
+            text = (f"round {r + 1}: plait step alone {step:.1f} ms ({2048e3 / step:,.0f} "
+                    f"samples/s), plait loop {loop:.1f} ms ({2048e3 / loop:,.0f} samples/s, "
+                    f"{loop / step:.3f}x the step)")
+            if a.reference:
+                ref = statistics.median(reference_ms(Path(a.reference), a.torch_python,
+                                                     a.steps, a.warmup, rows, a.gpu))
+                row.update(reference_ms=ref, speedup=ref / loop, step_speedup=ref / step)
+                text += (f"; reference {ref:.1f} ms ({2048e3 / ref:,.0f} samples/s): loop "
+                         f"{ref / loop:.2f}x, step {ref / step:.2f}x")
+            rounds.append(row)
+            print(text, flush=True)
+        med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+        result.update(rounds=rounds, median=med, plait_compile_s=bench.compile_s)
+        print(f"medians: plait loop / step {med['loop_over_step']:.3f}"
+              + (f"; reference / plait loop {med['speedup']:.2f}x, reference / plait step "
+                 f"{med['step_speedup']:.2f}x" if a.reference else ""))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
 

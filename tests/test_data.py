@@ -75,3 +75,73 @@ def test_training_on_a_token_file(tmp_path):
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+def click_experiment(popularity: str = "powerlaw", fixed: bool = False):
+    from plait.config import Experiment
+
+    return Experiment.model_validate({
+        "name": "clicks", "seed": 3,
+        "model": {"kind": "dlrm", "embedding_rows": [1000, 50, 70000], "embedding_dim": 8,
+                  "bottom_mlp": [16, 8], "top_mlp": [16, 1], "dense_features": 5},
+        "data": {"source": "clicks", "ids_per_lookup": 6, "ids_fixed": fixed,
+                 "popularity": popularity},
+        "train": {"global_batch": 64}})
+
+
+@pytest.mark.parametrize("popularity,fixed", [("powerlaw", False), ("uniform", True)])
+def test_click_batches_are_the_same_on_every_mesh_and_made_on_the_devices(popularity, fixed):
+    from plait.tasks.dlrm import DLRMTask
+
+    exp = click_experiment(popularity, fixed)
+    one = DLRMTask(exp, make_mesh("data=1"))
+    ref = jax.tree.map(np.asarray, one.batch(one.source(), 7))
+    for spec in ("data=8", "data=2,fsdp=4"):
+        task = DLRMTask(exp, make_mesh(spec))
+        got = task.batch(task.source(), 7)
+        for name, arr in got.items():
+            assert arr.sharding == task.batch_sharding[name]
+            np.testing.assert_array_equal(np.asarray(arr), ref[name], err_msg=f"{spec} {name}")
+    # The host path gives the same rows; another step gives others.
+    rows = one.source().rows(7, 10, 20)
+    for name in ref:
+        np.testing.assert_array_equal(rows[name], ref[name][10:20])
+    assert not np.array_equal(np.asarray(one.batch(one.source(), 8)["ids"]), ref["ids"])
+    ids, R = ref["ids"], np.asarray(exp.model.embedding_rows)[None, :, None]
+    assert ((ids >= 0) & (ids < R) | (ids == -1)).all()
+    assert (ids[:, :, 0] >= 0).all() and (fixed == (ids >= 0).all())
+    assert 0.3 < ref["labels"].mean() < 0.7
+    assert ref["dense"].min() >= 0 and ref["dense"].max() < 1
+
+
+def test_click_batches_are_the_same_across_two_processes(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import ROOT, subprocess_env
+
+    from plait.tasks.dlrm import DLRMTask
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(ROOT / "tests")
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "clicks_worker.py"),
+                               str(port), str(i), str(tmp_path / f"p{i}.npz")],
+                              env=env, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-2000:]
+    one = DLRMTask(click_experiment(), make_mesh("data=1"))
+    ref = jax.tree.map(np.asarray, one.batch(one.source(), 7))
+    seen = 0
+    for i in range(2):
+        with np.load(tmp_path / f"p{i}.npz") as z:
+            for key in z.files:
+                name, start = key.split(":")
+                part = z[key]
+                np.testing.assert_array_equal(part, ref[name][int(start):int(start) + len(part)])
+                seen += len(part) if name == "labels" else 0
+    assert seen == 64  # the two processes together made every row once

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from plait import data, sharding
 from plait.config import Experiment
+from plait.data.clicks import SyntheticClicks
 from plait.errors import UserError
 from plait.hardware import device_memory_bytes
 from plait.models import ModelDef, build, dlrm
@@ -65,9 +66,10 @@ class HeldOutAUC:
     def __init__(self, task: DLRMTask, source: Source, batches: int):
         steps = [HELD_OUT + i for i in range(batches)]
         self.task, self.batches = task, [task.batch(source, k) for k in steps]
-        # Every process scores the whole held-out set; its labels are read once, on the host.
-        B = task.exp.train.global_batch
-        self.labels = np.concatenate([source.rows(k, 0, B)["labels"] for k in steps])
+        # Every process scores the whole held-out set: its labels, gathered once.
+        gather = jax.jit(lambda x: x, out_shardings=sharding.replicated(task.mesh))
+        self.labels = np.concatenate([np.asarray(gather(b["labels"]).addressable_shards[0].data)
+                                      for b in self.batches])
 
     def __call__(self, state: dict) -> dict[str, float]:
         scores = [np.asarray(jax.device_get(self.task.predict_fn(state, b)
@@ -209,8 +211,6 @@ class DLRMTask(Task):
     def source(self) -> Source:
         m, d = self.exp.model, self.exp.data
         if d.source == "clicks":
-            from plait.data.clicks import SyntheticClicks
-
             return SyntheticClicks(m.table_rows, m.dense_features, d.ids_per_lookup,
                                    d.ids_fixed, d.popularity, d.powerlaw_alpha, self.exp.seed)
         from plait.data.criteo import CriteoTSV
@@ -218,6 +218,8 @@ class DLRMTask(Task):
         return CriteoTSV(d.path or "", m.table_rows, self.exp.train.global_batch, d.malformed)
 
     def batch(self, source: Source, step: int) -> dict:
+        if isinstance(source, SyntheticClicks):  # made on the devices, each its rows
+            return source.device_batch(step, self.exp.train.global_batch, self.batch_sharding)
         return data.global_dict_batch(source, step, self.batch_shapes, self.batch_sharding)
 
     def evaluator(self, source: Source) -> Evaluator | None:
