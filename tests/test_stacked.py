@@ -54,9 +54,9 @@ def test_step_program_does_not_grow_with_depth(spec):
                          _instructions(lowered.compile().as_text()))
     assert sizes[4][0] == sizes[32][0], sizes
     assert abs(sizes[4][1] - sizes[32][1]) <= 0.01 * sizes[4][1], sizes
-    # The per-layer layout's program grows with depth (what the stacked one avoids).
-    _, unrolled = _step(32, spec, scan=False)
-    assert _instructions(unrolled.as_text(dialect="hlo")) > 5 * sizes[32][0]
+    if spec == "data=1":  # the per-layer layout's program grows with depth
+        _, unrolled = _step(32, spec, scan=False)
+        assert _instructions(unrolled.as_text(dialect="hlo")) > 5 * sizes[32][0]
 
 
 def test_step_neither_stacks_nor_copies_the_parameters():
