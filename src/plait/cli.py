@@ -117,11 +117,18 @@ def parser() -> argparse.ArgumentParser:
                          "schedule's, 2 for interleaved)")
     sc.add_argument("--json", action="store_true", help="print one JSON object")
     sc.add_argument("--png", help="also draw the table into this PNG file")
-    d = sub.add_parser("data", help="turn a text file into a token file (byte-level ids)")
-    d.add_argument("text", help="UTF-8 text file")
-    d.add_argument("out", help="output token file (flat binary)")
+    d = sub.add_parser(
+        "data", help="prepare data: a text file -> a token file (byte-level ids), or Criteo "
+        "TSV days -> a directory training memory-maps",
+        usage="plait data TEXT_FILE OUT.bin [--dtype uint16|uint32]\n"
+              "       plait data criteo DAY.tsv[.gz] [DAY ...] --out DIR [--malformed skip|stop]")
+    d.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="TEXT_FILE OUT.bin, or the word criteo and Criteo TSV day files")
+    d.add_argument("--out", help="criteo: the output directory (rerun to convert only new days)")
     d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16",
                    help="element type of the token file (uint16 for vocabularies up to 65536)")
+    d.add_argument("--malformed", choices=("skip", "stop"), default="skip",
+                   help="criteo: skip lines that do not parse (counted) or stop at the first")
     return ap
 
 
@@ -323,11 +330,27 @@ def cmd_schedule(args) -> int:
 
 
 def cmd_data(args) -> int:
+    if args.inputs[0] == "criteo":
+        from plait.data.criteo_bin import convert
+
+        if not args.out:
+            raise UserError("plait data criteo needs --out DIR (the directory to write)")
+        if len(args.inputs) < 2:
+            raise UserError("plait data criteo needs at least one Criteo TSV day file")
+        manifest = convert(args.inputs[1:], args.out, args.malformed)
+        rows = sum(p["rows"] for p in manifest["parts"])
+        print(f"plait: {args.out} holds {rows:,} rows in {len(manifest['parts'])} part(s); use "
+              f"data.source = \"criteo_bin\", data.path = \"{args.out}\"")
+        return 0
     from plait.data.tokens import encode_text_file
 
-    n = encode_text_file(args.text, args.out, args.dtype)
-    print(f"plait: wrote {n:,} byte-level tokens ({args.dtype}) to {args.out}; "
-          f"use data.source = \"tokens\", data.path = \"{args.out}\", model.vocab >= 256")
+    if len(args.inputs) != 2 or args.out:
+        raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), or criteo DAY.tsv "
+                        "... --out DIR")
+    text, out = args.inputs
+    n = encode_text_file(text, out, args.dtype)
+    print(f"plait: wrote {n:,} byte-level tokens ({args.dtype}) to {out}; "
+          f"use data.source = \"tokens\", data.path = \"{out}\", model.vocab >= 256")
     return 0
 
 

@@ -113,7 +113,7 @@ class DLRMConfig(ModelSection):
     # large benchmark shape fits a given memory; 0 = no cap.
     max_embedding_rows: NonNegInt = 0
 
-    data_sources: ClassVar[tuple[str, ...]] = ("clicks", "criteo")
+    data_sources: ClassVar[tuple[str, ...]] = ("clicks", "criteo", "criteo_bin")
     shape_keys: ClassVar[tuple[str, ...]] = (
         "embedding_rows", "embedding_dim", "bottom_mlp", "top_mlp", "dense_features",
         "cross_layers", "max_embedding_rows")
@@ -126,9 +126,14 @@ class DLRMConfig(ModelSection):
 
 class DataConfig(Section):
     # Where batches come from; each model kind names the sources it reads (the GPT:
-    # synthetic, tokens; the DLRM: clicks, criteo). Default: the kind's first.
+    # synthetic, tokens; the DLRM: clicks, criteo (a TSV file), criteo_bin (a directory
+    # made by `plait data criteo`)). Default: the kind's first.
     source: str | None = None
     path: str | None = None
+    # DLRM on Criteo: the held-out day (a TSV file or a converted directory, read as
+    # data.source reads data.path) that AUC is measured on; default: batches of the
+    # training data far past any step trained.
+    eval_path: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
     # Synthetic streams: each token has this many possible successors.
     successors: PosInt = 4

@@ -61,10 +61,11 @@ def check_mesh(exp: Experiment, sizes: dict[str, int]) -> None:
 
 
 class HeldOutAUC:
-    """AUC of the model on a few held-out batches (steps past HELD_OUT of the source)."""
+    """AUC of the model on a few held-out batches: steps `first`, `first` + 1, ... of the
+    source (by default past HELD_OUT of the training source; 0 on a held-out day)."""
 
-    def __init__(self, task: DLRMTask, source: Source, batches: int):
-        steps = [HELD_OUT + i for i in range(batches)]
+    def __init__(self, task: DLRMTask, source: Source, batches: int, first: int = HELD_OUT):
+        steps = [first + i for i in range(batches)]
         self.task, self.batches = task, [task.batch(source, k) for k in steps]
         # Every process scores the whole held-out set: its labels, gathered once.
         gather = jax.jit(lambda x: x, out_shardings=sharding.replicated(task.mesh))
@@ -213,9 +214,29 @@ class DLRMTask(Task):
         if d.source == "clicks":
             return SyntheticClicks(m.table_rows, m.dense_features, d.ids_per_lookup,
                                    d.ids_fixed, d.popularity, d.powerlaw_alpha, self.exp.seed)
-        from plait.data.criteo import CriteoTSV
+        return self._criteo(d.path, "data.path")
 
-        return CriteoTSV(d.path or "", m.table_rows, self.exp.train.global_batch, d.malformed)
+    def _criteo(self, path: str | None, key: str) -> Source:
+        d, m, B = self.exp.data, self.exp.model, self.exp.train.global_batch
+        if not path:
+            raise UserError(f"data.source = \"{d.source}\" needs {key}; set it to "
+                            + ("a Criteo TSV file" if d.source == "criteo" else
+                               "a directory made by plait data criteo"))
+        if d.source == "criteo_bin":
+            from plait.data.criteo_bin import CriteoBinary
+
+            source: Source = CriteoBinary(path, m.table_rows, B, key)
+        else:
+            from plait.data.criteo import CriteoTSV
+
+            source = CriteoTSV(path, m.table_rows, B, d.malformed)
+        if m.dense_features != 13:
+            raise UserError(f"Criteo has 13 dense features; set model.dense_features = 13 "
+                            f"(it is {m.dense_features})")
+        if d.ids_per_lookup != 1:
+            raise UserError("Criteo has one id per table and sample; set "
+                            "data.ids_per_lookup = 1")
+        return source
 
     def batch(self, source: Source, step: int) -> dict:
         if isinstance(source, SyntheticClicks):  # made on the devices, each its rows
@@ -223,8 +244,12 @@ class DLRMTask(Task):
         return data.global_dict_batch(source, step, self.batch_shapes, self.batch_sharding)
 
     def evaluator(self, source: Source) -> Evaluator | None:
-        n = self.exp.data.eval_batches
-        return HeldOutAUC(self, source, n) if n else None
+        n, held_out = self.exp.data.eval_batches, self.exp.data.eval_path
+        if not n:
+            return None
+        if held_out and self.exp.data.source != "clicks":  # a held-out day, from its start
+            return HeldOutAUC(self, self._criteo(held_out, "data.eval_path"), n, first=0)
+        return HeldOutAUC(self, source, n)
 
     # ------------------------------------------------------------------ figures
     @property
