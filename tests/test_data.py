@@ -1,3 +1,5 @@
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -102,6 +104,13 @@ def test_click_batches_are_the_same_on_every_mesh_and_made_on_the_devices(popula
         for name, arr in got.items():
             assert arr.sharding == task.batch_sharding[name]
             np.testing.assert_array_equal(np.asarray(arr), ref[name], err_msg=f"{spec} {name}")
+    # Each device makes only its rows, with no communication.
+    source = task.source()
+    hlo = source._batch_fn(64, tuple(sorted(task.batch_sharding.items()))).lower(
+        source._words(7)).compile().as_text()
+    assert not re.search(r"(all-reduce|all-gather|all-to-all|collective-permute|"
+                         r"reduce-scatter)[-(]", hlo)
+    assert re.search(r"s32\[8,3,6\]", hlo) and not re.search(r"\[64,3,6\]", hlo)
     # The host path gives the same rows; another step gives others.
     rows = one.source().rows(7, 10, 20)
     for name in ref:
