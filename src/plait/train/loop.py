@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from plait import mesh as mesh_lib
 from plait.checkpoint import Checkpoints
@@ -24,7 +26,7 @@ from plait.errors import RunFailed
 from plait.hardware import peak_flops
 from plait.tasks import make_task
 from plait.tasks.base import Task
-from plait.train.metrics import MetricsLog, StepTimer, evaluation_keys
+from plait.train.metrics import MetricsLog, StepTimer, evaluation_keys, strict
 
 
 class StopFlag:
@@ -186,6 +188,36 @@ def _failed(run: Run, step: int, err: Exception) -> RunFailed:
     return RunFailed(f"the train step failed at step {step + 1}: {first}{hint}; {kept}")
 
 
+@jax.jit
+def _first_nonfinite(first: jax.Array, metrics: dict, step: jax.Array) -> jax.Array:
+    """The first step whose loss or gradient norm was NaN or Inf (-1: none yet); kept on
+    the device and read only where the loop syncs anyway (log steps, saves)."""
+    bad = ~(jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]))
+    return jnp.where((first < 0) & bad, step, first)
+
+
+class NonFiniteGuard:
+    """Stops the run, before anything of the bad state is saved, once a step's loss or
+    gradient norm is non-finite: the last good checkpoint stays the newest."""
+
+    def __init__(self, mesh: Mesh):
+        self.first = jax.device_put(np.int32(-1), NamedSharding(mesh, P()))
+
+    def after(self, metrics: dict, step: int) -> None:
+        self.first = _first_nonfinite(self.first, metrics, np.int32(step))
+
+    def check(self, run: Run) -> None:
+        bad = int(np.asarray(self.first.addressable_shards[0].data))
+        if bad < 0:
+            return
+        kept = (f"the checkpoint at step {run.last_saved} is intact: lower optimizer.lr (or "
+                "check the data), then rerun the same command to resume from it"
+                if run.last_saved is not None else "no checkpoint was written: lower "
+                "optimizer.lr (or check the data) and run again")
+        raise RunFailed(f"the loss or gradient norm became non-finite (NaN or Inf) at step "
+                        f"{bad}; stopped without saving that state; {kept}")
+
+
 def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: StopFlag,
            profiler: Profiler):
     """Run steps from `start`; returns (state, last step, step times)."""
@@ -200,6 +232,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     # cuDNN's graph capture on an H100: shared/gpu-findings).
     next_batch = prefetch.submit(lambda: jax.block_until_ready(task.batch(run.source, start)))
     step = start
+    guard = NonFiniteGuard(run.mesh)
     try:
         timer.lap(step)
         while step < total:
@@ -216,6 +249,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
             if step == start and step + 1 < total:
                 next_batch = prefetch.submit(task.batch, run.source, step + 1)
             step += 1
+            guard.after(metrics, step)
             profiler.after(step, state)
             if step % every == 0 or step == total or step == start + 1:
                 try:
@@ -232,7 +266,11 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
                 if evaluate is not None:
                     record.update(evaluate(state))
                 log.write(record)
-            if ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled:
+                guard.check(run)
+            saving = ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled
+            if saving or stop.signal is not None or step == total:
+                guard.check(run)  # nothing non-finite is ever saved
+            if saving:
                 run.save(state, step)
             if stop.signal is not None:
                 break
@@ -257,7 +295,8 @@ def _summary(run: Run, log: MetricsLog, start: int, step: int, step_times: list[
         summary["mfu"] = mfu
     if run.is_writer:
         (run.run_dir / "summary.json").write_text(
-            json.dumps({k: v for k, v in summary.items() if k != "records"}, indent=2) + "\n")
+            json.dumps(strict({k: v for k, v in summary.items() if k != "records"}), indent=2,
+                       allow_nan=False) + "\n")
     return summary
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,15 @@ def trim_jsonl(path: Path, keep_through_step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     tmp.replace(path)
+
+
+def strict(record: dict) -> dict:
+    """The record as strict JSON takes it: a non-finite number becomes null and its key is
+    listed under "nonfinite" (json.dumps would write NaN, which strict readers reject)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: None if k in bad else v for k, v in record.items()}, "nonfinite": bad}
 
 
 class MetricsLog:
@@ -81,7 +91,7 @@ class MetricsLog:
         self.history.append(record)
         if not self.is_writer:
             return
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(strict(record), allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for key, value in record.items():
