@@ -95,7 +95,8 @@ class MetricsLog:
         self.file.flush()
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
+                # (tensorboardX warns on every non-finite scalar; metrics.jsonl has them)
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.tb.add_scalar(f"train/{key}", value, record["step"])
         status = format_status(record)
         if self.progress is not None:
