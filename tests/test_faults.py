@@ -75,3 +75,41 @@ def test_a_fault_after_the_last_checkpoint_resumes_bit_identical(tmp_path, capsy
     monkeypatch.setattr(GPTTask, "compile", real_compile)
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 0
     np.testing.assert_array_equal(losses(run_dir), full)
+
+
+def test_a_second_train_on_a_run_directory_in_use_is_refused(tmp_path):
+    """One writer per run directory: a second `plait train` refuses in one line; the lock
+    dies with its holder, so a run killed with -9 leaves no stale lock."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import LINE_LOG, ROOT, subprocess_env
+    from test_resume import _wait_for_step
+
+    exp = write_experiment(tmp_path / "t.toml", tiny(
+        train={"steps": 400}, log=LINE_LOG,
+        checkpoint={"enabled": True, "every_steps": 2, "keep": 2, "async_save": True}))
+    run_dir = tmp_path / "r"
+
+    def train(*sets):
+        args = [sys.executable, "-m", "plait", "train", str(exp), "--mesh", "data=2",
+                "--run-dir", str(run_dir)] + [x for s in sets for x in ("--set", s)]
+        return args
+
+    first = subprocess.Popen(train(), env=subprocess_env(), cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run_dir, 3, first)
+        second = subprocess.run(train(), env=subprocess_env(), cwd=ROOT, capture_output=True,
+                                text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-2000:]
+        err = second.stderr.strip().splitlines()
+        assert len(err) == 1 and f"run directory '{run_dir}' is in use by another plait " \
+            f"train (pid {first.pid} on " in err[0] and "pick another --run-dir" in err[0]
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    again = subprocess.run(train("train.steps=8"), env=subprocess_env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]

@@ -26,6 +26,7 @@ from plait.errors import RunFailed
 from plait.hardware import peak_flops
 from plait.tasks import make_task
 from plait.tasks.base import Task
+from plait.train import lock
 from plait.train.metrics import MetricsLog, StepTimer, evaluation_keys, strict
 
 
@@ -100,6 +101,9 @@ class Run:
         self.source = self.task.source()  # checks data files before anything is written
         self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
         self.mesh_text = mesh_lib.inline(dict(mesh.shape))
+        if self.is_writer:  # before anything in the directory is touched
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            lock.acquire(self.run_dir)
         ckpt_dir = self.run_dir / "checkpoints"
         # Every process makes the same orbax calls (they synchronise across processes).
         self.ckpts = None
@@ -147,6 +151,8 @@ class Run:
         if self.ckpts:
             self.ckpts.wait()
             self.ckpts.close()
+        if self.is_writer:
+            lock.release(self.run_dir)
 
 
 class Profiler:
