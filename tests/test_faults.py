@@ -113,3 +113,164 @@ def test_a_second_train_on_a_run_directory_in_use_is_refused(tmp_path):
     again = subprocess.run(train("train.steps=8"), env=subprocess_env(), cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+def _train_argv(exp, run_dir, *extra, max_file_bytes: int | None = None):
+    """`plait train` in a fresh process; with `max_file_bytes` its files may not grow past
+    that (RLIMIT_FSIZE), so its writes fail with EFBIG as they would with ENOSPC on a
+    full disk (Python ignores SIGXFSZ). The limit is set in the child before plait
+    starts, not by a preexec_fn (a fork of this multithreaded JAX process)."""
+    import sys
+
+    args = ["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir), *extra]
+    if max_file_bytes is None:
+        return [sys.executable, "-m", "plait", *args]
+    return [sys.executable, "-c",
+            "import resource, runpy, sys; "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({max_file_bytes}, {max_file_bytes})); "
+            f"sys.argv = ['plait', *{args!r}]; runpy.run_module('plait', run_name='__main__')"]
+
+
+def test_a_write_failure_during_a_save_is_one_line_and_keeps_the_checkpoints(tmp_path):
+    """The save at step 12 cannot be written: one line naming the directory and the cause,
+    exit 1, the unfinished checkpoint removed, 4 and 8 intact; the rerun equals an
+    uninterrupted run."""
+    import subprocess
+
+    from helpers import ROOT, subprocess_env
+
+    ckpt = {"enabled": True, "every_steps": 4, "keep": 3, "async_save": True}
+    full = losses(run(tiny(checkpoint=ckpt), "data=2", tmp_path / "full"))
+    run_dir = tmp_path / "r"
+    run(tiny(checkpoint=ckpt, train={"steps": 8}), "data=2", run_dir)
+    exp = write_experiment(tmp_path / "t.toml", tiny(checkpoint=ckpt))
+    failed = subprocess.run(_train_argv(exp, run_dir, max_file_bytes=16_384),
+                            env=subprocess_env(), cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr and "Traceback" not in failed.stdout
+    err = failed.stderr.strip().splitlines()
+    assert err[-1].startswith(
+        f"plait: error: could not write to the run directory {run_dir} (writing the "
+        "checkpoint at step 12): a file grew past the size limit (ulimit -f);"), err
+    assert "the checkpoint at step 8 is intact" in err[-1] and "rerun the same command" \
+        in err[-1]
+    assert all(line.startswith("plait: ") for line in err), err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4", "8"]
+    assert "absl ERROR" in (run_dir / "plait.log").read_text()  # orbax's trace, kept aside
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 0
+    np.testing.assert_array_equal(losses(run_dir), full)
+
+
+def test_a_run_directory_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    import subprocess
+
+    from helpers import ROOT, subprocess_env
+
+    exp = write_experiment(tmp_path / "t.toml", tiny())
+    run_dir = tmp_path / "r"
+    refused = subprocess.run(_train_argv(exp, run_dir, max_file_bytes=1024),
+                             env=subprocess_env(), cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines() == [
+        f"plait: error: the run directory '{run_dir}' is not writable: a file grew past the "
+        "size limit (ulimit -f); fix it or pass another --run-dir"]
+    assert list(run_dir.iterdir()) == []
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(afile)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"plait: error: --run-dir '{afile}' is a file, not a directory; pass a directory (it "
+        "is made if missing)"]
+    assert afile.read_text() == "kept"
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(afile / "x")]) == 2
+    assert "a part of its path is a file" in capsys.readouterr().err
+
+
+def test_no_room_for_one_checkpoint_is_refused(tmp_path, capsys, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    exp = write_experiment(tmp_path / "t.toml", tiny(checkpoint={"enabled": True}))
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 0.0 MiB free but one checkpoint takes about 1.0 MiB" \
+        in err[0] and "checkpoint.enabled = false" in err[0], err
+
+
+def _signals(tmp_path, count: int):
+    """SIGINT `count` times, 50 ms apart, once the run is at step 3."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers import LINE_LOG, ROOT, subprocess_env
+    from test_resume import _wait_for_step
+
+    exp = write_experiment(tmp_path / "t.toml", tiny(
+        train={"steps": 200}, log=LINE_LOG,
+        checkpoint={"enabled": True, "every_steps": 1000, "keep": 2, "async_save": True}))
+    run_dir = tmp_path / "r"
+    proc = subprocess.Popen(_train_argv(exp, run_dir), env=subprocess_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(run_dir, 3, proc)
+    for _ in range(count):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=120)
+    return exp, run_dir, proc.returncode, out, err
+
+
+def test_a_second_ctrl_c_waits_for_the_save_and_the_run_resumes(tmp_path):
+    exp, run_dir, rc, out, err = _signals(tmp_path, 2)
+    assert rc == 0, err[-3000:]
+    lines = err.strip().splitlines()
+    assert lines[0] == "plait: SIGINT: saving a checkpoint after this step, then stopping"
+    assert "Traceback" not in err and all(x.startswith("plait: ") for x in lines), err
+    assert "stopped by signal" in out
+    names = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    assert len(names) == 1 and names[0].isdigit(), names
+    full = losses(run(tiny(train={"steps": 200}), "data=2", tmp_path / "full"))
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 0
+    np.testing.assert_array_equal(losses(run_dir), full)
+
+
+def test_a_third_ctrl_c_stops_at_once_and_leaves_no_partial_checkpoint(tmp_path):
+    exp, run_dir, rc, out, err = _signals(tmp_path, 3)
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and all(x.startswith("plait: ") for x in lines), err
+    if rc == 130:  # stopped before the save finished: nothing half-written is left
+        assert lines[-1].startswith("plait: SIGINT: stopped without saving"), lines
+        assert not any(".orbax-checkpoint-tmp" in p.name
+                       for p in (run_dir / "checkpoints").iterdir())
+    else:  # the save was faster than the signals
+        assert rc == 0, err[-3000:]
+    full = losses(run(tiny(train={"steps": 200}), "data=2", tmp_path / "full"))
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 0
+    np.testing.assert_array_equal(losses(run_dir), full)
+
+
+def test_a_model_too_big_for_the_devices_is_refused_before_it_is_built(tmp_path, capsys):
+    import time
+
+    from helpers import make_mesh
+
+    from plait.tasks import make_task, task_class
+
+    exp = write_experiment(tmp_path / "t.toml", tiny())
+    t0 = time.perf_counter()
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(tmp_path / "r"),
+                 "--set", "model.layers=1000000000"]) == 2
+    assert time.perf_counter() - t0 < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the model has 33,472,000,018,560 parameters" in err[0] and "more than the" \
+        in err[0] and "shrink the model" in err[0], err
+    assert not (tmp_path / "r").exists()
+    # The count it judges by is the model's own, exactly, for the GPT.
+    for model in ({}, {"tie_embeddings": False, "vocab": 300}):
+        e = tiny(model=model)
+        assert task_class("gpt").param_count(e.model) == \
+            make_task(e, make_mesh("data=1")).num_params()

@@ -1,3 +1,3 @@
-from plait.cli import main
+from plait.cli import entry
 
-raise SystemExit(main())
+entry()

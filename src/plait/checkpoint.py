@@ -30,6 +30,7 @@ class Checkpoints:
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
             create=True,
+            cleanup_tmp_directories=True,  # the run holds the lock: any -tmp is stale
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -112,6 +113,13 @@ class Checkpoints:
                     log.warning("moved the unusable checkpoint aside to %s", dst)
         if steps:
             self.manager.reload()
+
+    def saving(self) -> bool:
+        """An asynchronous save still writing."""
+        try:
+            return bool(self.manager.is_saving_in_progress())
+        except Exception:  # noqa: BLE001 - asked from a signal handler: never raise
+            return False
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -19,7 +19,9 @@ from plait.errors import RunFailed, UserError
 
 
 def _quiet_libraries() -> None:
-    """Keep the console for plait's own lines: orbax/absl INFO chatter off."""
+    """Keep the console for plait's own lines. Libraries' warnings and errors (orbax's
+    tracebacks from a failed save, a corrupt checkpoint's ignored coroutines) go only to
+    RUN_DIR/plait.log once a run directory is open (`plait.train.runlog`)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         import absl.logging
@@ -28,8 +30,25 @@ def _quiet_libraries() -> None:
     except ImportError:  # pragma: no cover
         pass
     logging.basicConfig(format="plait: %(levelname)s: %(message)s", level=logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda r: r.name == "plait" or r.name.startswith("plait."))
+    logging.captureWarnings(True)  # Python warnings become log records (py.warnings)
+    sys.unraisablehook = _unraisablehook
     for name in ("orbax", "absl", "jax"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _unraisablehook(unraisable) -> None:
+    """Errors native code reports after the fact (TensorStore completing a failed save's
+    write on an asyncio loop that orbax already closed) go to the log file, not the
+    console; anything else is printed as Python would."""
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+        logging.getLogger("orbax.late").warning(
+            "late error of a failed save",
+            exc_info=(unraisable.exc_type, value, unraisable.exc_traceback))
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def _version() -> str:
@@ -373,5 +392,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `plait` command. After a failed run it leaves with os._exit once its line is
+    out: threads of the failed write (orbax, TensorStore) would otherwise print their
+    own tracebacks while the interpreter shuts down."""
+    status = main()
+    if status == 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

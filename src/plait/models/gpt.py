@@ -173,6 +173,14 @@ class GPT(nnx.Module):
         return self.logits(x)
 
 
+def param_count(cfg: GPTConfig) -> int:
+    """Parameters of the model, counted from the config without building anything."""
+    d, f, L, v = cfg.d_model, cfg.d_ff, cfg.layers, cfg.padded_vocab
+    block = 4 * d * d + 2 * d * f + 9 * d + f  # qkv, out, mlp; their biases; two norms
+    head = 0 if cfg.tie_embeddings else d * v
+    return L * block + v * d + cfg.seq_len * d + 2 * d + head
+
+
 def flops_per_token(cfg: GPTConfig) -> float:
     """Model FLOPs per trained token (forward + backward), PaLM-style.
 

@@ -72,5 +72,28 @@ def make_task(exp: Experiment, mesh: Mesh) -> Task:
     return task_class(exp.model.kind)(exp, mesh)
 
 
+# Optimizer slots per parameter (a lower bound: SGD may keep momentum, DLRM tables may
+# keep row-wise Adagrad instead).
+_SLOTS = {"adamw": 2, "adagrad": 1, "sgd": 0}
+
+
+def check_memory(exp: Experiment, mesh: Mesh) -> None:
+    """Refuse, before anything is built, a model whose parameters and optimizer state
+    alone (float32, no activations) exceed the memory of the mesh's devices (training
+    allocates for real; the sweep prices other hardware and does not ask): a typo
+    like model.layers = 1000000000 would otherwise build for minutes and swap."""
+    from plait.hardware import device_memory_bytes
+
+    params = task_class(exp.model.kind).param_count(exp.model)
+    need = params * 4 * (1 + _SLOTS.get(exp.optimizer.name, 0))
+    have = sum(device_memory_bytes(d) for d in mesh.devices.flat)
+    if need > have:
+        raise UserError(
+            f"the model has {params:,} parameters: with its {exp.optimizer.name} state that "
+            f"is {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of the mesh's "
+            f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices; shrink the model "
+            "(model.layers, model.d_model, table rows) or use more devices")
+
+
 register("gpt", GPTConfig, "plait.tasks.gpt:GPTTask")
 register("dlrm", DLRMConfig, "plait.tasks.dlrm:DLRMTask")

@@ -132,6 +132,12 @@ class Task(abc.ABC):
 
     # ------------------------------------------------------------------ sweep
     @classmethod
+    def param_count(cls, cfg) -> int:
+        """Parameters of a model of this kind from its config alone (no arrays built);
+        may be a lower bound. Used to refuse what cannot fit before building it."""
+        return 0
+
+    @classmethod
     def sweep_variants(cls, exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:
         """The settings (dotted config keys) worth sweeping on a mesh of these sizes, e.g.
         pipeline schedules; [{}] for none. A UserError says why the sizes do not fit."""

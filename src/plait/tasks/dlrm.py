@@ -256,6 +256,14 @@ class DLRMTask(Task):
     def units_per_step(self) -> int:
         return self.exp.train.global_batch
 
+    @classmethod
+    def param_count(cls, cfg) -> int:
+        """Tables plus the MLPs (the top MLP's input layer left out: a lower bound)."""
+        def mlp(widths):
+            return sum(a * b + b for a, b in zip(widths[:-1], widths[1:], strict=False))
+        return (sum(cfg.table_rows) * cfg.embedding_dim
+                + mlp([cfg.dense_features, *cfg.bottom_mlp]) + mlp(cfg.top_mlp))
+
     def num_params(self) -> int:
         """Dense parameters plus every table's rows x dimension."""
         m = self.exp.model

@@ -291,6 +291,10 @@ class GPTTask(Task):
     def num_params(self) -> int:
         return self.model.num_params()
 
+    @classmethod
+    def param_count(cls, cfg) -> int:
+        return gpt.param_count(cfg)
+
     def flops_per_unit(self) -> float:
         return gpt.flops_per_token(self.exp.model)
 

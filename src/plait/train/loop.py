@@ -5,7 +5,11 @@ It knows a model kind only through the Task interface (`plait.tasks.base`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import re
 import signal
 import statistics
 import threading
@@ -24,17 +28,26 @@ from plait.checkpoint import Checkpoints
 from plait.config import Experiment
 from plait.errors import RunFailed
 from plait.hardware import peak_flops
-from plait.tasks import make_task
+from plait.tasks import check_memory, make_task
 from plait.tasks.base import Task
-from plait.train import lock
+from plait.train import lock, rundir
 from plait.train.metrics import MetricsLog, StepTimer, evaluation_keys, strict
+
+logger = logging.getLogger("plait")
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checkpoints at the next step boundary and exits."""
+    """SIGTERM/SIGINT handling. The first signal asks the loop to save a checkpoint at the
+    next step boundary and end; a second one is told that the step and the save are
+    being finished; a third ends the run at once, removing the unfinished checkpoint, so
+    the newest finished one is what a rerun resumes from. Nothing here raises into the
+    main thread, which may be inside orbax: that is what used to leave tracebacks,
+    hangs and `-tmp` directories."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: Run | None = None) -> None:
         self.signal: int | None = None
+        self.count = 0
+        self.run = run
         self._old = {}
 
     def install(self) -> None:
@@ -43,14 +56,40 @@ class StopFlag:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old[sig] = signal.signal(sig, self._handle)
 
+    @staticmethod
+    def _say(text: str) -> None:
+        os.write(2, f"plait: {text}\n".encode())  # safe inside a signal handler
+
     def _handle(self, signum, frame) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
-        self.signal = signum
+        self.count += 1
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            self.signal = signum
+            self._say(f"{name}: saving a checkpoint after this step, then stopping")
+            return
+        if self.count == 2:
+            what = ("a checkpoint is being written" if self.run is not None
+                    and self.run.saving() else "finishing the step, then saving")
+            self._say(f"{name} again: {what}; signal a third time to stop at once without "
+                      "saving (the checkpoint before stays)")
+            return
+        self._abandon(name)
+
+    def _abandon(self, name: str) -> None:
+        kept = "no checkpoint was written"
+        if self.run is not None and self.run.is_writer:
+            rundir.remove_partial_checkpoints(self.run.ckpt_dir)
+            steps = rundir.committed_steps(self.run.ckpt_dir)
+            if steps:
+                kept = (f"the checkpoint at step {steps[0]} is intact: rerun the same command "
+                        "to resume from it")
+        self._say(f"{name}: stopped without saving; {kept}")
+        os._exit(130)  # threads may be mid-write; the kernel drops the run's lock
 
     def restore(self) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+        self._old = {}
 
 
 def _local_values(tree):
@@ -91,28 +130,51 @@ class Throughput:
         return rate, (self.flops * rate / self.flops_per_s) if self.flops_per_s else None
 
 
+def _join_other_threads(timeout: float) -> None:
+    """Wait (up to `timeout` in all) for the threads other than this one to end."""
+    deadline = time.monotonic() + timeout
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            with contextlib.suppress(Exception):  # orbax's threads re-raise their error
+                t.join(max(0.0, deadline - time.monotonic()))
+
+
 class Run:
     """One invocation of `plait train`: a task on a mesh in a run directory."""
 
     def __init__(self, exp: Experiment, mesh: Mesh, run_dir: Path):
         self.exp, self.mesh, self.run_dir = exp, mesh, Path(run_dir)
         self.is_writer = jax.process_index() == 0
+        check_memory(exp, mesh)  # before anything is built
         self.task = make_task(exp, mesh)
         self.source = self.task.source()  # checks data files before anything is written
         self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
         self.mesh_text = mesh_lib.inline(dict(mesh.shape))
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ckpts, self.log_handler, self._saving = None, None, False
         if self.is_writer:  # before anything in the directory is touched
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            rundir.prepare(self.run_dir)
             lock.acquire(self.run_dir)
-        ckpt_dir = self.run_dir / "checkpoints"
-        # Every process makes the same orbax calls (they synchronise across processes).
-        self.ckpts = None
-        if exp.checkpoint.enabled or ckpt_dir.exists():
-            self.ckpts = Checkpoints(ckpt_dir, exp.checkpoint.keep, exp.checkpoint.async_save)
-            self.ckpts.check_model(exp.model, self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.log_handler = rundir.open_log(self.run_dir)
+        try:
+            if self.is_writer and exp.checkpoint.enabled:
+                rundir.check_room(self.run_dir, self.checkpoint_bytes(), exp.checkpoint.keep)
+            # Every process makes the same orbax calls (they synchronise across processes).
+            if exp.checkpoint.enabled or self.ckpt_dir.exists():
+                self.ckpts = Checkpoints(self.ckpt_dir, exp.checkpoint.keep,
+                                         exp.checkpoint.async_save)
+                self.ckpts.check_model(exp.model, self.run_dir)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except BaseException:
+            self.close()
+            raise
         self.last_saved: int | None = None
         self.resolved_json = json.loads(self.resolved.model_dump_json())
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint's arrays (their metadata is small beside them)."""
+        leaves = jax.tree.leaves(self.task.canonical_layout.abstract())
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
 
     def restore(self) -> tuple[dict, int, bool]:
         """(state, first step, restored?): the newest usable checkpoint, or a fresh state."""
@@ -132,9 +194,17 @@ class Run:
                          "samples_seen": step * exp.train.global_batch},
                 "config": self.resolved_json}
 
+    def saving(self) -> bool:
+        """Whether a checkpoint is being written now (in the loop or behind it)."""
+        return self._saving or (self.ckpts is not None and self.ckpts.saving())
+
     def save(self, state: dict, step: int) -> None:
         if self.ckpts is not None and self.last_saved != step:
-            self.ckpts.save(step, self.task.to_checkpoint(state), self.meta_for(step))
+            self._saving = True
+            try:
+                self.ckpts.save(step, self.task.to_checkpoint(state), self.meta_for(step))
+            finally:
+                self._saving = False
             self.last_saved = step
 
     def header(self, log: MetricsLog, state: dict, start: int, restored: bool) -> None:
@@ -149,10 +219,51 @@ class Run:
 
     def close(self) -> None:
         if self.ckpts:
-            self.ckpts.wait()
-            self.ckpts.close()
+            self._saving = True  # the wait below is part of the last save
+            try:
+                self.ckpts.wait()
+                self.ckpts.close()
+            finally:
+                self._saving = False
         if self.is_writer:
             lock.release(self.run_dir)
+        rundir.close_log(self.log_handler)
+        self.log_handler = None
+
+    def abandon(self) -> None:
+        """Close after a failure: pending saves get their chance to finish, a save that
+        cannot is removed, and nothing raised here hides the failure being reported."""
+        # A failed save's writer threads may still be writing, and TensorStore prints
+        # their late errors straight to stderr: that goes to plait.log meanwhile.
+        with rundir.stderr_to(self.run_dir / "plait.log" if self.is_writer else None):
+            if self.ckpts:
+                for finish in (self.ckpts.wait, self.ckpts.close):
+                    try:
+                        finish()
+                    except Exception as e:  # noqa: BLE001 - reported by the caller's line
+                        if rundir.write_failure(e) is None:
+                            logger.warning("closing the checkpoints after a failure: %s", e)
+            _join_other_threads(timeout=30.0)
+        if self.is_writer:
+            removed = rundir.remove_partial_checkpoints(self.ckpt_dir)
+            if removed:
+                logger.warning("removed the unfinished checkpoint(s) %s", ", ".join(removed))
+            lock.release(self.run_dir)
+        rundir.close_log(self.log_handler)
+        self.log_handler = None
+
+    def write_failed(self, cause: str, path: str | None) -> RunFailed:
+        """One line for a write that failed: where, why, what is kept, what to do."""
+        self.abandon()
+        steps = rundir.committed_steps(self.ckpt_dir) if self.is_writer else []
+        kept = (f"the checkpoint at step {steps[0]} is intact" if steps
+                else "no checkpoint was written")
+        m = re.search(r"/(\d+)\.orbax-checkpoint-tmp", path or "")
+        where = (f" (writing the checkpoint at step {m.group(1)})" if m
+                 else f" (writing {path})" if path else "")
+        return RunFailed(f"could not write to the run directory {self.run_dir}{where}: {cause}; "
+                         f"{kept}; free space or fix the directory, then rerun the same "
+                         "command to resume")
 
 
 class Profiler:
@@ -281,7 +392,6 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
             if stop.signal is not None:
                 break
     finally:
-        stop.restore()
         profiler.close()
         prefetch.shutdown(wait=True, cancel_futures=True)
     return state, step, step_times
@@ -319,6 +429,11 @@ def _final_line(run: Run, log: MetricsLog, summary: dict, total: int) -> str:
             + (f", checkpoint at step {run.last_saved}" if run.last_saved is not None else ""))
 
 
+def _close_quietly(log: MetricsLog) -> None:
+    with contextlib.suppress(OSError):  # the failing disk may fail the last flush too
+        log.close()
+
+
 def train(exp: Experiment, mesh: Mesh, run_dir: Path,
           profile: tuple[int, int] | None = None) -> dict:
     """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint; with
@@ -343,22 +458,30 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
     compile_s = time.perf_counter() - t0
     log.note(f"plait: step compiled in {compile_s:.1f}s")
 
-    stop = StopFlag()
+    stop = StopFlag(run)
     stop.install()
     wall0 = time.perf_counter()
     try:
         state, step, step_times = _steps(run, compiled, state, start, log, stop,
                                          Profiler(profile, run.run_dir, log))
+        preempted = stop.signal is not None and step < total
+        if exp.checkpoint.enabled or preempted:
+            run.save(state, step)
+        run.close()
+        summary = _summary(run, log, start, step, step_times, compile_s,
+                           time.perf_counter() - wall0, preempted)
     except RunFailed:
-        log.close()
-        run.close()  # pending saves finish; nothing after the failure is written
+        _close_quietly(log)
+        run.abandon()  # pending saves finish; nothing after the failure is written
         raise
-    preempted = stop.signal is not None and step < total
-    if exp.checkpoint.enabled or preempted:
-        run.save(state, step)
-    run.close()
-    summary = _summary(run, log, start, step, step_times, compile_s,
-                       time.perf_counter() - wall0, preempted)
+    except Exception as e:
+        failure = rundir.write_failure(e)
+        if failure is None:
+            raise
+        _close_quietly(log)
+        raise run.write_failed(*failure) from None
+    finally:
+        stop.restore()  # after the last save: a signal during it is handled as above
     log.close()  # the progress bar ends before the summary line
     log.note(_final_line(run, log, summary, total))
     return summary
