@@ -130,11 +130,11 @@ class Throughput:
         return rate, (self.flops * rate / self.flops_per_s) if self.flops_per_s else None
 
 
-def _join_other_threads(timeout: float) -> None:
-    """Wait (up to `timeout` in all) for the threads other than this one to end."""
+def _join_orbax_threads(timeout: float) -> None:
+    """Wait (up to `timeout` in all) for orbax's writer threads to end."""
     deadline = time.monotonic() + timeout
     for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
+        if type(t).__module__.startswith("orbax") and t is not threading.current_thread():
             with contextlib.suppress(Exception):  # orbax's threads re-raise their error
                 t.join(max(0.0, deadline - time.monotonic()))
 
@@ -243,7 +243,7 @@ class Run:
                     except Exception as e:  # noqa: BLE001 - reported by the caller's line
                         if rundir.write_failure(e) is None:
                             logger.warning("closing the checkpoints after a failure: %s", e)
-            _join_other_threads(timeout=30.0)
+            _join_orbax_threads(timeout=30.0)
         if self.is_writer:
             removed = rundir.remove_partial_checkpoints(self.ckpt_dir)
             if removed:
