@@ -40,3 +40,99 @@ def test_two_processes_equal_one(tmp_path):
     assert "8 cpu devices" in outs[0][0]
     np.testing.assert_allclose(losses(run_dir), reference, rtol=1e-5)
     assert (run_dir / "checkpoints" / "12").is_dir()
+
+
+def _start(path, run_dir, port, i, **kw):
+    return subprocess.Popen(
+        [sys.executable, "-m", "plait", "train", str(path), "--mesh", MESH, "--run-dir",
+         str(run_dir), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i)],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_lost_process_ends_the_others_in_one_line_and_the_rerun_resumes(lost, tmp_path):
+    """kill -9 of one process (the worker, or the coordinator's): the other ends within
+    60 s in one line, exit 1, no abort trace; rerunning both resumes from the newest
+    checkpoint onto the uninterrupted run's curve."""
+    import signal
+    import time
+
+    from test_resume import _wait_for_step
+
+    ckpt = {"enabled": True, "every_steps": 2, "keep": 2, "async_save": True}
+    exp = tiny(checkpoint=ckpt, log=LINE_LOG, train={"steps": 400})
+    path = write_experiment(tmp_path / "tiny.toml", exp)
+    run_dir = tmp_path / "two"
+    port = _free_port()
+    procs = [_start(path, run_dir, port, i) for i in range(2)]
+    try:
+        _wait_for_step(run_dir, 5, procs[0])
+        procs[lost].send_signal(signal.SIGKILL)  # the supervisor; its child dies with it
+        t0 = time.monotonic()
+        out, err = procs[1 - lost].communicate(timeout=90)
+        assert time.monotonic() - t0 < 60
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    survivor = procs[1 - lost]
+    assert survivor.returncode == 1, err[-3000:]
+    lines = err.strip().splitlines()
+    assert "Check failure" not in err and "Traceback" not in err, err[-3000:]
+    assert lines[-1].startswith(f"plait: error: process {1 - lost} of ") and \
+        "rerun the same command on every process" in lines[-1], lines
+    assert all(x.startswith("plait: ") for x in lines), lines
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved, "no checkpoint survived"
+    # Rerun both processes: they resume and land on the curve of one uninterrupted run.
+    short = tiny(checkpoint=ckpt, log=LINE_LOG, train={"steps": saved[-1] + 4})
+    path = write_experiment(tmp_path / "tiny.toml", short)
+    port = _free_port()
+    procs = [_start(path, run_dir, port, i) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, e) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, e[-3000:]
+    assert f"resumed from the checkpoint at step {saved[-1]}" in outs[0][0]
+    reference = losses(run(short, MESH, tmp_path / "one"))
+    np.testing.assert_allclose(losses(run_dir), reference, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_launch_reports_the_lost_process_in_one_line(tmp_path):
+    import signal
+    import time
+
+    from test_resume import _wait_for_step
+
+    exp = tiny(log=LINE_LOG, train={"steps": 400})
+    path = write_experiment(tmp_path / "tiny.toml", exp)
+    run_dir = tmp_path / "two"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "plait", "launch", "--processes", "2", "--", "train", str(path),
+         "--mesh", MESH, "--run-dir", str(run_dir)],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        _wait_for_step(run_dir, 3, launcher)
+        # Process 1's supervisor: the launcher's child whose command says --process-id 1.
+        out = subprocess.run(["pgrep", "-P", str(launcher.pid), "-f", "process-id 1"],
+                             capture_output=True, text=True).stdout.split()
+        assert len(out) == 1, out
+        import os
+
+        os.kill(int(out[0]), signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = launcher.communicate(timeout=120)
+        assert time.monotonic() - t0 < 90
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 1, err[-3000:]
+    lines = err.strip().splitlines()
+    assert "Check failure" not in err and "Traceback" not in err, err[-3000:]
+    errors = [x for x in lines if x.startswith("plait: error:")]
+    assert len(errors) == 1 and "process 1 of 2 failed first" in errors[0] and \
+        "killed (SIGKILL)" in errors[0] or "exit -9" in errors[0], lines

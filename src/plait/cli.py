@@ -151,6 +151,17 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _seconds(name: str, default: int) -> int:
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"{name}={text!r} is not a whole number of seconds") from None
+    if value < 1:
+        raise UserError(f"{name} must be at least 1 second, got {value}")
+    return value
+
+
 def _join_cluster(args) -> None:
     """Start jax.distributed from flags, or from a cluster launcher's environment."""
     from plait import mesh as mesh_lib
@@ -173,11 +184,15 @@ def _join_cluster(args) -> None:
             raise UserError(
                 f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Deliberate timeouts (docs/reliability.md): a process silent for HEARTBEAT seconds is
+    # presumed dead and the run ends; a finishing process waits SHUTDOWN for the others.
+    timeouts = {"heartbeat_timeout_seconds": _seconds("PLAIT_HEARTBEAT_TIMEOUT_S", 30),
+                "shutdown_timeout_seconds": _seconds("PLAIT_SHUTDOWN_TIMEOUT_S", 60)}
     if explicit:
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id)
+                                   process_id=args.process_id, **timeouts)
     else:
-        jax.distributed.initialize()
+        jax.distributed.initialize(**timeouts)
     try:  # known before the backend starts only through this private handle
         from jax._src import distributed
 
@@ -393,9 +408,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The `plait` command. After a failed run it leaves with os._exit once its line is
-    out: threads of the failed write (orbax, TensorStore) would otherwise print their
-    own tracebacks while the interpreter shuts down."""
+    """The `plait` command. A process of a multi-process run runs under a supervisor
+    (plait.supervise) that turns a lost peer into one line. After a failed run it leaves
+    with os._exit once its line is out: threads of the failed write (orbax, TensorStore)
+    would otherwise print their own tracebacks while the interpreter shuts down."""
+    from plait import supervise
+
+    if supervise.needed(sys.argv[1:]):
+        sys.exit(supervise.supervise(sys.argv[1:]))
     status = main()
     if status == 1:
         sys.stdout.flush()

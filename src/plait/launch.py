@@ -3,15 +3,20 @@
 Each process runs the same plait command with --coordinator, --num-processes
 and --process-id added (gloo collectives on CPU; each simulates its share of
 the mesh's devices). Process 0's output is shown; the others' only if they
-fail. The first failure's status is returned, and the rest are stopped.
+fail. The first failure is reported in one line and its status returned; the others
+end by themselves when they lose it as a peer (plait.supervise), or are killed
+after the heartbeat timeout and a margin.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 from plait.errors import UserError
 
@@ -43,30 +48,71 @@ def launch(processes: int, command: list[str], port: int | None = None) -> int:
                 "--num-processes", str(processes), "--process-id", str(i)]
         procs.append(subprocess.Popen(
             argv, stdout=None if i == 0 else subprocess.PIPE,
-            stderr=None if i == 0 else subprocess.STDOUT, text=True))
-    captured = [""] * processes
+            stderr=subprocess.PIPE if i == 0 else subprocess.STDOUT, text=True,
+            start_new_session=True))  # a terminal's Ctrl-C reaches the launcher alone
+    captured: list[list[str]] = [[] for _ in range(processes)]
 
     def drain(i: int) -> None:
-        captured[i] = procs[i].communicate()[0] or ""
+        """Keep each child's lines; process 0's error stream is also shown as it comes."""
+        stream = procs[i].stderr if i == 0 else procs[i].stdout
+        for line in stream:
+            captured[i].append(line)
+            if i == 0 and not line.startswith("plait: error:"):  # errors: one line, below
+                sys.stderr.write(line)
+                sys.stderr.flush()
 
     threads = [threading.Thread(target=drain, args=(i,), daemon=True)
-               for i in range(1, processes)]
+               for i in range(processes)]
     for t in threads:
         t.start()
-    status = 0
-    try:
-        rc0 = procs[0].wait()
-        for t in threads:
-            t.join()
-        codes = [rc0] + [p.returncode for p in procs[1:]]
-    except KeyboardInterrupt:
+
+    def forward(signum, frame) -> None:  # each child saves and stops (or, again, waits)
         for p in procs:
-            p.terminate()
-        return 130
-    for i, rc in enumerate(codes):
-        if rc and not status:
-            status = rc
-            if i:
-                print(f"plait: process {i} failed (exit {rc}):\n{captured[i][-3000:]}",
-                      file=sys.stderr)
-    return status
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    _wait_for_end(procs)
+    for t in threads:
+        t.join()
+    failures = []
+    for i, p in enumerate(procs):
+        if p.returncode:
+            lines = [x.strip() for x in captured[i] if x.strip()]
+            said = next((x for x in reversed(lines) if x.startswith("plait: error:")),
+                        lines[-1] if lines else "no output")
+            failures.append((i, p.returncode, said.removeprefix("plait: error: ")))
+    if not failures:
+        return 0
+    # The cause, not its echoes: a process that lost its peer says so; the one that
+    # failed for itself (or was killed) is the one to report.
+    echo = ("lost another process", "lost contact with another process")
+    i, rc, said = next((f for f in failures if not any(e in f[2] for e in echo)), failures[0])
+    if len(failures) == 1 and i == 0:
+        print(f"plait: error: {said}", file=sys.stderr)
+    else:
+        print(f"plait: error: process {i} of {len(procs)} failed first (exit {rc}): {said}",
+              file=sys.stderr)
+    return rc if rc > 0 else 1
+
+
+def _wait_for_end(procs) -> None:
+    """Wait for every child; after the first failure the others get the heartbeat
+    timeout and a margin to end by themselves (they lose their peer), then are killed."""
+    deadline = None
+    while any(p.poll() is None for p in procs):
+        if deadline is None and any(p.returncode not in (None, 0) for p in procs):
+            deadline = time.monotonic() + _grace()
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+
+
+def _grace() -> float:
+    try:
+        return float(os.environ.get("PLAIT_HEARTBEAT_TIMEOUT_S", "30")) + 30.0
+    except ValueError:
+        return 60.0
