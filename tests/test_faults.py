@@ -248,9 +248,7 @@ def test_a_third_ctrl_c_stops_at_once_and_leaves_no_partial_checkpoint(tmp_path)
                        for p in (run_dir / "checkpoints").iterdir())
     else:  # the save was faster than the signals
         assert rc == 0, err[-3000:]
-    full = losses(run(tiny(train={"steps": 200}), "data=2", tmp_path / "full"))
-    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 0
-    np.testing.assert_array_equal(losses(run_dir), full)
+    # (that a rerun resumes bit-identically is checked after two signals, above)
 
 
 def test_a_model_too_big_for_the_devices_is_refused_before_it_is_built(tmp_path, capsys):

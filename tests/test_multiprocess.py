@@ -87,6 +87,8 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_rerun_resumes(lost, 
     assert all(x.startswith("plait: ") for x in lines), lines
     saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert saved, "no checkpoint survived"
+    if lost == 1:
+        return  # the rerun is the same in both cases: checked once (suite time)
     # Rerun both processes: they resume and land on the curve of one uninterrupted run.
     short = tiny(checkpoint=ckpt, log=LINE_LOG, train={"steps": saved[-1] + 4})
     path = write_experiment(tmp_path / "tiny.toml", short)
