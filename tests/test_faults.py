@@ -272,3 +272,39 @@ def test_a_model_too_big_for_the_devices_is_refused_before_it_is_built(tmp_path,
         e = tiny(model=model)
         assert task_class("gpt").param_count(e.model) == \
             make_task(e, make_mesh("data=1")).num_params()
+
+
+def test_skip_policy_leaves_the_state_as_it_was_and_stops_after_max_skipped(tmp_path, capsys):
+    """train.on_nonfinite = "skip": from step 3 every step of a diverged run is non-finite;
+    each leaves the state as it was after step 2 (the checkpoints of steps 3-5 hold step
+    2's parameters, bit for bit), and the fourth in a row (> max_skipped = 3) stops the
+    run in one line."""
+    import orbax.checkpoint as ocp
+
+    ckpt = {"enabled": True, "every_steps": 1, "keep": 10, "async_save": False}
+    exp = write_experiment(tmp_path / "t.toml", tiny(
+        optimizer={"lr": 1e6, "warmup_steps": 0}, checkpoint=ckpt, log={"console": "line"},
+        train={"on_nonfinite": "skip", "max_skipped": 3}))
+    run_dir = tmp_path / "r"
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "4 steps in a row (through step 6) had a non-finite loss" \
+        in err[0] and "more than train.max_skipped = 3" in err[0], err
+    assert "the checkpoint at step 5 is intact" in err[0], err
+    assert "skipped" in captured.out  # the console status line counts them
+    records = _strict(run_dir / "metrics.jsonl")
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 2, 3, 4]
+    with ocp.StandardCheckpointer() as reader:
+        params = [reader.restore(run_dir / "checkpoints" / str(s) / "state")["params"]
+                  for s in (2, 3, 5)]
+    for later in params[1:]:
+        for a, b in zip(jax_leaves(params[0]), jax_leaves(later), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(x).all() for x in jax_leaves(params[2]))
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]

@@ -172,6 +172,11 @@ class TrainConfig(Section):
     steps: PosInt = 100
     global_batch: PosInt = 8
     microbatches: PosInt = 1
+    # A step whose loss or gradient norm is NaN/Inf: "stop" the run before anything of
+    # that state is saved, or "skip" its update (the batch is consumed, the state kept)
+    # and stop only after more than `max_skipped` such steps in a row.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped: PosInt = 10
 
 
 class PipelineConfig(Section):

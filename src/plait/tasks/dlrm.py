@@ -33,7 +33,13 @@ from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.dlrm_tables import TableState
 from plait.train.metrics import auc
 from plait.train.state import StateLayout, layout, optimizer
-from plait.train.step import clip_by_norm, compute_dtype, global_norm
+from plait.train.step import (
+    clip_by_norm,
+    compute_dtype,
+    global_norm,
+    metric_shardings,
+    skipping_nonfinite,
+)
 
 BATCH_AXES = ("data", "fsdp")
 HELD_OUT = 1 << 40  # steps at and above this index of a source are held out
@@ -188,10 +194,11 @@ class DLRMTask(Task):
 
     @functools.cached_property
     def step_fn(self):
-        rep = sharding.replicated(self.mesh)
-        return jax.jit(self._step, in_shardings=(self.layout.shardings, self.batch_sharding),
+        skip = self.exp.train.on_nonfinite == "skip"
+        return jax.jit(skipping_nonfinite(self._step) if skip else self._step,
+                       in_shardings=(self.layout.shardings, self.batch_sharding),
                        out_shardings=(self.layout.shardings,
-                                      {"loss": rep, "grad_norm": rep, "lr": rep}),
+                                      metric_shardings(self.mesh, self.exp)),
                        donate_argnums=0)
 
     @functools.cached_property

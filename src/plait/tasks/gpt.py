@@ -261,6 +261,7 @@ class GPTTask(Task):
             self.mesh, self.layout, self.batch_sharding, self.tx, self.lr_schedule,
             self.exp.optimizer.grad_clip, loss_fn=self.loss,
             loss_and_grads=self._pipeline_loss_and_grads if pipe else None,
+            skip_nonfinite=self.exp.train.on_nonfinite == "skip",
             **({"grad_norm": pipe.grad_norm} if pipe else {}))
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:

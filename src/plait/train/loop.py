@@ -6,6 +6,7 @@ It knows a model kind only through the Task interface (`plait.tasks.base`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -323,17 +324,52 @@ def _first_nonfinite(first: jax.Array, metrics: dict, step: jax.Array) -> jax.Ar
     return jnp.where((first < 0) & bad, step, first)
 
 
-class NonFiniteGuard:
-    """Stops the run, before anything of the bad state is saved, once a step's loss or
-    gradient norm is non-finite: the last good checkpoint stays the newest."""
+@functools.partial(jax.jit, static_argnums=3)
+def _count_skips(counts: jax.Array, skipped: jax.Array, step: jax.Array,
+                 max_skipped: int) -> jax.Array:
+    """[skipped in a row, skipped in all, first step past max_skipped in a row (-1)]."""
+    row = jnp.where(skipped > 0, counts[0] + 1, 0)
+    over = jnp.where((counts[2] < 0) & (row > max_skipped), step, counts[2])
+    return jnp.stack([row, counts[1] + skipped, over])
 
-    def __init__(self, mesh: Mesh):
-        self.first = jax.device_put(np.int32(-1), NamedSharding(mesh, P()))
+
+class NonFiniteGuard:
+    """train.on_nonfinite: "stop" ends the run, before anything of the bad state is saved,
+    once a step's loss or gradient norm is non-finite (the last good checkpoint stays the
+    newest); "skip" counts the steps whose update the step left out (train.step.
+    skipping_nonfinite) and ends the run after more than train.max_skipped in a row."""
+
+    def __init__(self, mesh: Mesh, policy: str = "stop", max_skipped: int = 0):
+        rep = NamedSharding(mesh, P())
+        self.policy, self.max_skipped = policy, max_skipped
+        self.first = jax.device_put(np.int32(-1), rep)
+        self.counts = jax.device_put(np.array([0, 0, -1], np.int32), rep)
 
     def after(self, metrics: dict, step: int) -> None:
-        self.first = _first_nonfinite(self.first, metrics, np.int32(step))
+        if self.policy == "skip":
+            self.counts = _count_skips(self.counts, metrics["skipped"], np.int32(step),
+                                       self.max_skipped)
+        else:
+            self.first = _first_nonfinite(self.first, metrics, np.int32(step))
+
+    def skipped(self) -> int:
+        """Steps skipped so far in this invocation (a sync: call where the loop syncs)."""
+        return int(np.asarray(self.counts.addressable_shards[0].data)[1])
 
     def check(self, run: Run) -> None:
+        if self.policy == "skip":
+            row, total, over = (int(x) for x in np.asarray(self.counts.addressable_shards[0]
+                                                           .data))
+            if over < 0:
+                return
+            kept = (f"the checkpoint at step {run.last_saved} is intact (it holds the state "
+                    "before the skipped steps)" if run.last_saved is not None
+                    else "no checkpoint was written")
+            raise RunFailed(
+                f"{self.max_skipped + 1} steps in a row (through step {over}) had a "
+                f"non-finite loss or gradient norm and were skipped ({total} in all), more "
+                f"than train.max_skipped = {self.max_skipped}; {kept}: lower optimizer.lr "
+                "(or check the data) and rerun the same command to resume")
         bad = int(np.asarray(self.first.addressable_shards[0].data))
         if bad < 0:
             return
@@ -342,7 +378,8 @@ class NonFiniteGuard:
                 if run.last_saved is not None else "no checkpoint was written: lower "
                 "optimizer.lr (or check the data) and run again")
         raise RunFailed(f"the loss or gradient norm became non-finite (NaN or Inf) at step "
-                        f"{bad}; stopped without saving that state; {kept}")
+                        f"{bad}; stopped without saving that state; {kept} (or set "
+                        'train.on_nonfinite = "skip" to skip such steps)')
 
 
 def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: StopFlag,
@@ -359,7 +396,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     # cuDNN's graph capture on an H100: shared/gpu-findings).
     next_batch = prefetch.submit(lambda: jax.block_until_ready(task.batch(run.source, start)))
     step = start
-    guard = NonFiniteGuard(run.mesh)
+    guard = NonFiniteGuard(run.mesh, exp.train.on_nonfinite, exp.train.max_skipped)
     try:
         timer.lap(step)
         while step < total:
@@ -386,6 +423,8 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
                 dt = timer.lap(step)
                 record = {"step": step, "loss": float(metrics["loss"]),
                           "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
+                if guard.policy == "skip":
+                    record["skipped_steps"] = guard.skipped()
                 if dt is not None:
                     step_times.append(dt)
                     units, mfu = rate(dt)

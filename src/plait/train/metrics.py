@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 # Keys every record of the loop has; anything else in a record is a task's evaluation
 # metric (e.g. a DLRM's held-out "auc"), shown and logged as it comes.
-STANDARD = ("step", "loss", "lr", "grad_norm", "step_time_s", "mfu")
+STANDARD = ("step", "loss", "lr", "grad_norm", "step_time_s", "mfu", "skipped_steps")
 
 
 def evaluation_keys(record: dict) -> list[str]:
@@ -123,6 +123,8 @@ def format_status(r: dict) -> str:
         parts.append(f"{key} {r[key]:.4f}")
     if r.get("step_time_s"):
         parts.append(f"{r['step_time_s'] * 1e3:.1f} ms/step")
+    if r.get("skipped_steps"):
+        parts.append(f"{r['skipped_steps']} skipped")
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     return "  ".join(parts)

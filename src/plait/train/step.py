@@ -73,10 +73,31 @@ def accumulated(loss_fn: LossFn, pin: Callable) -> LossAndGrads:
     return loss_and_grads
 
 
+def skipping_nonfinite(step: Callable) -> Callable:
+    """`step`, except that a step whose loss or gradient norm is NaN or Inf leaves the
+    whole state as it was (train.on_nonfinite = "skip"): the batch is consumed, nothing
+    is updated, and the metrics say so ("skipped": 1). The select reads the old state,
+    so XLA may keep a copy of what the step updates in place (a DLRM's tables)."""
+    def guarded(state, batch):
+        new, metrics = step(state, batch)
+        ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        return kept, {**metrics, "skipped": (~ok).astype(jnp.int32)}
+    return guarded
+
+
+def metric_shardings(mesh: Mesh, exp: Experiment) -> dict:
+    """The step's metrics, each replicated."""
+    rep = sharding.replicated(mesh)
+    keys = ("loss", "grad_norm", "lr") + (("skipped",) if exp.train.on_nonfinite == "skip"
+                                          else ())
+    return dict.fromkeys(keys, rep)
+
+
 def make_train_step(mesh: Mesh, lay: StateLayout, batch_sharding, tx: optax.GradientTransformation,
                     lr_schedule: optax.Schedule, grad_clip: float, loss_fn: LossFn | None = None,
                     loss_and_grads: LossAndGrads | None = None,
-                    grad_norm: Callable = global_norm):
+                    grad_norm: Callable = global_norm, skip_nonfinite: bool = False):
     """jit(step)(state, batch) -> (state, metrics), outputs pinned to the state's shardings.
 
     The state is {"step", "params", "opt_state"}; the gradients come from
@@ -99,8 +120,10 @@ def make_train_step(mesh: Mesh, lay: StateLayout, batch_sharding, tx: optax.Grad
         return new_state, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(state["step"])}
 
     replicated = sharding.replicated(mesh)
+    metrics = {"loss": replicated, "grad_norm": replicated, "lr": replicated}
+    if skip_nonfinite:
+        step = skipping_nonfinite(step)
+        metrics["skipped"] = replicated
     return jax.jit(step, in_shardings=(lay.shardings, batch_sharding),
-                   out_shardings=(lay.shardings, {"loss": replicated, "grad_norm": replicated,
-                                                  "lr": replicated}),
-                   donate_argnums=0)
+                   out_shardings=(lay.shardings, metrics), donate_argnums=0)
 
