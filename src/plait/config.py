@@ -130,9 +130,10 @@ class DataConfig(Section):
     # made by `plait data criteo`)). Default: the kind's first.
     source: str | None = None
     path: str | None = None
-    # DLRM on Criteo: the held-out day (a TSV file or a converted directory, read as
-    # data.source reads data.path) that AUC is measured on; default: batches of the
-    # training data far past any step trained.
+    # Held-out data. GPT: a token file (like data.path) whose loss and perplexity are
+    # logged; unset: no evaluation. DLRM on Criteo: the held-out day (a TSV file or a
+    # converted directory, read as data.source reads data.path) that AUC is measured on;
+    # unset: batches of the training data far past any step trained.
     eval_path: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
     # Synthetic streams: each token has this many possible successors.
@@ -145,8 +146,11 @@ class DataConfig(Section):
     powerlaw_alpha: PosFloat = 1.05
     # Criteo TSV lines that do not parse: skip them (counted) or stop the run.
     malformed: Literal["skip", "stop"] = "skip"
-    # Held-out batches for AUC at each log step (DLRM; 0 = no AUC).
+    # Held-out batches scored at each evaluation (0 = no evaluation).
     eval_batches: NonNegInt = 2
+    # Evaluate at the log steps that are multiples of this, and at the last step
+    # (0 = at every log step).
+    eval_every_steps: NonNegInt = 0
 
 
 class EmbeddingConfig(Section):

@@ -15,12 +15,13 @@ from plait.errors import UserError
 
 
 class TokenFile:
-    def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab: int):
+    def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab: int,
+                 key: str = "data.path"):
         path = Path(path)
         if not path.is_file():
             raise UserError(
-                f"data file '{path}' not found; make one with `plait data TEXT_FILE {path}` "
-                "or fix data.path" if str(path) not in ("", ".") else
+                f"data file '{path}' not found ({key}); make one with `plait data TEXT_FILE "
+                f"{path}` or fix {key}" if str(path) not in ("", ".") else
                 "data.source = \"tokens\" needs data.path, a token file; make one with "
                 "`plait data TEXT_FILE data/tokens.bin` and set data.path to it"
             )

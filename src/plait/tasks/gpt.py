@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -24,7 +25,7 @@ from plait.config import Experiment, GPTConfig
 from plait.errors import UserError
 from plait.models import ModelDef, build, gpt
 from plait.parallel import formulas, schedules
-from plait.tasks.base import Source, Task
+from plait.tasks.base import Evaluator, Source, Task
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
 from plait.train.step import compute_dtype, cross_entropy, make_train_step
@@ -141,6 +142,18 @@ def check_fits(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules,
                     else f"make it a multiple of {n}, or split it over fewer devices")
             raise UserError(f"{key} = {get(m)} is not divisible by {_axes_text(axes, n)}; {hint}")
     _check_batch(exp, sizes, rules)
+
+
+class HeldOutLoss:
+    """Mean loss (and its exp, perplexity) of the state on fixed held-out batches."""
+
+    def __init__(self, task: GPTTask, batches: list[jax.Array]):
+        self.task, self.batches = task, batches
+
+    def __call__(self, state: dict) -> dict[str, float]:
+        losses = [self.task.eval_loss_fn(state["params"], b) for b in self.batches]
+        mean = float(np.mean([np.asarray(x.addressable_shards[0].data) for x in losses]))
+        return {"eval_loss": mean, "eval_perplexity": float(np.exp(min(mean, 80.0)))}
 
 
 class GPTTask(Task):
@@ -283,6 +296,33 @@ class GPTTask(Task):
 
     def batch(self, source: Source, step: int) -> jax.Array:
         return data.global_batch(source, step, self.batch_shape, self.batch_sharding)
+
+    def evaluator(self, source: Source) -> Evaluator | None:
+        """Held-out loss and perplexity on the first data.eval_batches batches of
+        data.eval_path (a token file like data.path), when it is set."""
+        d = self.exp.data
+        if not d.eval_path or not d.eval_batches:
+            return None
+        m = self.exp.model
+        from plait.data.tokens import TokenFile
+
+        held_out = TokenFile(d.eval_path, d.dtype, m.seq_len, self.exp.seed, m.vocab,
+                             key="data.eval_path")
+        return HeldOutLoss(self, [self.batch(held_out, k) for k in range(d.eval_batches)])
+
+    @functools.cached_property
+    def eval_loss_fn(self):
+        """jit(params, batch) -> mean loss, replicated; on the training mesh and layout
+        (no gather of the parameters), in train.microbatches pieces like the step."""
+        pipe = self.pipeline
+
+        def loss(params, batch):
+            if pipe is not None:  # the pipeline's forward comes with its backward
+                return self._pipeline_loss_and_grads(params, batch)[0]
+            if batch.ndim == 3:  # [microbatches, rows, seq + 1], as the step takes it
+                return jnp.mean(jax.lax.map(lambda b: self.loss(params, b), batch))
+            return self.loss(params, batch)
+        return jax.jit(loss, out_shardings=sharding.replicated(self.mesh))
 
     # ------------------------------------------------------------------ figures
     @property

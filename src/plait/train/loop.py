@@ -429,8 +429,12 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
                     step_times.append(dt)
                     units, mfu = rate(dt)
                     record.update(step_time_s=dt, mfu=mfu, **{rate.key: units})
-                if evaluate is not None:
+                eval_every = exp.data.eval_every_steps
+                if evaluate is not None and (not eval_every or step % eval_every == 0
+                                             or step == total):
+                    t_eval = time.perf_counter()
                     record.update(evaluate(state))
+                    timer.last_time += time.perf_counter() - t_eval  # not a step's time
                 log.write(record)
                 guard.check(run)
             saving = ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled
