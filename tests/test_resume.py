@@ -98,3 +98,45 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
     saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     last_logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"]
     assert saved and 5 <= saved[-1] < 400 and saved[-1] >= last_logged
+
+
+def test_from_step_resumes_bit_identically_from_a_kept_checkpoint(tmp_path, capsys):
+    from plait.cli import main
+
+    ckpt = {"enabled": True, "every_steps": 4, "keep": 3, "async_save": True}
+    exp = write_experiment(tmp_path / "t.toml", tiny(checkpoint=ckpt, log={"console": "line"}))
+    run_dir = tmp_path / "r"
+    args = ["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]
+    assert main(args) == 0
+    full = losses(run_dir)
+    capsys.readouterr()
+    assert main(args + ["--from-step", "5"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"plait: error: --from-step 5: no checkpoint of step 5 in '{run_dir / 'checkpoints'}'"
+        "; the kept ones are: 4, 8, 12")
+    assert main(args + ["--from-step", "4"]) == 0
+    assert "resumed from the checkpoint at step 4" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()
+            .splitlines()] == list(range(1, 13))
+    np.testing.assert_array_equal(losses(run_dir), full)
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["12", "12.superseded", "4", "8", "8.superseded"]
+
+
+def test_extending_a_finished_run_keeps_its_learning_rate_schedule(tmp_path, capsys):
+    """--steps past the end: the cosine keeps the run's decay_steps (lr continues from
+    where it was, no jump back up) unless optimizer.decay_steps is set."""
+    from plait.cli import main
+
+    raw = tiny(checkpoint=CKPT, train={"steps": 8}, log={"console": "line"})
+    raw = raw.model_copy(update={"optimizer": raw.optimizer.model_copy(
+        update={"decay_steps": None, "min_lr_ratio": 0.1})})
+    exp = write_experiment(tmp_path / "t.toml", raw)
+    run_dir = tmp_path / "r"
+    args = ["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]
+    assert main(args) == 0
+    assert main(args + ["--steps", "12"]) == 0
+    assert "keeps decay_steps = 8, the run's" in capsys.readouterr().out
+    lrs = [json.loads(x)["lr"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(lrs) == 12 and all(b <= a + 1e-12 for a, b in zip(lrs[2:], lrs[3:], strict=False))
+    assert lrs[-1] == pytest.approx(lrs[8]) == pytest.approx(raw.optimizer.lr * 0.1)

@@ -73,6 +73,21 @@ class Checkpoints:
                 )
             return
 
+    def restore_step(self, abstract_state: dict, step: int) -> tuple[dict, dict]:
+        """The checkpoint of `step` (one of the kept ones), resharded; the newer ones are
+        renamed `<step>.superseded` (kept, and out of the way of the steps run again)."""
+        steps = self.steps()
+        if step not in steps:
+            kept = ", ".join(map(str, sorted(steps))) or "none"
+            raise UserError(f"--from-step {step}: no checkpoint of step {step} in "
+                            f"'{self.directory}'; the kept ones are: {kept}")
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        state, meta = out["state"], dict(out["meta"])
+        jax.block_until_ready(state)
+        self._rename([s for s in steps if s > step], "superseded")
+        return state, meta
+
     def restore_latest(self, abstract_state: dict) -> tuple[dict, dict] | None:
         """Newest checkpoint that loads, resharded onto `abstract_state`'s shardings."""
         steps = self.steps()
@@ -100,17 +115,20 @@ class Checkpoints:
 
     def _move_aside(self, steps: list[int]) -> None:
         """Keep unusable checkpoints, renamed, so the resumed run can save those steps again."""
+        self._rename(steps, "unusable")
+
+    def _rename(self, steps: list[int], why: str) -> None:
         if jax.process_index() == 0:
             for step in steps:
                 src = self.directory / str(step)
-                dst = self.directory / f"{step}.unusable"
+                dst = self.directory / f"{step}.{why}"
                 n = 1
                 while dst.exists():
-                    dst = self.directory / f"{step}.unusable-{n}"
+                    dst = self.directory / f"{step}.{why}-{n}"
                     n += 1
                 if src.exists():
                     src.rename(dst)
-                    log.warning("moved the unusable checkpoint aside to %s", dst)
+                    log.warning("moved the %s checkpoint aside to %s", why, dst)
         if steps:
             self.manager.reload()
 

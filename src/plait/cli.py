@@ -83,7 +83,12 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train an experiment (resumes from --run-dir)")
     _common(t)
     t.add_argument("--run-dir", help="run directory (default: runs/<experiment name>)")
-    t.add_argument("--steps", type=int, help="train to this many steps (sets train.steps)")
+    t.add_argument("--steps", type=int, help="train to this many steps (sets train.steps; a "
+                   "resumed run keeps its learning-rate schedule unless "
+                   "optimizer.decay_steps is set)")
+    t.add_argument("--from-step", type=int, metavar="N",
+                   help="resume from the kept checkpoint of step N instead of the newest "
+                        "(the newer ones are kept, renamed N.superseded)")
     t.add_argument("--profile", metavar="START:STOP",
                    help="write a jax.profiler trace of steps START+1..STOP into "
                         "RUN_DIR/profile (e.g. 10:15)")
@@ -273,7 +278,7 @@ def cmd_train(args) -> int:
     from plait.train.loop import train
 
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / exp.name
-    train(exp, mesh, run_dir, profile)
+    train(exp, mesh, run_dir, profile, args.from_step)
     return 0
 
 

@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from plait import mesh as mesh_lib
 from plait.checkpoint import Checkpoints
-from plait.config import Experiment
-from plait.errors import RunFailed
+from plait.config import Experiment, tomllib
+from plait.errors import RunFailed, UserError
 from plait.hardware import peak_flops
 from plait.tasks import check_memory, make_task
 from plait.tasks.base import Task
@@ -177,10 +177,16 @@ class Run:
         leaves = jax.tree.leaves(self.task.canonical_layout.abstract())
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
 
-    def restore(self) -> tuple[dict, int, bool]:
-        """(state, first step, restored?): the newest usable checkpoint, or a fresh state."""
+    def restore(self, from_step: int | None = None) -> tuple[dict, int, bool]:
+        """(state, first step, restored?): the checkpoint of `from_step`, or the newest
+        usable one, or a fresh state."""
         abstract = self.task.canonical_layout.abstract()
-        restored = self.ckpts.restore_latest(abstract) if self.ckpts else None
+        if from_step is not None:
+            if self.ckpts is None:
+                raise UserError(f"--from-step {from_step}: '{self.run_dir}' has no checkpoints")
+            restored = self.ckpts.restore_step(abstract, from_step)
+        else:
+            restored = self.ckpts.restore_latest(abstract) if self.ckpts else None
         if restored is None:
             return self.task.init_state(), 0, False
         state, meta = restored
@@ -487,16 +493,44 @@ def _close_quietly(log: MetricsLog) -> None:
         log.close()
 
 
+def kept_schedule(exp: Experiment, run_dir: Path) -> tuple[Experiment, str | None]:
+    """The learning-rate rule for a run resumed with another train.steps: the schedule it
+    was trained under is kept (decay_steps stays the run's, after which lr stays at
+    lr x min_lr_ratio), unless optimizer.decay_steps is set. Without this, the cosine
+    would be re-stretched over the new length and the lr would jump back up."""
+    path = Path(run_dir) / "config.toml"
+    ckpts = Path(run_dir) / "checkpoints"
+    if exp.optimizer.decay_steps is not None or not path.is_file() or not (
+            ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())):
+        return exp, None
+    try:
+        old = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return exp, None
+    decay = old.get("optimizer", {}).get("decay_steps") or old.get("train", {}).get("steps")
+    if not isinstance(decay, int) or decay == exp.train.steps:
+        return exp, None
+    kept = exp.model_copy(update={"optimizer": exp.optimizer.model_copy(
+        update={"decay_steps": decay})})
+    return kept, (f"plait: train.steps is now {exp.train.steps}; the learning-rate schedule "
+                  f"keeps decay_steps = {decay}, the run's (set optimizer.decay_steps to "
+                  "stretch it instead)")
+
+
 def train(exp: Experiment, mesh: Mesh, run_dir: Path,
-          profile: tuple[int, int] | None = None) -> dict:
-    """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint; with
-    `profile` = (start, stop), trace steps start + 1 .. stop into RUN_DIR/profile."""
+          profile: tuple[int, int] | None = None, from_step: int | None = None) -> dict:
+    """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint (or the one
+    of `from_step`); with `profile` = (start, stop), trace steps start + 1 .. stop into
+    RUN_DIR/profile."""
+    exp, schedule_note = kept_schedule(exp, run_dir)
     run = Run(exp, mesh, run_dir)
     total = exp.train.steps
-    state, start, restored = run.restore()
+    state, start, restored = run.restore(from_step)
     log = MetricsLog(run.run_dir, start, total, exp.log.tensorboard, exp.log.console,
                      run.is_writer)
     run.header(log, state, start, restored)
+    if schedule_note:
+        log.note(schedule_note)
     if start >= total:
         log.note(f"plait: already trained to step {start} of {total}; nothing to do "
                  "(raise --steps to continue)")
