@@ -31,3 +31,5 @@ def test_quickstart_trains_and_writes_its_run_directory(tmp_path):
     assert again.returncode == 0 and "already trained to step 60" in again.stdout
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == len(records)
     assert not list(run_dir.glob("config.step*.toml"))
+    # ... and no empty TensorBoard event file.
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")) == events

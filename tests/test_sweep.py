@@ -81,9 +81,10 @@ def test_extrapolated_bytes_and_flops_equal_a_full_compile():
 
 
 def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
-        tmp_path, capsys):
+        tmp_path, capsys, monkeypatch):
     from plait.cli import main
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     exp = tiny(train={"steps": 3})
     path = write_experiment(tmp_path / "tiny.toml", exp)
     out = tmp_path / "sw"
@@ -104,7 +105,14 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     assert main(["train", str(path), "--mesh", "auto", "--devices", "2",
                  "--run-dir", str(tmp_path / "run")]) == 0
     said = capsys.readouterr().out
+    assert "--mesh auto: compiling the 2-device mesh shapes to rank them" in said
     assert f"--mesh auto chose {rows[0]['mesh']}" in said
+    # The ranking is cached: a second run starts at once with the same choice.
+    assert main(["train", str(path), "--mesh", "auto", "--devices", "2",
+                 "--run-dir", str(tmp_path / "again")]) == 0
+    said = capsys.readouterr().out
+    assert "--mesh auto: the ranking of 2-device shapes" in said and str(tmp_path / "cache") \
+        in said and f"--mesh auto chose {rows[0]['mesh']}" in said
     from plait import mesh as M
     from plait.config import read_toml
 

@@ -7,6 +7,7 @@ and the fix, with exit status 2 and no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -243,8 +244,20 @@ def _auto_mesh(args, exp):
     _join_cluster(args)
     n = mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": -1}, "--mesh auto"), args.devices)
     hw_name = hardware.for_device(jax.devices()[0].device_kind)
-    # In this process: the devices are the training's (an accelerator is not shared).
-    rows = sweep.run_sweep(exp, n, hardware.load_hardware(hw_name), workers=1)
+    cache = _auto_mesh_cache(exp, n, hw_name)
+    if cache.is_file():
+        rows = json.loads(cache.read_text())
+        print(f"plait: --mesh auto: the ranking of {n}-device shapes on {hw_name} from "
+              f"{cache} (delete it to sweep again)", flush=True)
+    else:
+        print(f"plait: --mesh auto: compiling the {n}-device mesh shapes to rank them on "
+              f"{hw_name} before training (once; the ranking is cached; pass --mesh to skip)",
+              flush=True)
+        # In this process: the devices are the training's (an accelerator is not shared).
+        rows = sweep.run_sweep(exp, n, hardware.load_hardware(hw_name), workers=1)
+        with contextlib.suppress(OSError):  # a cache that cannot be written is no error
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(rows))
     best = next((r for r in rows if r["fits"]), None)
     if best is None:
         raise UserError(f"--mesh auto: no shape of {n} devices fits {hw_name}'s memory; "
@@ -257,6 +270,18 @@ def _auto_mesh(args, exp):
           f"(predicted {best['predicted_step_s']:.3g} s/step)",
           flush=True)
     return cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n)
+
+
+def _auto_mesh_cache(exp, n: int, hw_name: str) -> Path:
+    """Where `--mesh auto` keeps its ranking: one file per (experiment as resolved,
+    device count, hardware, plait and JAX versions), under $XDG_CACHE_HOME/plait."""
+    import hashlib
+
+    import jax
+
+    key = "\n".join([exp.to_toml(), str(n), hw_name, _version(), jax.__version__])
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plait"
+    return root / "mesh-auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
 def _profile_window(text: str | None) -> tuple[int, int] | None:

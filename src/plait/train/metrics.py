@@ -55,18 +55,13 @@ class MetricsLog:
                  console_mode: str, is_writer: bool = True):
         self.is_writer = is_writer
         self.path = run_dir / "metrics.jsonl"
-        self.tb = None
+        self.tb, self._tb_args = None, None
         if is_writer:
             trim_jsonl(self.path, start_step)
             self.file = self.path.open("a")
-            if tensorboard:
-                try:
-                    from tensorboardX import SummaryWriter
-
-                    self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
-                except ImportError:  # pragma: no cover - optional on bare accelerator images
-                    print("plait: tensorboardX is not installed; no TensorBoard files",
-                          file=sys.stderr)
+            # Made at the first record: a run with nothing to do writes no empty file.
+            self._tb_args = (str(run_dir / "tensorboard"), start_step + 1) if tensorboard \
+                else None
         if console_mode == "auto":
             console_mode = "bar" if sys.stdout.isatty() else "line"
         self.mode = console_mode if is_writer else "none"
@@ -83,6 +78,17 @@ class MetricsLog:
             self.progress.start()
         self.history: list[dict] = []
 
+    def _open_tensorboard(self) -> None:
+        logdir, purge_step = self._tb_args
+        self._tb_args = None
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(logdir, purge_step=purge_step)
+        except ImportError:  # pragma: no cover - optional on bare accelerator images
+            print("plait: tensorboardX is not installed; no TensorBoard files",
+                  file=sys.stderr)
+
     def note(self, text: str) -> None:
         if self.mode != "none":
             self.console.print(text)
@@ -93,6 +99,8 @@ class MetricsLog:
             return
         self.file.write(json.dumps(strict(record), allow_nan=False) + "\n")
         self.file.flush()
+        if self.tb is None and self._tb_args is not None:
+            self._open_tensorboard()
         if self.tb is not None:
             for key, value in record.items():
                 # (tensorboardX warns on every non-finite scalar; metrics.jsonl has them)
