@@ -92,3 +92,22 @@ def plait_cmd(*args: str, devices: int | None = None, env: dict | None = None, *
 def write_experiment(path: Path, exp: Experiment) -> Path:
     path.write_text(exp.to_toml())
     return path
+
+
+def wrap_gpt_step(monkeypatch, wrap) -> None:
+    """Make every compiled GPT step of this test call `wrap(n, step, state, batch)`
+    instead, n counting calls from 1 (to poison or fail a chosen step)."""
+    from plait.tasks.gpt import GPTTask
+
+    real_compile = GPTTask.compile
+
+    def compile_wrapped(self, *a, **kw):
+        step = real_compile(self, *a, **kw)
+        calls = []
+
+        def wrapped(state, batch):
+            calls.append(1)
+            return wrap(len(calls), step, state, batch)
+        return wrapped
+
+    monkeypatch.setattr(GPTTask, "compile", compile_wrapped)

@@ -7,7 +7,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
-from helpers import losses, run, tiny, write_experiment
+from helpers import losses, run, tiny, wrap_gpt_step, write_experiment
 
 from plait.cli import main
 
@@ -47,32 +47,23 @@ def test_a_fault_after_the_last_checkpoint_resumes_bit_identical(tmp_path, capsy
                                                                  monkeypatch):
     """A step that turns the loss to NaN at step 6 (checkpoints every 4): the run stops,
     step 4 stays the newest checkpoint, and the rerun equals the uninterrupted run."""
-    from plait.tasks.gpt import GPTTask
-
     ckpt = {"enabled": True, "every_steps": 4, "keep": 3, "async_save": True}
     full = losses(run(tiny(checkpoint=ckpt), "data=2", tmp_path / "full"))
-    real_compile = GPTTask.compile
 
-    def poisoned_compile(self, *a, **kw):
-        step = real_compile(self, *a, **kw)
-        calls = []
+    def poisoned(n, step, state, batch):
+        state, metrics = step(state, batch)
+        if n == 6:
+            metrics = {**metrics, "loss": metrics["loss"] * jnp.nan}
+        return state, metrics
 
-        def poisoned(state, batch):
-            calls.append(1)
-            state, metrics = step(state, batch)
-            if len(calls) == 6:
-                metrics = {**metrics, "loss": metrics["loss"] * jnp.nan}
-            return state, metrics
-        return poisoned
-
-    monkeypatch.setattr(GPTTask, "compile", poisoned_compile)
+    wrap_gpt_step(monkeypatch, poisoned)
     exp = write_experiment(tmp_path / "t.toml", tiny(checkpoint=ckpt))
     run_dir = tmp_path / "r"
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "at step 6" in err[0] and "checkpoint at step 4 is intact" in err[0]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4"]
-    monkeypatch.setattr(GPTTask, "compile", real_compile)
+    monkeypatch.undo()
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 0
     np.testing.assert_array_equal(losses(run_dir), full)
 

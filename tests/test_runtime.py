@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 import pytest
-from helpers import tiny, write_experiment
+from helpers import tiny, wrap_gpt_step, write_experiment
 
 from plait.tasks.gpt import UNROLL_MAX_LAYERS, attention_for, scan_for
 
@@ -68,23 +68,14 @@ def test_profile_writes_a_trace_of_the_chosen_steps(tmp_path, capsys):
 def test_xla_runtime_error_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys,
                                                                       monkeypatch):
     from plait.cli import main
-    from plait.tasks.gpt import GPTTask
 
-    real_compile = GPTTask.compile
+    def failing(n, step, state, batch):
+        if n == 4:  # the 4th step fails on the device
+            raise jax.errors.JaxRuntimeError("INTERNAL: cuda_graph_end_capture failed\n"
+                                             "  ... 40 lines of C++ context ...")
+        return step(state, batch)
 
-    def failing_compile(self, *a, **kw):
-        step = real_compile(self, *a, **kw)
-        calls = []
-
-        def run(state, batch):
-            calls.append(1)
-            if len(calls) == 4:  # the 4th step fails on the device
-                raise jax.errors.JaxRuntimeError("INTERNAL: cuda_graph_end_capture failed\n"
-                                                 "  ... 40 lines of C++ context ...")
-            return step(state, batch)
-        return run
-
-    monkeypatch.setattr(GPTTask, "compile", failing_compile)
+    wrap_gpt_step(monkeypatch, failing)
     ckpt = {"enabled": True, "every_steps": 2, "keep": 3, "async_save": True}
     exp = write_experiment(tmp_path / "t.toml", tiny(train={"steps": 8}, checkpoint=ckpt,
                                                      log={"console": "line"}))
@@ -95,7 +86,7 @@ def test_xla_runtime_error_is_one_line_and_keeps_the_last_checkpoint(tmp_path, c
     assert "the train step failed at step 4: INTERNAL: cuda_graph_end_capture failed" in err[0]
     assert "the checkpoint at step 2 is intact" in err[0]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
-    monkeypatch.setattr(GPTTask, "compile", real_compile)
+    monkeypatch.undo()
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run)]) == 0
     assert "resumed from the checkpoint at step 2" in capsys.readouterr().out
 

@@ -1,4 +1,4 @@
-"""The training loop: resume, run steps, log, checkpoint, stop cleanly on SIGTERM.
+"""The training loop: resume, run steps, log, checkpoint, stop cleanly on faults.
 
 It knows a model kind only through the Task interface (`plait.tasks.base`).
 """
@@ -6,12 +6,9 @@ It knows a model kind only through the Task interface (`plait.tasks.base`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
-import os
 import re
-import signal
 import statistics
 import threading
 import time
@@ -19,78 +16,27 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from plait import mesh as mesh_lib
 from plait.checkpoint import Checkpoints
-from plait.config import Experiment, tomllib
+from plait.config import Experiment
 from plait.errors import RunFailed, UserError
-from plait.hardware import peak_flops
 from plait.tasks import check_memory, make_task
-from plait.tasks.base import Task
 from plait.train import lock, rundir
-from plait.train.metrics import MetricsLog, StepTimer, evaluation_keys, strict
+from plait.train.metrics import (
+    MetricsLog,
+    StepTimer,
+    Throughput,
+    evaluation_keys,
+    strict,
+)
+from plait.train.nonfinite import NonFiniteGuard
+from plait.train.profiler import Profiler
+from plait.train.signals import StopFlag
 
 logger = logging.getLogger("plait")
-
-
-class StopFlag:
-    """SIGTERM/SIGINT handling. The first signal asks the loop to save a checkpoint at the
-    next step boundary and end; a second one is told that the step and the save are
-    being finished; a third ends the run at once, removing the unfinished checkpoint, so
-    the newest finished one is what a rerun resumes from. Nothing here raises into the
-    main thread, which may be inside orbax: that is what used to leave tracebacks,
-    hangs and `-tmp` directories."""
-
-    def __init__(self, run: Run | None = None) -> None:
-        self.signal: int | None = None
-        self.count = 0
-        self.run = run
-        self._old = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-
-    @staticmethod
-    def _say(text: str) -> None:
-        os.write(2, f"plait: {text}\n".encode())  # safe inside a signal handler
-
-    def _handle(self, signum, frame) -> None:
-        self.count += 1
-        name = signal.Signals(signum).name
-        if self.count == 1:
-            self.signal = signum
-            self._say(f"{name}: saving a checkpoint after this step, then stopping")
-            return
-        if self.count == 2:
-            what = ("a checkpoint is being written" if self.run is not None
-                    and self.run.saving() else "finishing the step, then saving")
-            self._say(f"{name} again: {what}; signal a third time to stop at once without "
-                      "saving (the checkpoint before stays)")
-            return
-        self._abandon(name)
-
-    def _abandon(self, name: str) -> None:
-        kept = "no checkpoint was written"
-        if self.run is not None and self.run.is_writer:
-            rundir.remove_partial_checkpoints(self.run.ckpt_dir)
-            steps = rundir.committed_steps(self.run.ckpt_dir)
-            if steps:
-                kept = (f"the checkpoint at step {steps[0]} is intact: rerun the same command "
-                        "to resume from it")
-        self._say(f"{name}: stopped without saving; {kept}")
-        os._exit(130)  # threads may be mid-write; the kernel drops the run's lock
-
-    def restore(self) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old = {}
 
 
 def _local_values(tree):
@@ -112,23 +58,6 @@ def write_config(run_dir: Path, exp: Experiment, resumed_step: int) -> None:
     tmp = path.with_suffix(".toml.tmp")
     tmp.write_text(text)
     tmp.replace(path)
-
-
-class Throughput:
-    """Units (tokens, samples) per second and MFU of a step time; MFU is None where the
-    device's peak or the model's FLOPs are unknown."""
-
-    def __init__(self, task: Task, mesh: Mesh, precision: str):
-        self.units = task.units_per_step
-        self.key = f"{task.unit}_per_s"
-        peak = peak_flops(mesh.devices.flat[0].device_kind, precision)
-        flops = task.flops_per_unit()
-        self.flops_per_s = peak * mesh.devices.size if peak and flops else None
-        self.flops = flops
-
-    def __call__(self, step_time: float) -> tuple[float, float | None]:
-        rate = self.units / step_time
-        return rate, (self.flops * rate / self.flops_per_s) if self.flops_per_s else None
 
 
 def _join_orbax_threads(timeout: float) -> None:
@@ -273,34 +202,6 @@ class Run:
                          "command to resume")
 
 
-class Profiler:
-    """A jax.profiler trace of steps [start, stop) into RUN_DIR/profile (TensorBoard's
-    profile plugin, XProf or Perfetto read it)."""
-
-    def __init__(self, window: tuple[int, int] | None, run_dir: Path, log: MetricsLog):
-        self.window, self.dir, self.log, self.on = window, run_dir / "profile", log, False
-
-    def before(self, step: int) -> None:
-        """Called before running step `step` + 1."""
-        if self.window and step == self.window[0] and not self.on:
-            jax.profiler.start_trace(str(self.dir))
-            self.on = True
-
-    def after(self, step: int, state) -> None:
-        """Called after `step` steps have run."""
-        if self.on and step >= self.window[1]:
-            jax.block_until_ready(state)
-            jax.profiler.stop_trace()
-            self.on = False
-            self.log.note(f"plait: profile of steps {self.window[0] + 1}-{step} written to "
-                          f"{self.dir} (tensorboard --logdir {self.dir}, or XProf / Perfetto)")
-
-    def close(self) -> None:
-        if self.on:
-            jax.profiler.stop_trace()
-            self.on = False
-
-
 # What a collective says when the process at the other end is gone (Gloo on CPU).
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
               "Socket closed", "Connection refused")
@@ -320,72 +221,6 @@ def _failed(run: Run, step: int, err: Exception) -> RunFailed:
         hint = '; if it is the attention kernel, retry with --set model.attention="xla"'
     kept += ": rerun the same command to resume" if run.last_saved is not None else ""
     return RunFailed(f"the train step failed at step {step + 1}: {first}{hint}; {kept}")
-
-
-@jax.jit
-def _first_nonfinite(first: jax.Array, metrics: dict, step: jax.Array) -> jax.Array:
-    """The first step whose loss or gradient norm was NaN or Inf (-1: none yet); kept on
-    the device and read only where the loop syncs anyway (log steps, saves)."""
-    bad = ~(jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]))
-    return jnp.where((first < 0) & bad, step, first)
-
-
-@functools.partial(jax.jit, static_argnums=3)
-def _count_skips(counts: jax.Array, skipped: jax.Array, step: jax.Array,
-                 max_skipped: int) -> jax.Array:
-    """[skipped in a row, skipped in all, first step past max_skipped in a row (-1)]."""
-    row = jnp.where(skipped > 0, counts[0] + 1, 0)
-    over = jnp.where((counts[2] < 0) & (row > max_skipped), step, counts[2])
-    return jnp.stack([row, counts[1] + skipped, over])
-
-
-class NonFiniteGuard:
-    """train.on_nonfinite: "stop" ends the run, before anything of the bad state is saved,
-    once a step's loss or gradient norm is non-finite (the last good checkpoint stays the
-    newest); "skip" counts the steps whose update the step left out (train.step.
-    skipping_nonfinite) and ends the run after more than train.max_skipped in a row."""
-
-    def __init__(self, mesh: Mesh, policy: str = "stop", max_skipped: int = 0):
-        rep = NamedSharding(mesh, P())
-        self.policy, self.max_skipped = policy, max_skipped
-        self.first = jax.device_put(np.int32(-1), rep)
-        self.counts = jax.device_put(np.array([0, 0, -1], np.int32), rep)
-
-    def after(self, metrics: dict, step: int) -> None:
-        if self.policy == "skip":
-            self.counts = _count_skips(self.counts, metrics["skipped"], np.int32(step),
-                                       self.max_skipped)
-        else:
-            self.first = _first_nonfinite(self.first, metrics, np.int32(step))
-
-    def skipped(self) -> int:
-        """Steps skipped so far in this invocation (a sync: call where the loop syncs)."""
-        return int(np.asarray(self.counts.addressable_shards[0].data)[1])
-
-    def check(self, run: Run) -> None:
-        if self.policy == "skip":
-            row, total, over = (int(x) for x in np.asarray(self.counts.addressable_shards[0]
-                                                           .data))
-            if over < 0:
-                return
-            kept = (f"the checkpoint at step {run.last_saved} is intact (it holds the state "
-                    "before the skipped steps)" if run.last_saved is not None
-                    else "no checkpoint was written")
-            raise RunFailed(
-                f"{self.max_skipped + 1} steps in a row (through step {over}) had a "
-                f"non-finite loss or gradient norm and were skipped ({total} in all), more "
-                f"than train.max_skipped = {self.max_skipped}; {kept}: lower optimizer.lr "
-                "(or check the data) and rerun the same command to resume")
-        bad = int(np.asarray(self.first.addressable_shards[0].data))
-        if bad < 0:
-            return
-        kept = (f"the checkpoint at step {run.last_saved} is intact: lower optimizer.lr (or "
-                "check the data), then rerun the same command to resume from it"
-                if run.last_saved is not None else "no checkpoint was written: lower "
-                "optimizer.lr (or check the data) and run again")
-        raise RunFailed(f"the loss or gradient norm became non-finite (NaN or Inf) at step "
-                        f"{bad}; stopped without saving that state; {kept} (or set "
-                        'train.on_nonfinite = "skip" to skip such steps)')
 
 
 def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: StopFlag,
@@ -493,36 +328,12 @@ def _close_quietly(log: MetricsLog) -> None:
         log.close()
 
 
-def kept_schedule(exp: Experiment, run_dir: Path) -> tuple[Experiment, str | None]:
-    """The learning-rate rule for a run resumed with another train.steps: the schedule it
-    was trained under is kept (decay_steps stays the run's, after which lr stays at
-    lr x min_lr_ratio), unless optimizer.decay_steps is set. Without this, the cosine
-    would be re-stretched over the new length and the lr would jump back up."""
-    path = Path(run_dir) / "config.toml"
-    ckpts = Path(run_dir) / "checkpoints"
-    if exp.optimizer.decay_steps is not None or not path.is_file() or not (
-            ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())):
-        return exp, None
-    try:
-        old = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return exp, None
-    decay = old.get("optimizer", {}).get("decay_steps") or old.get("train", {}).get("steps")
-    if not isinstance(decay, int) or decay == exp.train.steps:
-        return exp, None
-    kept = exp.model_copy(update={"optimizer": exp.optimizer.model_copy(
-        update={"decay_steps": decay})})
-    return kept, (f"plait: train.steps is now {exp.train.steps}; the learning-rate schedule "
-                  f"keeps decay_steps = {decay}, the run's (set optimizer.decay_steps to "
-                  "stretch it instead)")
-
-
 def train(exp: Experiment, mesh: Mesh, run_dir: Path,
           profile: tuple[int, int] | None = None, from_step: int | None = None) -> dict:
     """Train `exp` on `mesh` in `run_dir`, resuming from its newest checkpoint (or the one
     of `from_step`); with `profile` = (start, stop), trace steps start + 1 .. stop into
     RUN_DIR/profile."""
-    exp, schedule_note = kept_schedule(exp, run_dir)
+    exp, schedule_note = rundir.kept_schedule(exp, run_dir)
     run = Run(exp, mesh, run_dir)
     total = exp.train.steps
     state, start, restored = run.restore(from_step)

@@ -7,9 +7,17 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from plait.hardware import peak_flops
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from plait.tasks.base import Task
 
 # Keys every record of the loop has; anything else in a record is a task's evaluation
 # metric (e.g. a DLRM's held-out "auc"), shown and logged as it comes.
@@ -171,3 +179,20 @@ def auc(labels, scores) -> float:
     sums = np.bincount(inverse, weights=ranks)
     ranks = (sums / counts)[inverse]
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+class Throughput:
+    """Units (tokens, samples) per second and MFU of a step time; MFU is None where the
+    device's peak or the model's FLOPs are unknown."""
+
+    def __init__(self, task: Task, mesh: Mesh, precision: str):
+        self.units = task.units_per_step
+        self.key = f"{task.unit}_per_s"
+        peak = peak_flops(mesh.devices.flat[0].device_kind, precision)
+        flops = task.flops_per_unit()
+        self.flops_per_s = peak * mesh.devices.size if peak and flops else None
+        self.flops = flops
+
+    def __call__(self, step_time: float) -> tuple[float, float | None]:
+        rate = self.units / step_time
+        return rate, (self.flops * rate / self.flops_per_s) if self.flops_per_s else None

@@ -19,6 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from plait.config import Experiment, tomllib
 from plait.errors import UserError
 
 log = logging.getLogger("plait")
@@ -164,3 +165,27 @@ def stderr_to(path: Path | None):
             sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def kept_schedule(exp: Experiment, run_dir: Path) -> tuple[Experiment, str | None]:
+    """The learning-rate rule for a run resumed with another train.steps: the schedule it
+    was trained under is kept (decay_steps stays the run's, after which lr stays at
+    lr x min_lr_ratio), unless optimizer.decay_steps is set. Without this, the cosine
+    would be re-stretched over the new length and the lr would jump back up."""
+    path = Path(run_dir) / "config.toml"
+    ckpts = Path(run_dir) / "checkpoints"
+    if exp.optimizer.decay_steps is not None or not path.is_file() or not (
+            ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())):
+        return exp, None
+    try:
+        old = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return exp, None
+    decay = old.get("optimizer", {}).get("decay_steps") or old.get("train", {}).get("steps")
+    if not isinstance(decay, int) or decay == exp.train.steps:
+        return exp, None
+    kept = exp.model_copy(update={"optimizer": exp.optimizer.model_copy(
+        update={"decay_steps": decay})})
+    return kept, (f"plait: train.steps is now {exp.train.steps}; the learning-rate schedule "
+                  f"keeps decay_steps = {decay}, the run's (set optimizer.decay_steps to "
+                  "stretch it instead)")
