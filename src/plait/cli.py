@@ -7,7 +7,6 @@ and the fix, with exit status 2 and no traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -15,14 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-from plait import xla_flags
+import plait
+from plait import cluster, xla_flags
 from plait.errors import RunFailed, UserError
 
 
 def _quiet_libraries() -> None:
     """Keep the console for plait's own lines. Libraries' warnings and errors (orbax's
     tracebacks from a failed save, a corrupt checkpoint's ignored coroutines) go only to
-    RUN_DIR/plait.log once a run directory is open (`plait.train.runlog`)."""
+    RUN_DIR/plait.log once a run directory is open (`plait.train.rundir.open_log`)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         import absl.logging
@@ -52,17 +52,6 @@ def _unraisablehook(unraisable) -> None:
     sys.__unraisablehook__(unraisable)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("plait")
-    except PackageNotFoundError:  # run from a checkout without installing
-        from plait import __version__
-
-        return __version__
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("experiment", help="experiment file, e.g. experiments/quickstart.toml")
     p.add_argument("--mesh", help="mesh file (meshes/x.toml) or inline spec like data=2,tensor=4")
@@ -78,7 +67,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="plait", description="Train one model over any device mesh.")
-    ap.add_argument("--version", action="version", version=f"plait {_version()}")
+    ap.add_argument("--version", action="version", version=f"plait {plait.version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train an experiment (resumes from --run-dir)")
@@ -157,57 +146,6 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _seconds(name: str, default: int) -> int:
-    text = os.environ.get(name, str(default))
-    try:
-        value = int(text)
-    except ValueError:
-        raise UserError(f"{name}={text!r} is not a whole number of seconds") from None
-    if value < 1:
-        raise UserError(f"{name} must be at least 1 second, got {value}")
-    return value
-
-
-def _join_cluster(args) -> None:
-    """Start jax.distributed from flags, or from a cluster launcher's environment."""
-    from plait import mesh as mesh_lib
-
-    flags = (args.coordinator, args.num_processes, args.process_id)
-    explicit = any(f is not None for f in flags)
-    # A launcher's environment: JAX's own variable, or one task of a multi-task srun
-    # (SLURM_PROCID is set by srun, not by salloc, so a lone plait never waits for peers).
-    env_cluster = bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or (
-        int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ)
-    if not explicit and not env_cluster:
-        return
-    import jax
-
-    if explicit:
-        if None in flags:
-            raise UserError("--coordinator, --num-processes and --process-id go together; "
-                            "give all three")
-        if not 0 <= args.process_id < args.num_processes:
-            raise UserError(
-                f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # Deliberate timeouts (docs/reliability.md): a process silent for HEARTBEAT seconds is
-    # presumed dead and the run ends; a finishing process waits SHUTDOWN for the others.
-    timeouts = {"heartbeat_timeout_seconds": _seconds("PLAIT_HEARTBEAT_TIMEOUT_S", 30),
-                "shutdown_timeout_seconds": _seconds("PLAIT_SHUTDOWN_TIMEOUT_S", 60)}
-    if explicit:
-        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id, **timeouts)
-    else:
-        jax.distributed.initialize(**timeouts)
-    try:  # known before the backend starts only through this private handle
-        from jax._src import distributed
-
-        count = distributed.global_state.num_processes or 1
-    except (ImportError, AttributeError):  # pragma: no cover - JAX moved it
-        count = args.num_processes or 1
-    mesh_lib.set_pending_process_count(count)
-
-
 def _setup(args):
     """Experiment, mesh spec, devices and Mesh: everything checked before any file is written."""
     from plait import mesh as mesh_lib
@@ -218,7 +156,9 @@ def _setup(args):
         sets.append(f"train.steps={args.steps}")
     exp = load_experiment(args.experiment, sets)
     if args.mesh == "auto":
-        return _auto_mesh(args, exp)
+        from plait.sweep.auto import auto_mesh
+
+        return auto_mesh(args, exp)
     if args.mesh:
         spec = mesh_lib.load_spec(args.mesh)
     elif exp.mesh:
@@ -228,60 +168,10 @@ def _setup(args):
         spec = mesh_lib.MeshSpec({"data": -1}, "the default mesh")
     if args.devices is not None and args.devices < 1:
         raise UserError(f"--devices must be at least 1, got {args.devices}")
-    _join_cluster(args)
+    cluster.join(args)
     n = mesh_lib.provision_devices(spec, args.devices)
     # Divisibility is checked by train.build.Job, before anything is written.
     return exp, mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
-
-
-def _auto_mesh(args, exp):
-    """`--mesh auto`: sweep the devices at hand and take the best shape that fits."""
-    import jax
-
-    from plait import hardware, sweep
-    from plait import mesh as mesh_lib
-
-    _join_cluster(args)
-    n = mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": -1}, "--mesh auto"), args.devices)
-    hw_name = hardware.for_device(jax.devices()[0].device_kind)
-    cache = _auto_mesh_cache(exp, n, hw_name)
-    if cache.is_file():
-        rows = json.loads(cache.read_text())
-        print(f"plait: --mesh auto: the ranking of {n}-device shapes on {hw_name} from "
-              f"{cache} (delete it to sweep again)", flush=True)
-    else:
-        print(f"plait: --mesh auto: compiling the {n}-device mesh shapes to rank them on "
-              f"{hw_name} before training (once; the ranking is cached; pass --mesh to skip)",
-              flush=True)
-        # In this process: the devices are the training's (an accelerator is not shared).
-        rows = sweep.run_sweep(exp, n, hardware.load_hardware(hw_name), workers=1)
-        with contextlib.suppress(OSError):  # a cache that cannot be written is no error
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(rows))
-    best = next((r for r in rows if r["fits"]), None)
-    if best is None:
-        raise UserError(f"--mesh auto: no shape of {n} devices fits {hw_name}'s memory; "
-                        "shrink the model or the batch, or use more devices")
-    cand = sweep.candidate_of(best, n)
-    pipe = cand.pipeline
-    print(f"plait: --mesh auto chose {best['mesh']}"
-          + (f" ({pipe['schedule']}, {pipe['microbatches']} microbatches)" if pipe else "")
-          + f" of {len(rows)} shapes on {hw_name} "
-          f"(predicted {best['predicted_step_s']:.3g} s/step)",
-          flush=True)
-    return cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n)
-
-
-def _auto_mesh_cache(exp, n: int, hw_name: str) -> Path:
-    """Where `--mesh auto` keeps its ranking: one file per (experiment as resolved,
-    device count, hardware, plait and JAX versions), under $XDG_CACHE_HOME/plait."""
-    import hashlib
-
-    import jax
-
-    key = "\n".join([exp.to_toml(), str(n), hw_name, _version(), jax.__version__])
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plait"
-    return root / "mesh-auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
 def _profile_window(text: str | None) -> tuple[int, int] | None:

@@ -47,9 +47,9 @@ def needed(argv: list[str]) -> bool:
     if os.environ.get(SUPERVISED) == "1" or not argv or argv[0] not in ("train", "inspect",
                                                                          "plan"):
         return False
-    env_cluster = bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or (
-        int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in os.environ)
-    return env_cluster or any(a == "--coordinator" or a.startswith("--coordinator=")
+    from plait.cluster import from_environment
+
+    return from_environment() or any(a == "--coordinator" or a.startswith("--coordinator=")
                               for a in argv)
 
 

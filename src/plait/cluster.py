@@ -1,0 +1,63 @@
+"""Joining a multi-process run: jax.distributed from flags or a launcher's environment,
+with deliberate coordination timeouts (docs/reliability.md). Imports JAX only to join,
+so the supervisor (plait.supervise) can ask `from_environment` without it."""
+
+from __future__ import annotations
+
+import os
+
+from plait.errors import UserError
+
+
+def from_environment() -> bool:
+    """A launcher's environment: JAX's own variable, or one task of a multi-task srun
+    (SLURM_PROCID is set by srun, not by salloc, so a lone plait never waits for peers)."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or (
+        int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in os.environ)
+
+
+def seconds(name: str, default: int) -> int:
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"{name}={text!r} is not a whole number of seconds") from None
+    if value < 1:
+        raise UserError(f"{name} must be at least 1 second, got {value}")
+    return value
+
+
+def join(args) -> None:
+    """Start jax.distributed from flags, or from a cluster launcher's environment."""
+    from plait import mesh as mesh_lib
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    explicit = any(f is not None for f in flags)
+    if not explicit and not from_environment():
+        return
+    import jax
+
+    if explicit:
+        if None in flags:
+            raise UserError("--coordinator, --num-processes and --process-id go together; "
+                            "give all three")
+        if not 0 <= args.process_id < args.num_processes:
+            raise UserError(
+                f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Deliberate timeouts (docs/reliability.md): a process silent for HEARTBEAT seconds is
+    # presumed dead and the run ends; a finishing process waits SHUTDOWN for the others.
+    timeouts = {"heartbeat_timeout_seconds": seconds("PLAIT_HEARTBEAT_TIMEOUT_S", 30),
+                "shutdown_timeout_seconds": seconds("PLAIT_SHUTDOWN_TIMEOUT_S", 60)}
+    if explicit:
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id, **timeouts)
+    else:
+        jax.distributed.initialize(**timeouts)
+    try:  # known before the backend starts only through this private handle
+        from jax._src import distributed
+
+        count = distributed.global_state.num_processes or 1
+    except (ImportError, AttributeError):  # pragma: no cover - JAX moved it
+        count = args.num_processes or 1
+    mesh_lib.set_pending_process_count(count)
