@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
+#
+#   bash benchmarks/gpu_figures.sh STAGE...      (env dlrm gpt124 gpt124scan nanogpt gpt1p3b)
+#
+# Meant for a lent GPU machine with JAX (CUDA) and torch installed: plait runs from
+# src/ (PYTHONPATH), missing pure-Python dependencies may be wheels under .whl/, and
+# the reference checkouts (facebookresearch/dlrm, karpathy/nanoGPT) are expected under
+# .refs/ (not part of plait; ignored by git). Each stage has its own time limit so a
+# failure does not cost the stages after it; logs and JSON go to $OUT (default gpu-out/).
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
+run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, say how it ended
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
+}
+for stage in "$@"; do
+  case $stage in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
+      python3 -c "import jax, flax, optax, orbax.checkpoint, torch; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'torch', torch.__version__)"
+      git log -1 --format='plait at %h %s' 2>/dev/null || true ;;
+    dlrm)
+      run dlrm-sync 240 python3 benchmarks/dlrm_vs_reference.py --reference .refs/dlrm --gpu \
+        --torch-python python3 --rounds 3 --steps 50 --warmup 5 --log-every 1 --json "$OUT/dlrm-sync.json"
+      run dlrm-log10 150 python3 benchmarks/dlrm_vs_reference.py --rounds 3 --steps 100 \
+        --warmup 10 --log-every 10 --json "$OUT/dlrm-log10.json" ;;
+    gpt124)
+      run gpt124-auto 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
+        --steps 30 --json "$OUT/gpt124-auto.json" ;;
+    gpt124scan)
+      run gpt124-scan 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
+        --steps 30 --set model.scan_layers=true --json "$OUT/gpt124-scan.json" ;;
+    nanogpt)
+      run nanogpt 420 python3 benchmarks/gpt_vs_nanogpt.py --reference .refs/nanoGPT \
+        --torch-python python3 --rounds 2 --steps 30 --json "$OUT/nanogpt.json" ;;
+    gpt1p3b)
+      run gpt1p3b-start 200 python3 benchmarks/startup.py experiments/gpt2-1.3b.toml \
+        --layers 64 --rounds 1 --set train.global_batch=16 --json "$OUT/gpt1p3b-start.json"
+      run gpt1p3b 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
+        --steps 16 --warmup 4 --json "$OUT/gpt1p3b.json" ;;
+    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b)"; exit 2 ;;
+  esac
+done
