@@ -87,9 +87,11 @@ def _dense_reference(opt: str, tables, ids, grads, lr, mean):
     return out, touched
 
 
+# per_position: the CPU's scan over bag positions; False: every id at once (GPUs, TPUs).
 @pytest.mark.parametrize("opt", ["sgd", "adagrad", "adam"])
-@pytest.mark.parametrize("mean", [False, True])
-def test_sparse_update_equals_dense_optimizer_on_touched_rows(opt, mean):
+@pytest.mark.parametrize("mean,per_position", [(False, True), (True, True), (False, False),
+                                               (True, False)])
+def test_sparse_update_equals_dense_optimizer_on_touched_rows(opt, mean, per_position):
     mesh = make_mesh("data=8")
     rows, dim, B, bag = (37, 64, 16, 40), 8, 16, 5
     kinds = ("row", "table", "column", "replicated")
@@ -104,7 +106,7 @@ def test_sparse_update_equals_dense_optimizer_on_touched_rows(opt, mean):
     _, state_sh = emb.shardings(lay, mesh, opt)
     state = jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh),
                          emb.opt_state_shapes(lay, opt), state_sh)
-    sopt = OPTIMIZERS[opt](0.1)
+    sopt = OPTIMIZERS[opt](0.1, by_position=per_position)
     new, _ = jax.jit(lambda b, s, i, g: emb.sparse_update(
         lay, mesh, sopt, b, s, i, g, jnp.float32(0.1), jnp.int32(0), mean))(
         buffers, state, jnp.asarray(ids), jnp.asarray(grads))
@@ -117,7 +119,8 @@ def test_sparse_update_equals_dense_optimizer_on_touched_rows(opt, mean):
         np.testing.assert_array_equal(got[t][untouched], tables[t][untouched])
 
 
-def test_lookup_equals_dense_bags():
+@pytest.mark.parametrize("per_position", [True, False])
+def test_lookup_equals_dense_bags(per_position):
     mesh = make_mesh("data=8")
     rows, dim = (40, 24, 64, 16), 8
     lay = emb.TableLayout(rows, dim, ("row", "table", "column", "replicated"), 8, ("data",),
@@ -127,13 +130,30 @@ def test_lookup_equals_dense_bags():
     ids = np.stack([rng.integers(-1, r, size=(16, 3)) for r in rows]).astype(np.int32)
     buffers = jax.jit(lambda ts: emb.fuse(lay, ts))(tables)
     for mean in (False, True):
-        bags = np.asarray(jax.jit(lambda b, i, m=mean: emb.pooled(lay, mesh, b, i, m))(
-            buffers, jnp.asarray(ids)))
+        bags = np.asarray(jax.jit(lambda b, i, m=mean: emb.pooled(
+            lay, mesh, b, i, m, per_position))(buffers, jnp.asarray(ids)))
         for t in range(len(rows)):
             for b in range(16):
                 sel = ids[t, b][ids[t, b] >= 0]
                 want = tables[t][sel].sum(0) / (max(len(sel), 1) if mean else 1)
                 np.testing.assert_allclose(bags[t, b], want, rtol=1e-5, atol=1e-6)
+
+
+def test_step_off_the_cpu_has_no_loop_and_equals_the_cpu_step(monkeypatch):
+    """Off the CPU the bags are gathered and scattered whole: the compiled step has no
+    while loop (on a GPU each iteration is launched and waited on by the host), and
+    its losses equal the per-position step's."""
+    import plait.parallel.embedding as embedding_module
+    import plait.tasks.dlrm as dlrm_module
+
+    sets = ['embedding.optimizer="adagrad"', 'embedding.sharding="row"']
+    per_position = step_losses(exp_of(*sets), "data=2,fsdp=2", 6)
+    for module in (embedding_module, dlrm_module):
+        monkeypatch.setattr(module, "by_position", lambda platform: False)
+    job = DLRMTask(exp_of(*sets), make_mesh("data=2,fsdp=2"))
+    assert " while(" not in job.compile().as_text()
+    np.testing.assert_allclose(step_losses(exp_of(*sets), "data=2,fsdp=2", 6), per_position,
+                               rtol=1e-5)
 
 
 def _collectives_and_temp(rows: int, kind: str):

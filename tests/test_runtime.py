@@ -4,6 +4,8 @@ with the last checkpoint intact."""
 
 from __future__ import annotations
 
+import gzip
+
 import jax
 import pytest
 from helpers import tiny, wrap_gpt_step, write_experiment
@@ -61,6 +63,8 @@ def test_profile_writes_a_trace_of_the_chosen_steps(tmp_path, capsys):
     assert "profile of steps 3-4 written to" in capsys.readouterr().out
     traces = list((run / "profile").rglob("*.xplane.pb"))
     assert traces and traces[0].stat().st_size > 0
+    perfetto = list((run / "profile").rglob("perfetto_trace.json.gz"))
+    assert perfetto and gzip.decompress(perfetto[0].read_bytes()).startswith(b"{")
     assert main(["train", str(exp), "--profile", "4:2"]) == 2
     assert "need 0 <= START < STOP" in capsys.readouterr().err
 

@@ -5,6 +5,13 @@ float, e.g. row-wise Adagrad's accumulator) or per element ("full": like the
 row, e.g. Adam's moments). `parallel.embedding` lays the fields out beside
 their table's buffer, the DLRM task converts them for checkpoints, the planner
 counts their bytes, all from `fields`; only `update` differs.
+
+How the ids of a bag are applied depends on the device (`by_position`): on a CPU
+one scatter per bag position inside a scan is fastest (no [ids, cols] copy of
+the gradients); on a GPU a scan is a device loop whose every iteration the host
+launches and waits on (dlrm-bench's two 100-position scans held the host for
+5.6 ms of a step whose kernels take 1.6 ms on an H100), so there one scatter
+takes every id at once.
 """
 
 from __future__ import annotations
@@ -18,6 +25,23 @@ import jax.numpy as jnp
 ROW, FULL = "row", "full"
 
 
+def by_position(platform: str) -> bool:
+    """Whether bags are gathered and scattered one bag position at a time (a scan)."""
+    return platform == "cpu"
+
+
+def add_per_id(buf: jax.Array, rows: jax.Array, g: jax.Array, by_position: bool) -> jax.Array:
+    """buf with g[..., cols] (one row per bag) added at every id of rows [..., bag]; ids
+    outside buf are dropped."""
+    if by_position:
+        def add(b, r):
+            return b.at[r].add(g, mode="drop"), None
+
+        return jax.lax.scan(add, buf, jnp.moveaxis(rows, -1, 0))[0]
+    every = jnp.broadcast_to(g[..., None, :], (*rows.shape, g.shape[-1]))
+    return buf.at[rows.reshape(-1)].add(every.reshape(-1, g.shape[-1]), mode="drop")
+
+
 @dataclass(frozen=True)
 class SparseOptimizer:
     name: ClassVar[str]
@@ -26,6 +50,7 @@ class SparseOptimizer:
     eps: float = 1e-8
     b1: float = 0.9
     b2: float = 0.999
+    by_position: bool = True  # see the module's docstring
 
     @classmethod
     def state_bytes_per_row(cls, dim: int) -> int:
@@ -57,41 +82,39 @@ class SGD(SparseOptimizer):
     name = "sgd"
 
     def update(self, buf, state, rows, g, lr, step, row_sq_sum, cols_total):
-        # SGD is linear: duplicates merge in the scatter-add itself. One scatter per bag
-        # position (no [..., bag, cols] copy of the gradients): 116 ms against 220 for
-        # 2048 x 100 ids x 8 tables on CPU.
-        upd = -lr * g
-
-        def add(b, r):
-            return b.at[r].add(upd, mode="drop"), None
-
-        return jax.lax.scan(add, buf, jnp.moveaxis(rows, -1, 0))[0], state
+        # SGD is linear: duplicates merge in the scatter-add itself. On CPU one scatter
+        # per bag position (no [..., bag, cols] copy of the gradients): 116 ms against 220
+        # for 2048 x 100 ids x 8 tables.
+        return add_per_id(buf, rows, -lr * g, self.by_position), state
 
 
-def unique_rows(flat: jax.Array, fill: int) -> tuple[jax.Array, jax.Array]:
+def unique_rows(flat: jax.Array, fill: int, by_position: bool = True
+                ) -> tuple[jax.Array, jax.Array]:
     """jnp.unique(flat, return_inverse=True, size=n, fill_value=fill), 2.8x faster on CPU.
 
     XLA's CPU sort is fast on bare keys and slow on (key, index) pairs, which is how
     jnp.unique finds the inverse (1.6M ids: 538 ms). Sorting the keys alone, then
-    finding each id's first occurrence by binary search, takes 195 ms."""
+    finding each id's first occurrence by binary search, takes 195 ms. (The binary
+    search is a loop; off the CPU it is a sort instead.)"""
     n = flat.shape[0]
     s = jax.lax.sort(flat)
     first_of_run = jnp.concatenate([jnp.ones((1,), bool), s[1:] != s[:-1]])
     run = jnp.cumsum(first_of_run) - 1
-    inverse = run[jnp.searchsorted(s, flat, side="left", method="scan")]
+    method = "scan" if by_position else "sort"
+    inverse = run[jnp.searchsorted(s, flat, side="left", method=method)]
     uniq = jnp.full((n,), fill, flat.dtype).at[run].set(s)
     return uniq, inverse
 
 
-def merged_gradients(rows, g, sentinel: int) -> tuple[jax.Array, jax.Array]:
+def merged_gradients(rows, g, sentinel: int, by_position: bool = True
+                     ) -> tuple[jax.Array, jax.Array]:
     """The distinct rows (padded with `sentinel`) and each one's gradient summed over its
-    ids, one bag position at a time (no [ids, cols] copy of the bags' gradients)."""
+    ids."""
     flat = rows.reshape(-1)
     n = flat.shape[0]
-    uniq, inv = unique_rows(flat, sentinel)
-    inv = jnp.moveaxis(inv.reshape(rows.shape), -1, 0)
-    gu = jax.lax.scan(lambda acc, i: (acc.at[i].add(g), None),
-                      jnp.zeros((n, g.shape[-1]), g.dtype), inv)[0]
+    uniq, inv = unique_rows(flat, sentinel, by_position)
+    gu = add_per_id(jnp.zeros((n, g.shape[-1]), g.dtype), inv.reshape(rows.shape), g,
+                    by_position)
     return uniq, gu
 
 
@@ -102,7 +125,7 @@ class RowwiseAdagrad(SparseOptimizer):
     fields = {"acc": ROW}
 
     def update(self, buf, state, rows, g, lr, step, row_sq_sum, cols_total):
-        uniq, gu = merged_gradients(rows, g, buf.shape[0])
+        uniq, gu = merged_gradients(rows, g, buf.shape[0], self.by_position)
         sq = row_sq_sum(jnp.sum(gu * gu, axis=-1)) / cols_total
         acc = state["acc"].at[uniq].add(sq, mode="drop")
         a = acc.at[uniq].get(mode="fill", fill_value=1.0)
@@ -118,7 +141,7 @@ class RowAdam(SparseOptimizer):
     fields = {"m": FULL, "v": FULL}
 
     def update(self, buf, state, rows, g, lr, step, row_sq_sum, cols_total):
-        uniq, gu = merged_gradients(rows, g, buf.shape[0])
+        uniq, gu = merged_gradients(rows, g, buf.shape[0], self.by_position)
         t = (step + 1).astype(jnp.float32)
         b1, b2 = self.b1, self.b2
         m = state["m"].at[uniq].get(mode="fill", fill_value=0.0) * b1 + (1 - b1) * gu

@@ -27,7 +27,7 @@ from plait.hardware import device_memory_bytes
 from plait.models import ModelDef, build, dlrm
 from plait.models.dlrm import bce_with_logits
 from plait.parallel import embedding as emb
-from plait.parallel.sparse_optim import OPTIMIZERS, SparseOptimizer
+from plait.parallel.sparse_optim import OPTIMIZERS, SparseOptimizer, by_position
 from plait.planner import check_memory, plan_tables, row_traffic_per_device
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.dlrm_tables import TableState
@@ -156,7 +156,8 @@ class DLRMTask(Task):
     @property
     def sparse_optimizer(self) -> SparseOptimizer:
         e, o = self.exp.embedding, self.exp.optimizer
-        return OPTIMIZERS[e.optimizer](e.lr or o.lr, e.eps, o.b1, o.b2)
+        return OPTIMIZERS[e.optimizer](e.lr or o.lr, e.eps, o.b1, o.b2,
+                                       by_position(self.mesh.devices.flat[0].platform))
 
     def _bags(self, state: dict, ids: jax.Array) -> jax.Array:
         """ids [T, B, bag] -> pooled bags [T, B, d]."""

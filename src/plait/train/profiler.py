@@ -10,8 +10,9 @@ from plait.train.metrics import MetricsLog
 
 
 class Profiler:
-    """A jax.profiler trace of steps [start, stop) into RUN_DIR/profile (TensorBoard's
-    profile plugin, XProf or Perfetto read it)."""
+    """A jax.profiler trace of steps [start, stop) into RUN_DIR/profile: the XPlane file
+    that TensorBoard's profile plugin and XProf read, and perfetto_trace.json.gz, which
+    ui.perfetto.dev (or a script) reads with nothing installed."""
 
     def __init__(self, window: tuple[int, int] | None, run_dir: Path, log: MetricsLog):
         self.window, self.dir, self.log, self.on = window, run_dir / "profile", log, False
@@ -19,7 +20,7 @@ class Profiler:
     def before(self, step: int) -> None:
         """Called before running step `step` + 1."""
         if self.window and step == self.window[0] and not self.on:
-            jax.profiler.start_trace(str(self.dir))
+            jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
             self.on = True
 
     def after(self, step: int, state) -> None:
