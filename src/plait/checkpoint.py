@@ -24,13 +24,19 @@ log = logging.getLogger("plait")
 
 
 class Checkpoints:
-    def __init__(self, directory: Path, keep: int, async_save: bool = True):
+    def __init__(self, directory: Path, keep: int, async_save: bool = True,
+                 read_only: bool = False):
+        """read_only: for readers beside a run that may be training (plait sample): nothing
+        is created, renamed or cleaned up."""
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
-            create=True,
-            cleanup_tmp_directories=True,  # the run holds the lock: any -tmp is stale
+            create=not read_only,
+            # The run holds the lock: any -tmp is stale (a reader leaves them alone).
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -73,13 +79,14 @@ class Checkpoints:
                 )
             return
 
-    def restore_step(self, abstract_state: dict, step: int) -> tuple[dict, dict]:
+    def restore_step(self, abstract_state: dict, step: int, flag: str = "--from-step"
+                     ) -> tuple[dict, dict]:
         """The checkpoint of `step` (one of the kept ones), resharded; the newer ones are
         renamed `<step>.superseded` (kept, and out of the way of the steps run again)."""
         steps = self.steps()
         if step not in steps:
             kept = ", ".join(map(str, sorted(steps))) or "none"
-            raise UserError(f"--from-step {step}: no checkpoint of step {step} in "
+            raise UserError(f"{flag} {step}: no checkpoint of step {step} in "
                             f"'{self.directory}'; the kept ones are: {kept}")
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
@@ -118,7 +125,7 @@ class Checkpoints:
         self._rename(steps, "unusable")
 
     def _rename(self, steps: list[int], why: str) -> None:
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and not self.read_only:
             for step in steps:
                 src = self.directory / str(step)
                 dst = self.directory / f"{step}.{why}"

@@ -134,16 +134,43 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "data", help="prepare data: a text file -> a token file (byte-level ids), or Criteo "
         "TSV days -> a directory training memory-maps",
-        usage="plait data TEXT_FILE OUT.bin [--dtype uint16|uint32]\n"
+        usage="plait data TEXT_FILE OUT.bin [--tokenizer tokenizer.json] [--dtype uint16|uint32]\n"
               "       plait data criteo DAY.tsv[.gz] [DAY ...] --out DIR [--malformed skip|stop]")
     d.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="TEXT_FILE OUT.bin, or the word criteo and Criteo TSV day files")
     d.add_argument("--out", help="criteo: the output directory (rerun to convert only new days)")
     d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16",
                    help="element type of the token file (uint16 for vocabularies up to 65536)")
+    d.add_argument("--tokenizer", metavar="tokenizer.json",
+                   help="encode with this Hugging Face tokenizers file (kept beside OUT.bin "
+                   "and in the runs that train on it); default: byte-level ids 0-255")
     d.add_argument("--malformed", choices=("skip", "stop"), default="skip",
                    help="criteo: skip lines that do not parse (counted) or stop at the first")
+    sp = sub.add_parser(
+        "sample", help="generate text from a GPT run's checkpoint (KV cache, one device)",
+        usage="plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] "
+              "[--seed S] [--step N]")
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a plait train run")
+    sp.add_argument("--prompt", required=True, help="the text to continue")
+    sp.add_argument("--tokens", type=int, default=100, help="how many tokens to generate")
+    sp.add_argument("--temperature", type=float, default=1.0,
+                    help="softmax temperature; 0 takes the most likely token every time")
+    sp.add_argument("--top-k", type=int, default=0,
+                    help="draw only among the K most likely tokens (0: all)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    sp.add_argument("--step", type=int, help="a kept checkpoint's step (default: the newest)")
     return ap
+
+
+def cmd_sample(args) -> int:
+    from plait.sample import sample
+
+    text, info = sample(args.run_dir, args.prompt, args.tokens, args.temperature,
+                        args.top_k, args.seed, args.step)
+    print(args.prompt + text)
+    print(f"plait: {len(info['tokens'])} tokens from the checkpoint at step {info['step']} "
+          f"(tokenizer: {info['tokenizer']})", file=sys.stderr)
+    return 0
 
 
 def _setup(args):
@@ -302,9 +329,15 @@ def cmd_data(args) -> int:
         raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), or criteo DAY.tsv "
                         "... --out DIR")
     text, out = args.inputs
-    n = encode_text_file(text, out, args.dtype)
-    print(f"plait: wrote {n:,} byte-level tokens ({args.dtype}) to {out}; "
-          f"use data.source = \"tokens\", data.path = \"{out}\", model.vocab >= 256")
+    n = encode_text_file(text, out, args.dtype, args.tokenizer)
+    if args.tokenizer:
+        from plait.data.tokenizer import HFTokenizer
+
+        size, what = HFTokenizer(args.tokenizer).vocab_size, f"{Path(args.tokenizer).name} ids"
+    else:
+        size, what = 256, "byte-level tokens"
+    print(f"plait: wrote {n:,} {what} ({args.dtype}) to {out}; use data.source = \"tokens\", "
+          f"data.path = \"{out}\", model.vocab >= {size}")
     return 0
 
 
@@ -315,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
                 "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,
-                "launch": cmd_launch}[args.command](args)
+                "launch": cmd_launch, "sample": cmd_sample}[args.command](args)
     except UserError as e:
         print(f"plait: error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from plait.data.tokenizer import HFTokenizer, drop_sidecar, keep_beside, sidecar
 from plait.errors import UserError
 
 
@@ -39,6 +40,14 @@ class TokenFile:
                 f"data file '{path}' holds {len(self.tokens)} tokens, fewer than "
                 f"model.seq_len + 2 = {seq_len + 2}; use a longer file or shorter sequences"
             )
+        # The tokenizer the file was made with (None: byte-level), kept by the run.
+        self.tokenizer: Path | None = sidecar(path) if sidecar(path).is_file() else None
+        if self.tokenizer is not None:
+            size = HFTokenizer(self.tokenizer).vocab_size
+            if size > vocab:
+                raise UserError(
+                    f"data file '{path}' was tokenized with {self.tokenizer.name} ({size:,} "
+                    f"ids) but model.vocab = {vocab:,}; set model.vocab >= {size}")
         top = int(self.tokens[: min(len(self.tokens), 1 << 20)].max())
         if top >= vocab:
             raise UserError(
@@ -56,18 +65,41 @@ class TokenFile:
         return out
 
 
-def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "uint16") -> int:
-    """Byte-level tokenization (vocab 256) of a UTF-8 text file into a flat binary.
+def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "uint16",
+                     tokenizer: str | Path | None = None) -> int:
+    """Tokenize a UTF-8 text file into a flat binary of ids; returns how many.
 
-    Returns the number of tokens written. Byte tokens need no vocabulary file,
-    so this works offline; any tokenizer's ids can be written the same way with
-    `write_tokens`.
+    Without `tokenizer`: byte-level (ids 0-255, no vocabulary file). With a
+    tokenizer.json: its ids, the text encoded line by line (each line with its
+    newline, in batches), and a copy of the tokenizer kept beside the output.
     """
     text_path = Path(text_path)
     if not text_path.is_file():
         raise UserError(f"text file '{text_path}' not found; check the path")
-    ids = np.frombuffer(text_path.read_bytes(), dtype=np.uint8)
-    return write_tokens(ids, out_path, dtype)
+    if tokenizer is None:
+        ids = np.frombuffer(text_path.read_bytes(), dtype=np.uint8)
+        n = write_tokens(ids, out_path, dtype)
+        drop_sidecar(Path(out_path))
+        return n
+    tok = HFTokenizer(tokenizer)
+    if tok.vocab_size - 1 > np.iinfo(dtype).max:
+        raise UserError(f"{tok.name} has {tok.vocab_size:,} ids, more than {dtype} holds; "
+                        "use --dtype uint32")
+    try:
+        lines = text_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError as e:
+        raise UserError(f"text file '{text_path}' is not UTF-8 ({e.reason} at byte "
+                        f"{e.start}); convert it first") from None
+    from rich.progress import track
+
+    batches = [lines[i:i + 4096] for i in range(0, len(lines), 4096)]
+    parts = [np.asarray([i for ids in tok.encode_lines(b) for i in ids], np.int64)
+             for b in track(batches, description=f"tokenizing with {tok.name}",
+                            transient=True, disable=len(batches) < 8)]
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    n = write_tokens(ids, out_path, dtype)
+    keep_beside(tok, Path(out_path))
+    return n
 
 
 def write_tokens(ids: np.ndarray, out_path: str | Path, dtype: str = "uint16") -> int:

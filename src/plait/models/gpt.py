@@ -24,6 +24,7 @@ from plait.parallel.ops import dense, lookup
 from plait.sharding import constrain
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
+KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, for sampling
 
 
 def _param(rngs: ParamKeys, shape, logical, std: float | None, fan_in=(),
@@ -85,6 +86,19 @@ class Attention(nnx.Module):
         y = dense(o, self.wo) + self.bo[...]
         return constrain(y, BATCH_SEQ_EMBED)
 
+    def decode(self, x: jax.Array, cache: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
+        """Attention of x [batch, T, d] at positions pos .. pos + T - 1 over themselves and
+        the cached keys and values of earlier positions (k, v [batch, max_len, heads,
+        head_dim]); returns the output and the cache with these positions added."""
+        qkv = dense(x, self.wqkv) + self.bqkv[...]
+        q, k, v = (qkv[:, :, i] for i in range(3))
+        keys, values = (jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, pos, 0, 0))
+                        for c, new in zip(cache, (k, v), strict=True))
+        seen = jnp.arange(keys.shape[1])[None, :] <= pos + jnp.arange(x.shape[1])[:, None]
+        o = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
+                                         mask=seen[None, None], implementation="xla")
+        return dense(o, self.wo) + self.bo[...], (keys, values)
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
@@ -112,6 +126,11 @@ class Block(nnx.Module):
     def __call__(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
+
+    def decode(self, x: jax.Array, cache: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
+        h, cache = self.attn.decode(self.ln1(x), cache, pos)
+        x = x + h
+        return x + self.mlp(self.ln2(x)), cache
 
 
 def _run_block(block: Block, x: jax.Array) -> jax.Array:
@@ -171,6 +190,21 @@ class GPT(nnx.Module):
         x = self.embed(tokens)
         x = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
         return self.logits(x)
+
+    def decode(self, tokens: jax.Array, caches: list[KV], pos: jax.Array
+               ) -> tuple[jax.Array, list[KV]]:
+        """tokens [batch, T] at positions pos .. pos + T - 1, given every layer's cache of
+        the earlier positions -> (logits [batch, T, padded_vocab], the extended caches).
+        For sampling (plait sample); the layers one entry each (scan_layers = false)."""
+        if self.scan_layers:
+            raise ValueError("decode runs the per-layer model (scan_layers = false)")
+        x = lookup(self.tok_embed, tokens)
+        x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], pos, tokens.shape[1])
+        out = []
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x, cache = block.decode(x, cache, pos)
+            out.append(cache)
+        return self.logits(x), out
 
 
 def param_count(cfg: GPTConfig) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from jax.sharding import Mesh
@@ -103,6 +104,11 @@ class Task(abc.ABC):
     def evaluator(self, source: Source) -> Evaluator | None:
         """Held-out evaluation logged with the training metrics, or None."""
         return None
+
+    def run_files(self, source: Source) -> dict[str, Path]:
+        """Files the run directory keeps a copy of, by name (e.g. the tokenizer its token
+        file was made with, which `plait sample` decodes with)."""
+        return {}
 
     # ------------------------------------------------------------------ figures
     @property

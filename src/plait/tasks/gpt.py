@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -296,6 +297,14 @@ class GPTTask(Task):
 
     def batch(self, source: Source, step: int) -> jax.Array:
         return data.global_batch(source, step, self.batch_shape, self.batch_sharding)
+
+    def run_files(self, source: Source) -> dict[str, Path]:
+        from plait.data.tokenizer import RUN_FILE
+        from plait.data.tokens import TokenFile
+
+        if isinstance(source, TokenFile) and source.tokenizer is not None:
+            return {RUN_FILE: source.tokenizer}
+        return {}
 
     def evaluator(self, source: Source) -> Evaluator | None:
         """Held-out loss and perplexity on the first data.eval_batches batches of

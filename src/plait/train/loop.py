@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import re
+import shutil
 import statistics
 import threading
 import time
@@ -95,6 +96,11 @@ class Run:
                                          exp.checkpoint.async_save)
                 self.ckpts.check_model(exp.model, self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            if self.is_writer:
+                for name, path in self.task.run_files(self.source).items():
+                    tmp = self.run_dir / f".{name}.tmp"
+                    shutil.copyfile(path, tmp)
+                    tmp.replace(self.run_dir / name)
         except BaseException:
             self.close()
             raise
