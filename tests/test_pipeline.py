@@ -78,6 +78,26 @@ def test_schedule_command_json_and_png(tmp_path, capsys):
     assert main(["schedule", "1f1b", "--stages", "4", "--microbatches", "8"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("rank 0: F0") and "bubble 0.2727" in text
+    assert "a .1 suffix = the second pipe" in text  # the notation is explained
+
+
+def test_schedule_legend_names_every_mark():
+    from plait.views.schedule import legend
+
+    chimera = [label for label, _, _ in legend(schedules.build("chimera", 4, 4))]
+    assert chimera[:2] == ["F: forward", "B: backward"]
+    assert "second pipe (x.1 in the text)" in chimera and "number in a box: microbatch" in chimera
+    zb = [label for label, _, _ in legend(schedules.build("zb-h1", 4, 4))]
+    assert "W: backward, weight gradients" in zb and "second pipe (x.1 in the text)" not in zb
+
+
+def test_inspect_cuts_shapes_between_arrays():
+    from plait.views.common import clip_shape
+
+    many = "(" + ", ".join(["f32[16,1024,768]{2,1,0}"] * 4) + ")"
+    assert clip_shape(many) == "(f32[16,1024,768]{2,1,0} ..."
+    assert clip_shape("bf16[8,128]") == "bf16[8,128]"
+    assert len(clip_shape(many, 60)) <= 60
 
 
 def _pipe_exp(schedule: str, **pipeline):

@@ -29,3 +29,15 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def clip_shape(text: str, width: int = 48) -> str:
+    """An HLO shape cut to `width` at a boundary between its parts, never inside one:
+    "(f32[16,1024,768], bf16[...])" keeps whole array shapes and ends with "...")."""
+    if len(text) <= width:
+        return text
+    head = text[:width - 3]
+    cut = max(head.rfind("], "), head.rfind("},")) + 1  # after a whole shape's ] or }
+    if cut <= 0:
+        cut = max(head.rfind(","), head.rfind("[")) + 1 or len(head)
+    return text[:cut].rstrip(", ") + " ..."

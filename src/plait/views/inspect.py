@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from plait import analysis
-from plait.views.common import console, size_text
+from plait.views.common import clip_shape, console, size_text
 
 
 def render_comparison(name: str, rows: list[dict]) -> None:
@@ -68,7 +68,7 @@ def render(r: dict) -> None:
         for col in ("kind", "shape", "axes", "group", "count", "bytes"):
             ops.add_column(col)
         for op in r["collective_ops"][:12]:
-            ops.add_row(op["kind"], op["shape"][:48], ",".join(op["axes"]) or "-",
+            ops.add_row(op["kind"], clip_shape(op["shape"]), ",".join(op["axes"]) or "-",
                         str(op["group_size"]), f"{op['count']:g}", size_text(op["bytes"]))
         c.print(ops)
     m = r["memory"]

@@ -8,6 +8,25 @@ from plait.parallel import schedules
 from plait.views.common import pyplot
 
 _COLORS = {"F": "#4c72b0", "B": "#dd8452", "Bx": "#c44e52", "W": "#55a868"}
+_NAMES = {"F": "F: forward", "B": "B: backward", "Bx": "Bx: backward, input gradients",
+          "W": "W: backward, weight gradients"}
+# What the text and the boxes say: "F3" is the forward of microbatch 3; "F3.1" the same on
+# the second pipe (Chimera's up pipe), drawn hatched.
+NOTATION = ("F3 = forward of microbatch 3 (B backward, Bx its input-gradient half, W its "
+            "weight-gradient half); a .1 suffix = the second pipe (Chimera's up pipe), "
+            "drawn hatched; . = idle")
+
+
+def legend(s: schedules.Schedule) -> list[tuple[str, str, str | None]]:
+    """(label, colour, hatch) of each legend entry: the actions the table has, the
+    second pipe when it has one, and what the numbers in the boxes are."""
+    acts = [a for row in s.table for a in row if a is not None]
+    kinds = sorted({a.kind for a in acts}, key=list(_COLORS).index)
+    out: list[tuple[str, str, str | None]] = [(_NAMES[k], _COLORS[k], None) for k in kinds]
+    if any(a.pipe for a in acts):
+        out.append(("second pipe (x.1 in the text)", "white", "//"))
+    out.append(("number in a box: microbatch", "white", None))
+    return out
 
 
 def draw(s: schedules.Schedule, path: str) -> None:
@@ -16,7 +35,7 @@ def draw(s: schedules.Schedule, path: str) -> None:
 
     plt = pyplot()
     ticks = len(s.table)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5), 0.45 * s.stages + 1.4))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5) + 2.5, 0.45 * s.stages + 1.4))
     for t, row in enumerate(s.table):
         for r, a in enumerate(row):
             if a is None:
@@ -35,12 +54,11 @@ def draw(s: schedules.Schedule, path: str) -> None:
                  + (f", v={s.virtual}" if s.virtual > 1 else "")
                  + f" - bubble {f['bubble']:.3f}, {f['ticks']} ticks, "
                  f"peak in flight {max(f['peak_inflight'])}")
-    kinds = sorted({a.kind for row in s.table for a in row if a is not None},
-                   key=list(_COLORS).index)
-    ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in kinds],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    handles = [Patch(facecolor=color, edgecolor="black" if hatch else color, hatch=hatch,
+                     label=label) for label, color, hatch in legend(s)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -65,6 +83,7 @@ def show(s: schedules.Schedule, as_json: bool, png: str | None) -> None:
         return
     f = s.figures
     print(timeline(s))
+    print(NOTATION)
     print(f"{name}: {stages} stages, {microbatches} microbatches"
           + (f", {virtual} virtual stages" if virtual > 1 else "")
           + f"; bubble {f['bubble']:.4f} of the makespan ({f['bubble_ratio']:.4f} of the "

@@ -44,7 +44,9 @@ def plot(rows: list[dict], path: Path, meta: dict, top: int = 25) -> None:
     ax1.legend(fontsize=7)
     ax2.barh(y, [r["memory_bytes"] / 2**30 for r in shown], color=colors)
     ax2.axvline(meta["device_memory_bytes"] / 2**30, color="black", linestyle="--", linewidth=1)
-    ax2.set_xlabel("memory per device (GiB); dashed: device memory; red: does not fit")
+    # Logarithmic: a small model's bars stay visible beside the device's memory.
+    ax2.set_xscale("log")
+    ax2.set_xlabel("memory per device (GiB, log scale); dashed: device memory; red: does not fit")
     fig.suptitle(f"{meta['experiment']} on {meta['devices']} x {meta['hardware']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
