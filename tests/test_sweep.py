@@ -156,3 +156,48 @@ def test_dlrm_sweep_ranks_meshes_and_embedding_placements():
     assert wire > 0  # the all-to-alls of the bags and the all-gather of the ids
     assert by[("data=2", "table")]["collective_bytes"] == pytest.approx(wire, rel=1e-9)
     assert all(r["memory_traffic_s"] > 0 for r in rows)
+
+
+def test_kernel_count_counts_loops_and_not_fusion_bodies():
+    import jax
+    import jax.numpy as jnp
+
+    def body(i, x):
+        return jnp.sin(x) @ x + i
+
+    def kernels(trips: int) -> float:
+        fn = jax.jit(lambda x: jax.lax.fori_loop(0, trips, body, x))
+        return analysis.kernel_count(analysis.parse_hlo(
+            fn.lower(jnp.ones((8, 8))).compile().as_text()))
+
+    once = analysis.kernel_count(analysis.parse_hlo(
+        jax.jit(lambda x: body(0, x)).lower(jnp.ones((8, 8))).compile().as_text()))
+    k10, k20, k30 = kernels(10), kernels(20), kernels(30)
+    # Each iteration launches the same kernels (its body's and its condition's), and at
+    # least the body's own: the count is linear in the trip count.
+    assert k20 - k10 == k30 - k20 >= 10 * once >= 10
+
+
+def test_calibration_fits_per_step_and_per_kernel_overheads_and_reranks():
+    def row(mesh, model, kernels, measured=None):
+        r = {"mesh": mesh, "fits": True, "model_step_s": model, "predicted_step_s": model,
+             "predicted_units_per_s": 1000 / model, "kernels": kernels}
+        if measured is not None:
+            r["measured_step_s"] = measured
+        return r
+
+    truth = lambda model, k: model + 0.004 + 2e-5 * k  # noqa: E731
+    rows = [row("a", 0.001, 100, truth(0.001, 100)), row("b", 0.002, 900, truth(0.002, 900)),
+            row("c", 0.0015, 400, truth(0.0015, 400)), row("d", 0.0012, 2000)]
+    fit = sweep.calibrate(rows)
+    assert fit["per_step_s"] == pytest.approx(0.004) and fit["per_kernel_s"] == pytest.approx(2e-5)
+    for r in rows[:3]:
+        assert r["predicted_step_s"] == pytest.approx(r["measured_step_s"])
+    # d had the fastest model time; its 2000 kernels make it the slowest once calibrated.
+    ranked = sweep.rank(rows)
+    assert ranked[-1]["mesh"] == "d" and ranked[0]["mesh"] == "a"
+    # Overheads never come out negative; nothing measured: no fit.
+    noisy = [row("a", 0.001, 100, 0.0009), row("b", 0.002, 900, 0.0021)]
+    fit = sweep.calibrate(noisy)
+    assert fit["per_step_s"] >= 0 and fit["per_kernel_s"] >= 0
+    assert sweep.calibrate([row("a", 0.001, 100)]) is None

@@ -296,6 +296,31 @@ def dot_flops(mod: Module, mult: dict[str, float] | None = None) -> float:
     return total
 
 
+# Instructions that run as work of their own (a kernel, a library call, a collective)
+# rather than inside a fusion or as bookkeeping (parameters, tuples, bitcasts).
+_BOOKKEEPING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast",
+                "while", "conditional", "call", "after-all", "partition-id", "replica-id",
+                "opt-barrier", "add-dependency"}
+
+
+def kernel_count(mod: Module, mult: dict[str, float] | None = None) -> float:
+    """Kernels one step launches (loops counted): the instructions of every computation
+    that is not a fusion's body, bookkeeping left out. Each costs a launch and a
+    synchronisation however small it is: what FLOPs and bytes miss on small models."""
+    mult = multiplicities(mod) if mult is None else mult
+    fused = {c for instrs in mod.computations.values() for ins in instrs
+             if ins.opcode == "fusion" for c in re.findall(r"\bcalls=%?([\w.\-]+)", ins.attrs)}
+    reducers = {c for instrs in mod.computations.values() for ins in instrs
+                for c in re.findall(r"\bto_apply=%?([\w.\-]+)", ins.attrs)}
+    total = 0.0
+    for comp, instrs in mod.computations.items():
+        if comp in fused or comp in reducers:
+            continue
+        n = sum(1 for ins in instrs if ins.opcode not in _BOOKKEEPING)
+        total += n * mult.get(comp, 0.0)
+    return total
+
+
 def analyze(compiled, mesh_shape: dict[str, int],
             branch_weights: dict[int, list[float]] | None = None) -> dict:
     """Per-device figures of a compiled (jax `Compiled`) step."""
@@ -349,4 +374,5 @@ def analyze(compiled, mesh_shape: dict[str, int],
         "wire_by_axes": dict(sorted(by_axes.items(), key=lambda kv: -kv[1])),
         "collective_ops": sorted(detail.values(), key=lambda r: -r["bytes"]),
         "memory": memory,
+        "kernels": kernel_count(mod, mult),
     }

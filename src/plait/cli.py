@@ -268,14 +268,29 @@ def cmd_sweep(args) -> int:
     rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers)
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
+    fit = None
     if args.run:
         sweep.measure_runs(exp, top, args.devices)
+        fit = sweep.calibrate(rows)
+        if fit:
+            rows = sweep.rank(rows)
+            top = rows[: args.top] if args.top else rows
     out = Path(args.out or f"sweeps/{exp.name}-{args.devices}")
     meta = {"experiment": exp.name, "devices": args.devices, "hardware": hw.name,
             "unit": task_class(exp.model.kind).unit,
-            "device_memory_bytes": hw.memory(args.devices), "sweep_s": elapsed}
+            "device_memory_bytes": hw.memory(args.devices), "sweep_s": elapsed,
+            "calibration": fit}
     write_outputs(rows, out, meta)
     render(top, meta)
+    if fit:
+        print(f"plait: overheads fitted to the {fit['measured_shapes']} measured shapes on "
+              f"these devices: {fit['per_step_s'] * 1e3:.3g} ms per step + "
+              f"{fit['per_kernel_s'] * 1e6:.3g} us per kernel, added to every prediction "
+              "(they describe the machine measured, whatever --hardware says)")
+        for r in [r for r in rows if r.get("measured_step_s")]:
+            print(f"  {r['mesh']:<28} model {r['model_step_s'] * 1e3:8.3f} ms, calibrated "
+                  f"{r['predicted_step_s'] * 1e3:8.3f} ms, measured "
+                  f"{r['measured_step_s'] * 1e3:8.3f} ms ({r['kernels']:,.0f} kernels)")
     print(f"plait: {len(rows)} shapes in {elapsed:.0f}s; wrote {out}/sweep.csv, sweep.json, "
           "sweep.png")
     return 0

@@ -31,6 +31,7 @@ def _figures(r: dict) -> dict:
         acc[1] += op["wire_bytes"]
     m = r["memory"]
     return {"flops": r["flops_per_device"], "groups": groups, "memory_parts": m,
+            "kernels": r["kernels"],
             "memory": m.get("argument_bytes", 0.0) + m.get("output_bytes", 0.0)
             + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0)}
 
@@ -64,7 +65,8 @@ def extrapolate(a: dict, b: dict, t: float) -> dict:
 
     temp = max(mem("temp_bytes"), float(m1.get("temp_bytes", 0.0)))
     memory = mem("argument_bytes") + mem("output_bytes") + temp - mem("alias_bytes")
-    return {**b, "flops": lerp(a["flops"], b["flops"]), "groups": groups, "memory": memory}
+    return {**b, "flops": lerp(a["flops"], b["flops"]), "groups": groups, "memory": memory,
+            "kernels": lerp(a["kernels"], b["kernels"])}
 
 
 def measure(exp: Experiment, c: Candidate, n: int) -> dict:

@@ -11,6 +11,10 @@ Per step, per device:
 - no overlap of compute and communication;
 - a pipeline multiplies the busy time by 1 + its bubble_ratio from the
   schedule table;
+- a fixed cost per step and per kernel the step launches (the compiled
+  program's kernel count): zero until `plait sweep --run` measures some shapes
+  and `calibrate` fits the two to what they took (small models are all
+  overhead: the quickstart's predicted 6 ms was 24 ms measured on 2 cores);
 - a shape fits if arguments + outputs + temporaries - aliases <= device memory.
 """
 
@@ -48,7 +52,8 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
     bubble = measured["figures"]["bubble_ratio"] if measured.get("figures") else 0.0
     traffic = measured.get("row_traffic_bytes", 0.0) / hw.bandwidth(n)
     compute += traffic
-    step = (compute + comm) * (1 + bubble)
+    model_step = (compute + comm) * (1 + bubble)
+    step = model_step
     extra = {"memory_traffic_s": traffic} if "row_traffic_bytes" in measured else {}
     if "embedding_kinds" in measured:
         extra["embedding_kinds"] = measured["embedding_kinds"]
@@ -56,7 +61,8 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
             "tensor_mode": mesh_lib.tensor_mode(c.sizes) or "none",
             "flops_per_device": measured["flops"], "collective_bytes": wire,
             "compute_s": compute, "comm_s": comm, "bubble_ratio": bubble,
-            "predicted_step_s": step,
+            "predicted_step_s": step, "model_step_s": model_step,
+            "kernels": measured.get("kernels", 0.0),
             "predicted_units_per_s": measured["units_per_step"] / step,
             "memory_bytes": measured["memory"], "fits": measured["memory"] <= hw.memory(n)}
 
@@ -77,3 +83,28 @@ def predict_group(exp: Experiment, group: list[Candidate], measured: dict, hw: H
             m = dict(measured, figures=s.figures)
         rows.append(predict(exp, c, m, hw, n))
     return rows
+
+
+def calibrate(rows: list[dict]) -> dict | None:
+    """Fit a per-step and a per-kernel overhead (both >= 0) to the rows `--run` measured,
+    add it to every row's prediction; returns the fit, or None with nothing measured."""
+    import numpy as np
+
+    done = [r for r in rows if r.get("measured_step_s")]
+    if not done:
+        return None
+    k = np.array([r["kernels"] for r in done], float)
+    y = np.array([r["measured_step_s"] - r["model_step_s"] for r in done], float)
+    per_step, per_kernel = max(float(np.mean(y)), 0.0), 0.0
+    if len(done) >= 2 and np.ptp(k) > 0:
+        slope, icpt = np.polyfit(k, y, 1)
+        if slope >= 0 and icpt >= 0:
+            per_step, per_kernel = float(icpt), float(slope)
+        elif slope >= 0:  # through the origin
+            per_step, per_kernel = 0.0, max(float(np.dot(k, y) / np.dot(k, k)), 0.0)
+    for r in rows:
+        r["overhead_s"] = per_step + per_kernel * r["kernels"]
+        r["predicted_step_s"] = r["model_step_s"] + r["overhead_s"]
+        r["predicted_units_per_s"] = r["predicted_units_per_s"] * (
+            r["model_step_s"] / r["predicted_step_s"]) if r["predicted_step_s"] else 0.0
+    return {"per_step_s": per_step, "per_kernel_s": per_kernel, "measured_shapes": len(done)}

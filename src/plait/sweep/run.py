@@ -82,6 +82,11 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
                 r["compile_s"] = seconds
                 r["shares_program_with"] = prog[0][0].label
                 rows.append(r)
+    return rank(rows)
+
+
+def rank(rows: list[dict]) -> list[dict]:
+    """Fitting shapes first, then by predicted step time; `rank` numbered from 1."""
     rows.sort(key=lambda r: (not r["fits"], r["predicted_step_s"], r["mesh"],
                              str(r.get("pipeline_schedule")),
                              r.get("pipeline_microbatches") or 0))
