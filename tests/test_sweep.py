@@ -91,33 +91,44 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     assert main(["sweep", str(path), "--devices", "2", "--out", str(out), "--top", "2",
                  "--run"]) == 0
     rows = list(csv.DictReader((out / "sweep.csv").read_text().splitlines()))
-    # --run trained the top two shapes here and put their step times beside the prediction.
-    assert all(float(r["measured_step_s"]) > 0 for r in rows[:2])
-    assert all(r["measured_step_s"] == "" for r in rows[2:])
+    # --run trained the top two shapes here and put their step times beside the prediction,
+    # then fitted the overheads to them and re-ranked every row with them added.
+    assert sum(r["measured_step_s"] != "" for r in rows) == 2
+    assert all(float(r["measured_step_s"]) > 0 for r in rows if r["measured_step_s"])
     assert [int(r["rank"]) for r in rows] == list(range(1, len(rows) + 1))
+    report = json.loads((out / "sweep.json").read_text())
+    fit = report["calibration"]
+    assert fit["measured_shapes"] == 2 and fit["per_step_s"] >= 0 and fit["per_kernel_s"] >= 0
+    for r in report["rows"]:
+        assert r["predicted_step_s"] == pytest.approx(
+            r["model_step_s"] + fit["per_step_s"] + fit["per_kernel_s"] * r["kernels"])
+    assert "overheads fitted to the 2 measured shapes" in capsys.readouterr().out
+    # --mesh auto ranks without measuring: by the model's own time.
+    best = min((r for r in report["rows"] if r["fits"]), key=lambda r: (
+        r["model_step_s"], r["mesh"], str(r.get("pipeline_schedule")),
+        r.get("pipeline_microbatches") or 0))["mesh"]
     meshes = {r["mesh"] for r in rows}
     assert meshes == {"data=2", "fsdp=2", "tensor=2", "pipeline=2"}
     times = [float(r["predicted_step_s"]) for r in rows if r["fits"] == "True"]
     assert times == sorted(times)
-    assert json.loads((out / "sweep.json").read_text())["rows"][0]["mesh"] == rows[0]["mesh"]
+    assert report["rows"][0]["mesh"] == rows[0]["mesh"]
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
-    capsys.readouterr()
     assert main(["train", str(path), "--mesh", "auto", "--devices", "2",
                  "--run-dir", str(tmp_path / "run")]) == 0
     said = capsys.readouterr().out
     assert "--mesh auto: compiling the 2-device mesh shapes to rank them" in said
-    assert f"--mesh auto chose {rows[0]['mesh']}" in said
+    assert f"--mesh auto chose {best}" in said
     # The ranking is cached: a second run starts at once with the same choice.
     assert main(["train", str(path), "--mesh", "auto", "--devices", "2",
                  "--run-dir", str(tmp_path / "again")]) == 0
     said = capsys.readouterr().out
     assert "--mesh auto: the ranking of 2-device shapes" in said and str(tmp_path / "cache") \
-        in said and f"--mesh auto chose {rows[0]['mesh']}" in said
+        in said and f"--mesh auto chose {best}" in said
     from plait import mesh as M
     from plait.config import read_toml
 
     resolved = read_toml(tmp_path / "run" / "config.toml", "run config")["mesh"]
-    assert M.inline(resolved) == rows[0]["mesh"]
+    assert M.inline(resolved) == best
 
 
 def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):

@@ -87,8 +87,13 @@ def launch(processes: int, command: list[str], port: int | None = None) -> int:
         return 0
     # The cause, not its echoes: a process that lost its peer says so; the one that
     # failed for itself (or was killed) is the one to report.
+    # A process killed by a signal is a cause whatever its last words were (its trainer
+    # may have outlived it long enough to report losing the others).
     echo = ("lost another process", "lost contact with another process")
-    i, rc, said = next((f for f in failures if not any(e in f[2] for e in echo)), failures[0])
+    killed = [(i, rc, f"killed ({signal.Signals(-rc).name})") for i, rc, _ in failures
+              if rc < 0 and -rc in signal.valid_signals()]
+    i, rc, said = killed[0] if killed else next(
+        (f for f in failures if not any(e in f[2] for e in echo)), failures[0])
     if len(failures) == 1 and i == 0:
         print(f"plait: error: {said}", file=sys.stderr)
     else:

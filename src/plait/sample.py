@@ -61,8 +61,10 @@ def greedy_without_cache(mdef, params: dict, prompt: list[int], n: int, dtype=No
     (no cache); for tests."""
     forward = jax.jit(lambda p, t: mdef.apply(p, t, dtype))
     seq = list(prompt)
+    width = len(prompt) + n  # one program: the model is causal, so padding after is inert
     for _ in range(n):
-        logits = forward(params, jnp.asarray([seq], jnp.int32))[0, -1, : mdef.cfg.vocab]
+        padded = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
+        logits = forward(params, padded)[0, len(seq) - 1, : mdef.cfg.vocab]
         seq.append(int(jnp.argmax(logits)))
     return seq[len(prompt):]
 
