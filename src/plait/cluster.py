@@ -61,3 +61,21 @@ def join(args) -> None:
     except (ImportError, AttributeError):  # pragma: no cover - JAX moved it
         count = args.num_processes or 1
     mesh_lib.set_pending_process_count(count)
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of a multi-process run gets here (the coordination
+    service's barrier, not a collective). On CPUs Gloo gives a process 30 s to find its
+    peer at a collective's first use; a peer still compiling (a loaded machine, a
+    bigger share of the model) would fail the run there. Waiting here first absorbs
+    the difference, up to PLAIT_BARRIER_TIMEOUT_S (default 1800)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed  # the client jax.distributed.initialize made
+
+    client = distributed.global_state.client
+    if client is None:  # a multi-process backend joined some other way (TPU pods)
+        return
+    client.wait_at_barrier(f"plait-{name}", seconds("PLAIT_BARRIER_TIMEOUT_S", 1800) * 1000)

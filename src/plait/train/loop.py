@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from plait import cluster
 from plait import mesh as mesh_lib
 from plait.checkpoint import Checkpoints
 from plait.config import Experiment
@@ -381,6 +382,7 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
     compiled = run.task.compile()
     compile_s = time.perf_counter() - t0
     log.note(f"plait: step compiled in {compile_s:.1f}s")
+    cluster.barrier("step-compiled")  # every process starts the first step together
 
     stop = StopFlag(run)
     stop.install()
