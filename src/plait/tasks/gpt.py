@@ -27,20 +27,11 @@ from plait.errors import UserError
 from plait.models import ModelDef, build, gpt
 from plait.parallel import formulas, schedules
 from plait.tasks.base import Evaluator, Source, Task
+from plait.tasks.gpt_checks import check_fits
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
 from plait.train.step import compute_dtype, cross_entropy, make_train_step
 
-# What each logical dimension is in the config, for error messages, checked in
-# this order so the most actionable key is named first.
-_DIM_KEYS = {
-    "heads": ("model.heads", lambda m: m.heads),
-    "embed": ("model.d_model", lambda m: m.d_model),
-    "mlp": ("model.d_ff", lambda m: m.d_ff),
-    "head_dim": ("the head size model.d_model / model.heads", lambda m: m.d_model // m.heads),
-    "seq": ("model.seq_len", lambda m: m.seq_len),
-    "vocab": ("the padded vocabulary", lambda m: m.padded_vocab),
-}
 TENSOR_AXES = frozenset(a for axes in mesh_lib.TENSOR_MODES.values() for a in axes)
 MODE_NAMES = {None: "none", "1d": "1-D", "2d": "2-D", "2.5d": "2.5-D", "3d": "3-D"}
 
@@ -92,57 +83,6 @@ def scan_for(cfg: GPTConfig, platform: str) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=8)
 def abstract_model(cfg_json: str) -> ModelDef:
     return build(gpt.GPT, GPTConfig.model_validate_json(cfg_json))
-
-
-def _axes_text(axes: tuple[str, ...], n: int) -> str:
-    return f"the {axes[0]} axis ({n})" if len(axes) == 1 else f"{' x '.join(axes)} = {n}"
-
-
-def _check_batch(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules) -> None:
-    t = exp.train
-    if t.global_batch % t.microbatches:
-        raise UserError(f"train.global_batch = {t.global_batch} is not divisible by "
-                        f"train.microbatches = {t.microbatches}")
-    per_micro = t.global_batch // t.microbatches
-    for feature in ("act_embed", "act_heads"):
-        taken = set(sharding.axes_tuple(rules.get(feature)))
-        split = tuple(a for a in sharding.axes_tuple(rules.get("act_batch"))
-                      if sizes.get(a, 1) > 1 and a not in taken)
-        n = math.prod(sizes[a] for a in split)
-        if per_micro % n:
-            raise UserError(
-                f"train.global_batch = {t.global_batch} does not split over {' x '.join(split)}"
-                f" = {n} in each of train.microbatches = {t.microbatches}; make global_batch a "
-                f"multiple of {n * t.microbatches}")
-
-
-def check_fits(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules,
-               model: ModelDef) -> None:
-    """Divisibility of the model and the batch by the mesh, as one-line errors.
-
-    Every parameter dimension is checked against the mesh axes its rules split
-    it over, so a new tensor mode needs no new checks here.
-    """
-    m = exp.model
-    if m.d_model % m.heads:
-        raise UserError(f"model.d_model = {m.d_model} is not divisible by model.heads = "
-                        f"{m.heads}; pick sizes with d_model a multiple of heads")
-    failures: dict[str, tuple[tuple[str, ...], int]] = {}
-    for var in jax.tree.leaves(model.variables(), is_leaf=lambda v: hasattr(v, "get_metadata")):
-        logical, fan_in = sharding.param_meta(var)
-        for name, dim, axes in zip(logical, var.get_value().shape,
-                                   rules.param_axes(logical, fan_in), strict=True):
-            split = tuple(a for a in sharding.axes_tuple(axes) if sizes.get(a, 1) > 1)
-            n = math.prod(sizes[a] for a in split)
-            if dim % n and name not in failures:
-                failures[name] = (split, n)
-    for name, (key, get) in _DIM_KEYS.items():
-        if name in failures:
-            axes, n = failures[name]
-            hint = (f"set model.vocab_multiple to a multiple of {n}" if name == "vocab"
-                    else f"make it a multiple of {n}, or split it over fewer devices")
-            raise UserError(f"{key} = {get(m)} is not divisible by {_axes_text(axes, n)}; {hint}")
-    _check_batch(exp, sizes, rules)
 
 
 class HeldOutLoss:

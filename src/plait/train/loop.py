@@ -27,6 +27,7 @@ from plait.config import Experiment
 from plait.errors import RunFailed, UserError
 from plait.tasks import check_memory, make_task
 from plait.train import lock, rundir
+from plait.train.failures import step_failed
 from plait.train.metrics import (
     MetricsLog,
     StepTimer,
@@ -209,27 +210,6 @@ class Run:
                          "command to resume")
 
 
-# What a collective says when the process at the other end is gone (Gloo on CPU).
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-              "Socket closed", "Connection refused")
-
-
-def _failed(run: Run, step: int, err: Exception) -> RunFailed:
-    """One line for an XLA runtime error in the step: what failed, what to try, what is kept."""
-    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-    kept = (f"the checkpoint at step {run.last_saved} is intact" if run.last_saved is not None
-            else "no checkpoint was written")
-    if jax.process_count() > 1 and any(s in str(err) for s in _PEER_LOST):
-        return RunFailed(f"process {jax.process_index()} of this {jax.process_count()}-process "
-                         f"run lost another process at step {step + 1} ({first}); {kept}: "
-                         "rerun the same command on every process to resume")
-    hint = ""
-    if getattr(run.task, "attention", None) == "cudnn":
-        hint = '; if it is the attention kernel, retry with --set model.attention="xla"'
-    kept += ": rerun the same command to resume" if run.last_saved is not None else ""
-    return RunFailed(f"the train step failed at step {step + 1}: {first}{hint}; {kept}")
-
-
 def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: StopFlag,
            profiler: Profiler):
     """Run steps from `start`; returns (state, last step, step times)."""
@@ -252,7 +232,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
         try:
             metrics = _local_values(metrics)
         except jax.errors.JaxRuntimeError as e:
-            raise _failed(run, at - 1, e) from None
+            raise step_failed(run, at - 1, e) from None
         dt = timer.lap(at)
         record = {"step": at, "loss": float(metrics["loss"]),
                   "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
@@ -274,6 +254,12 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     # 1.4 ms on an H100, lost 15% to that); evaluations, saves, signals and the last step
     # write it at once.
     pending: tuple[int, dict] | None = None
+
+    def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            emit(*pending, with_eval=False)
+            pending = None
     try:
         timer.lap(step)
         while step < total:
@@ -286,12 +272,10 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
                 if step == start:
                     jax.block_until_ready(metrics)
             except jax.errors.JaxRuntimeError as e:
-                raise _failed(run, step, e) from None
+                raise step_failed(run, step, e) from None
             if step == start and step + 1 < total:
                 next_batch = prefetch.submit(task.batch, run.source, step + 1)
-            if pending is not None:
-                emit(*pending, with_eval=False)
-                pending = None
+            flush()
             step += 1
             guard.after(metrics, step)
             profiler.after(step, state)
@@ -304,9 +288,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
                     pending = (step, metrics)
             saving = ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled
             if saving or stop.signal is not None or step == total:
-                if pending is not None:
-                    emit(*pending, with_eval=False)
-                    pending = None
+                flush()
                 guard.check(run)  # nothing non-finite is ever saved
             if saving:
                 run.save(state, step)
