@@ -14,6 +14,7 @@ Checkpoints hold one entry per layer whatever the layout (`unstack` /
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,19 +166,25 @@ class LayerStack:
     abstract: nnx.State
     remat: str  # none | full | save_dots (config.GPTConfig.remat)
 
-    def apply(self, stacked: dict, x: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
+    def layer_fn(self, dtype: jnp.dtype | None = None) -> Callable[[dict, jax.Array], jax.Array]:
+        """One layer as a function (its parameters, h) -> h, computing in `dtype`, with
+        the model's rematerialisation policy."""
         flat_abstract = list(nnx.to_flat_state(self.abstract))
 
-        def body(h, layer):
+        def one(layer: dict, h: jax.Array) -> jax.Array:
             flat = []
             for path, var in flat_abstract:
                 value = _lookup(layer, path)
                 flat.append((path, var.replace(value.astype(dtype) if dtype else value)))
-            return nnx.merge(self.graphdef, nnx.from_flat_state(flat))(h), None
+            return nnx.merge(self.graphdef, nnx.from_flat_state(flat))(h)
 
         if self.remat != "none":
-            body = jax.checkpoint(body, policy=remat_policy(self.remat))
-        return jax.lax.scan(body, x, stacked)[0]
+            one = jax.checkpoint(one, policy=remat_policy(self.remat))
+        return one
+
+    def apply(self, stacked: dict, x: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
+        one = self.layer_fn(dtype)
+        return jax.lax.scan(lambda h, layer: (one(layer, h), None), x, stacked)[0]
 
 
 def layer_stack(layer_cls: type, cfg: ModelSection) -> LayerStack:

@@ -5,10 +5,16 @@ Inside `shard_map` over `pipeline`, a `lax.scan` runs the ticks; each rank
 reads its row and runs its action with `lax.switch`; between ticks every rank
 makes one `ppermute` towards the next rank and one towards the previous rank
 (no pipeline collective inside a branch). Messages land in an inbox of slots
-(activations and gradients share it); forward residuals of `jax.vjp` wait in
-a stash of slots until their backward (or only the stage input, when
-`pipeline.recompute`). Slots are assigned by interval colouring of the table,
-so memory follows the schedule's peak in flight, not the microbatch count.
+(activations and gradients share it). A stage is a scan over its layers, each
+layer's forward and backward read off its traced vjp (`split_backward`): the
+forward residuals that depend on the microbatch wait in a stash slot until
+the backward (or only the stage input, when `pipeline.recompute`); residuals
+made from the parameters alone are recomputed there instead. Zero-bubble
+schedules run the backward as two actions, input gradient (Bx) then weight
+gradient (W), which together run each equation of the backward once; Bx
+overwrites the residuals only it read with what W needs, in the same slot.
+Slots are assigned by interval colouring of the table, so memory follows the
+schedule's peak in flight, not the microbatch count.
 
 The model is split as embed -> stages of equal layer counts -> head + loss.
 The first stage's rank also embeds, the last stage's rank also runs the head
@@ -30,9 +36,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from plait.parallel import schedules as sch
+from plait.parallel import slots
+from plait.parallel.split_backward import LayerGrad
 
 AXIS = "pipeline"
-(KIND, CHUNK, MB, IN_SLOT, RES_SLOT, OUT_DIR, DY_SLOT, RECV_PREV, RECV_NEXT) = range(9)
+(KIND, CHUNK, MB, IN_SLOT, RES_SLOT, OUT_DIR, DY_SLOT, RECV_PREV, RECV_NEXT, RES_WRITE,
+ KEEP_SLOT, KEEP_WRITE) = range(12)
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, BX_FIRST, BX_MID, W_ANY = range(9)
 NONE, NEXT, PREV = 0, 1, 2
 
@@ -46,34 +55,24 @@ def varying_axes(x) -> frozenset:
     return frozenset(vma or ())
 
 
-def _colour(intervals: list[tuple[int, int, int, object]]) -> tuple[dict, int]:
-    """Greedy interval colouring per rank: item -> slot in its rank's buffer, and the
-    slots the largest rank needs (SPMD: every rank allocates that many)."""
-    ends: dict[int, list[int]] = {}
-    slot_of = {}
-    for start, end, rank, item in sorted(intervals, key=lambda x: (x[0], x[1])):
-        mine = ends.setdefault(rank, [])
-        for k, e in enumerate(mine):
-            if e < start:
-                mine[k] = end
-                slot_of[item] = k
-                break
-        else:
-            slot_of[item] = len(mine)
-            mine.append(end)
-    return slot_of, max((len(v) for v in ends.values()), default=0)
-
-
 @dataclass
 class TickTable:
     """A schedule laid onto ranks, chunks, layers and buffer slots: the int array the
-    executor indexes, [tick, rank, column]."""
+    executor indexes, [tick, rank, column].
+
+    Buffers: the inbox (messages and loss gradients), the stash (a microbatch's
+    forward residuals, from its forward to its backward; with a split backward and
+    no recompute, to its weight gradient, Bx refilling the slot with what W needs)
+    and, with a split backward and recompute, the keep (what W needs, from Bx to W).
+    """
 
     schedule: sch.Schedule
     layers_per_stage: int
-    table: np.ndarray  # [ticks, D, 9] int32
+    table: np.ndarray  # [ticks, D, 12] int32
     inbox_slots: int
     stash_slots: int
+    keep_slots: int = 0
+    recompute: bool = False
 
     @property
     def ranks(self) -> int:
@@ -94,13 +93,31 @@ class TickTable:
         n = W_ANY + 1
         return {n: [float((kinds == k).mean()) for k in range(n)]}
 
+    def held(self) -> dict[str, list[int]]:
+        """Per rank, the most slots of each buffer it fills at once (the executor
+        allocates the largest rank's count on every rank)."""
+        out = {}
+        for name, col, end_col in (("stash", RES_SLOT, RES_WRITE), ("keep", KEEP_SLOT,
+                                                                     KEEP_WRITE)):
+            del end_col
+            per_rank = []
+            for r in range(self.ranks):
+                used = {int(v) for v in self.table[:, r, col]} - {self._trash(name)}
+                per_rank.append(len(used))
+            out[name] = per_rank
+        return out
 
-def tick_table(schedule: sch.Schedule, layers: int) -> TickTable:
+    def _trash(self, name: str) -> int:
+        return {"stash": self.stash_slots, "keep": self.keep_slots}[name]
+
+
+def tick_table(schedule: sch.Schedule, layers: int, recompute: bool = False) -> TickTable:
     s = schedule
     S = s.num_stages
     if layers % S:
         raise AssertionError("layer count checked before")
     D, T = s.stages, len(s.table)
+    split = s.kind.split_backward
     when = {a: t for t, row in enumerate(s.table) for a in row if a is not None}
     last = S - 1
 
@@ -111,54 +128,62 @@ def tick_table(schedule: sch.Schedule, layers: int) -> TickTable:
             return sch.Action(a.kind, a.pipe, a.stage - 1, a.mb) if a.stage else None
         return None
 
+    def of(kind: str, a: sch.Action) -> sch.Action:
+        return sch.Action(kind, a.pipe, a.stage, a.mb)
+
     # Inbox items: a message (produced at t, stored at t + 1) or a last-stage dy
-    # (stored at t), read by the consumer; zero-bubble weight gradients re-read
-    # the gradient their input-gradient action read.
-    inbox, stash = [], []
+    # (stored at t), read by the consumer. A split backward's W reads no message:
+    # what it needs of the gradient, Bx kept for it.
+    inbox, stash, keep = [], [], []
     for a, t in when.items():
         here = s.rank_of(a.pipe, a.stage)
         c = consumer(a)
         if c is not None:
-            end = when[c]
-            if c.kind == sch.BX:
-                end = when[sch.Action(sch.W, c.pipe, c.stage, c.mb)]
-            inbox.append((t + 1, end, s.rank_of(c.pipe, c.stage), ("msg", a)))
+            inbox.append((t + 1, when[c], s.rank_of(c.pipe, c.stage), ("msg", a)))
         if a.kind == sch.F and a.stage == last:
-            # The loss gradient is read by the backward, and again by W when split.
-            end = when[sch.Action(s.last_use_kind, a.pipe, a.stage, a.mb)]
-            inbox.append((t, end, here, ("dy", a)))
+            inbox.append((t, when[of(s.backward_kind, a)], here, ("dy", a)))
         if a.kind == sch.F:
-            done = sch.Action(s.last_use_kind, a.pipe, a.stage, a.mb)
-            stash.append((t, when[done], here, a))
-    in_slot, n_in = _colour(inbox)
-    res_slot, n_res = _colour(stash)
+            stash_end = sch.W if split and not recompute else s.backward_kind
+            stash.append((t, when[of(stash_end, a)], here, a))
+        if a.kind == sch.BX and recompute:
+            keep.append((t, when[of(sch.W, a)], here, a))
+    in_slot, n_in = slots.colour(inbox)
+    res_slot, n_res = slots.colour(stash)
+    keep_slot, n_keep = slots.colour(keep)
 
-    tab = np.zeros((T, D, 9), np.int32)
-    tab[:, :, IN_SLOT] = n_in  # the trash slot
-    tab[:, :, RES_SLOT] = n_res
-    tab[:, :, DY_SLOT] = n_in
-    tab[:, :, RECV_PREV] = n_in
-    tab[:, :, RECV_NEXT] = n_in
+    tab = np.zeros((T, D, 12), np.int32)
+    for col, trash in ((IN_SLOT, n_in), (RES_SLOT, n_res), (DY_SLOT, n_in), (RECV_PREV, n_in),
+                       (RECV_NEXT, n_in), (RES_WRITE, n_res), (KEEP_SLOT, n_keep),
+                       (KEEP_WRITE, n_keep)):
+        tab[:, :, col] = trash
     for a, t in when.items():
         r = s.rank_of(a.pipe, a.stage)
         row = tab[t, r]
         row[CHUNK] = s.chunk_of(a.pipe, a.stage)
         row[MB] = a.mb
         first, is_last = a.stage == 0, a.stage == last
-        fwd = sch.Action(sch.F, a.pipe, a.stage, a.mb)
-        row[RES_SLOT] = res_slot[fwd]
+        fwd = of(sch.F, a)
+        if a.kind != sch.W or not recompute:
+            row[RES_SLOT] = res_slot[fwd]
+        if a.kind == sch.F or (a.kind == sch.BX and not recompute):
+            row[RES_WRITE] = res_slot[fwd]
+        if recompute and a.kind in (sch.BX, sch.W):
+            row[KEEP_SLOT] = keep_slot[of(sch.BX, a)]
+            if a.kind == sch.BX:
+                row[KEEP_WRITE] = row[KEEP_SLOT]
         if a.kind == sch.F:
             row[KIND] = F_FIRST if first else F_LAST if is_last else F_MID
             if not first:
-                row[IN_SLOT] = in_slot[("msg", sch.Action(sch.F, a.pipe, a.stage - 1, a.mb))]
+                row[IN_SLOT] = in_slot[("msg", of(sch.F, sch.Action(
+                    sch.F, a.pipe, a.stage - 1, a.mb)))]
             if is_last:
                 row[DY_SLOT] = in_slot[("dy", a)]
         else:
-            grad_kind = sch.BX if a.kind == sch.W else a.kind
-            if is_last:
-                row[IN_SLOT] = in_slot[("dy", fwd)]
-            else:
-                row[IN_SLOT] = in_slot[("msg", sch.Action(grad_kind, a.pipe, a.stage + 1, a.mb))]
+            if a.kind != sch.W:
+                if is_last:
+                    row[IN_SLOT] = in_slot[("dy", fwd)]
+                else:
+                    row[IN_SLOT] = in_slot[("msg", sch.Action(a.kind, a.pipe, a.stage + 1, a.mb))]
             row[KIND] = {sch.B: B_FIRST if first else B_MID,
                          sch.BX: BX_FIRST if first else BX_MID, sch.W: W_ANY}[a.kind]
         c = consumer(a)
@@ -168,7 +193,7 @@ def tick_table(schedule: sch.Schedule, layers: int) -> TickTable:
             # The receiver files it when it arrives, at the next tick.
             recv = tab[t + 1, dest]
             recv[RECV_PREV if row[OUT_DIR] == NEXT else RECV_NEXT] = in_slot[("msg", a)]
-    return TickTable(s, layers // S, tab, n_in, n_res)
+    return TickTable(s, layers // S, tab, n_in, n_res, n_keep, recompute)
 
 
 @dataclass(frozen=True)
@@ -176,7 +201,7 @@ class StageFns:
     """The model, cut for the pipeline. Shapes: x [b, seq, d]; tokens [b, seq + 1]."""
 
     embed: Callable  # (shared, tokens) -> x
-    stage: Callable  # (stage_params [layers_per_stage, ...], x) -> x
+    layer: Callable  # (one layer's params, x) -> x; a stage runs its layers in turn
     head_loss: Callable  # (shared, x, tokens) -> mean loss of the microbatch
 
 
@@ -188,6 +213,43 @@ def _f32(t):
     return jax.tree.map(lambda a: a.astype(jnp.float32), t)
 
 
+class _Stage:
+    """A stage's layers (parameters stacked [layers, ...]) run by lax.scan, with the
+    layer's forward and backward from `LayerGrad`."""
+
+    def __init__(self, lg: LayerGrad):
+        self.lg = lg
+
+    def forward(self, pc, x) -> tuple[jax.Array, list]:
+        """(output, the stashed residuals of every layer, stacked)."""
+        return jax.lax.scan(lambda h, p: self.lg.forward(p, h), x, pc)
+
+    def backward(self, pc, stashed: list, g):
+        def body(g, xs):
+            dp, dh = self.lg.backward(xs[0], xs[1], g)
+            return dh, dp
+
+        dx, dp = jax.lax.scan(body, g, (pc, stashed), reverse=True)
+        return dp, dx
+
+    def backward_input(self, pc, res_b: list, res_w: list, g):
+        """(input gradient, what W needs of each layer: the frontier, stacked)."""
+        return jax.lax.scan(lambda g, xs: self.lg.backward_input(*xs, g), g,
+                            (pc, res_b, res_w), reverse=True)
+
+    def backward_weight(self, pc, res_w: list, frontier: list):
+        return jax.lax.scan(lambda c, xs: (c, self.lg.backward_weight(*xs)), 0,
+                            (pc, res_w, frontier))[1]
+
+    def pick(self, stashed: list, which: list[int]) -> list:
+        """The stashed residuals `which` (indices of the layer's residuals)."""
+        return [stashed[self.lg.stashed.index(i)] for i in which]
+
+
+def _stacked(avals, n: int) -> list:
+    return [jax.ShapeDtypeStruct((n, *a.shape), a.dtype) for a in avals]
+
+
 class _Rank:
     """One pipeline rank inside the shard_map: its chunks' forward and backward, the
     action switch of a tick, and the scan over ticks."""
@@ -196,6 +258,7 @@ class _Rank:
                  act_shape: tuple[int, ...], act_dtype, recompute: bool):
         self.p, self.fns, self.tokens = p, fns, tokens
         self.act_shape, self.act_dtype, self.recompute = act_shape, act_dtype, recompute
+        self.split = p.schedule.kind.split_backward
         self.N = p.schedule.microbatches
         self.stage_local = jax.tree.map(lambda a: a[0], stage_local)  # [chunks, L/S, ...]
         # Replicated parameters become varying here, outside the switch: a gradient
@@ -203,39 +266,40 @@ class _Rank:
         # implicit psum over the pipeline, a collective only some ranks reach.
         self.shared = jax.tree.map(_vary, shared)
         self.x0 = _vary(jnp.zeros(act_shape, act_dtype))
-        if recompute:
-            self.res_example, self.treedef = [self.x0], None
-        else:
-            chunk0 = jax.tree.map(lambda a: a[0], self.stage_local)
-            _, vjp0 = jax.vjp(fns.stage, chunk0, self.x0)
-            self.res_example, self.treedef = jax.tree.flatten(vjp0)
+        layer0 = jax.tree.map(lambda a: a[0, 0], self.stage_local)
+        self.stage = _Stage(LayerGrad(fns.layer, layer0, self.x0))
+        self._layouts()
         zeros32 = (lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t))
         self.g_stage0, self.g_shared0 = zeros32(self.stage_local), zeros32(self.shared)
-        self.res_zero = [jnp.zeros_like(r) for r in self.res_example]
+
+    def _layouts(self):
+        """Which arrays the stash and the keep hold per microbatch."""
+        L, ex = self.p.layers_per_stage, self.stage.lg.examples()
+        x = [jax.ShapeDtypeStruct(self.act_shape, self.act_dtype)]
+        self.stash, self.keep = slots.Rows(), slots.Rows()
+        if self.recompute:
+            self.stash.add("x", x)
+            if self.split:  # Bx recomputes the residuals; W's wait in the keep.
+                self.keep.add("res_w", _stacked(ex["res_w"], L))
+                self.keep.add("frontier", _stacked(ex["frontier"], L))
+        elif self.split:
+            # W's residuals, Bx's, and after Bx the frontier in Bx's buffers.
+            self.stash.add("res_w", _stacked(ex["res_w"], L))
+            self.stash.add("res_b", _stacked(ex["res_b"], L))
+            self.stash.add("frontier", _stacked(ex["frontier"], L), share="res_b")
+        else:
+            self.stash.add("stashed", _stacked(ex["stashed"], L))
 
     def chunk_params(self, c):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, keepdims=False),
                             self.stage_local)
 
-    def forward(self, c, x):
-        pc = self.chunk_params(c)
-        if self.recompute:
-            return self.fns.stage(pc, x), [x]
-        y, vjp_fn = jax.vjp(self.fns.stage, pc, x)
-        return y, jax.tree.leaves(vjp_fn)
-
-    def backward(self, c, res, g):
-        if self.recompute:
-            _, vjp_fn = jax.vjp(self.fns.stage, self.chunk_params(c), res[0])
-        else:
-            vjp_fn = jax.tree.unflatten(self.treedef, res)
-        return vjp_fn(g)
-
-    def out(self, msg=None, res=None, g_chunk=None, g_shared=None, loss=None):
+    def out(self, msg=None, s_rows=None, k_rows=None, g_chunk=None, g_shared=None, loss=None):
         """What every branch returns: the same types, all varying over the pipeline."""
         return jax.tree.map(_vary, (
             msg if msg is not None else self.x0,
-            res if res is not None else self.res_zero,
+            s_rows if s_rows is not None else self.stash.zeros(),
+            k_rows if k_rows is not None else self.keep.zeros(),
             g_chunk if g_chunk is not None else jax.tree.map(lambda a: a[0], self.g_stage0),
             g_shared if g_shared is not None else self.g_shared0,
             loss if loss is not None else jnp.zeros((), jnp.float32)))
@@ -244,62 +308,109 @@ class _Rank:
         _, vjp_e = jax.vjp(lambda sh: self.fns.embed(sh, toks), self.shared)
         return _f32(vjp_e(dx)[0])
 
-    def act(self, row, inbox, stash):
+    # --- the stage's passes over a microbatch's stash rows --------------------------
+    def forward(self, c, x):
+        """(output, stash rows)."""
+        y, stashed = self.stage.forward(self.chunk_params(c), x)
+        rows, st = self.stash.zeros(), self.stage
+        if self.recompute:
+            return y, self.stash.write(rows, "x", [x])
+        if not self.split:
+            return y, self.stash.write(rows, "stashed", stashed)
+        rows = self.stash.write(rows, "res_w", st.pick(stashed, st.lg.res_w))
+        return y, self.stash.write(rows, "res_b", st.pick(stashed, st.lg.res_b))
+
+    def _recomputed(self, c, s_rows) -> list:
+        return self.stage.forward(self.chunk_params(c), self.stash.read(s_rows, "x")[0])[1]
+
+    def backward(self, c, s_rows, g):
+        stashed = (self._recomputed(c, s_rows) if self.recompute
+                   else self.stash.read(s_rows, "stashed"))
+        return self.stage.backward(self.chunk_params(c), stashed, g)
+
+    def backward_input(self, c, s_rows, g):
+        """(input gradient, stash rows, keep rows): what W needs is kept."""
+        pc, st, lg = self.chunk_params(c), self.stage, self.stage.lg
+        if self.recompute:
+            stashed = self._recomputed(c, s_rows)
+            res_b, res_w = st.pick(stashed, lg.res_b), st.pick(stashed, lg.res_w)
+        else:
+            res_w, res_b = self.stash.read(s_rows, "res_w"), self.stash.read(s_rows, "res_b")
+        dx, frontier = st.backward_input(pc, res_b, res_w, g)
+        if self.recompute:
+            k_rows = self.keep.write(self.keep.zeros(), "res_w", res_w)
+            return dx, None, self.keep.write(k_rows, "frontier", frontier)
+        return dx, self.stash.write(s_rows, "frontier", frontier), None
+
+    def backward_weight(self, c, s_rows, k_rows):
+        rows, buf = (k_rows, self.keep) if self.recompute else (s_rows, self.stash)
+        return self.stage.backward_weight(self.chunk_params(c), buf.read(rows, "res_w"),
+                                          buf.read(rows, "frontier"))
+
+    def act(self, row, inbox, stash, keep):
         """Run this tick's action (the table's KIND column) with lax.switch."""
         c, m, N, fns, out = row[CHUNK], row[MB], self.N, self.fns, self.out
         toks = self.tokens[m]
         x_in = inbox[row[IN_SLOT]]
-        res = [s[row[RES_SLOT]] for s in stash]
+        s_rows = [b[row[RES_SLOT]] for b in stash]
+        k_rows = [b[row[KEEP_SLOT]] for b in keep]
 
         def f_first():
             y, r = self.forward(c, fns.embed(self.shared, toks).astype(self.act_dtype))
-            return out(msg=y, res=r)
+            return out(msg=y, s_rows=r)
 
         def f_mid():
             y, r = self.forward(c, x_in)
-            return out(msg=y, res=r)
+            return out(msg=y, s_rows=r)
 
         def f_last():
             y, r = self.forward(c, x_in)
             loss, (dsh, dy) = jax.value_and_grad(fns.head_loss, argnums=(0, 1))(
                 self.shared, y, toks)
-            return out(msg=(dy / N).astype(self.act_dtype), res=r,
+            return out(msg=(dy / N).astype(self.act_dtype), s_rows=r,
                        g_shared=jax.tree.map(lambda g: g / N, _f32(dsh)),
                        loss=loss.astype(jnp.float32))
 
         def b_first():
-            dp, dx = self.backward(c, res, x_in)
+            dp, dx = self.backward(c, s_rows, x_in)
             return out(g_chunk=_f32(dp), g_shared=self.embed_grad(toks, dx))
 
         def b_mid():
-            dp, dx = self.backward(c, res, x_in)
+            dp, dx = self.backward(c, s_rows, x_in)
             return out(msg=dx.astype(self.act_dtype), g_chunk=_f32(dp))
 
         def bx_first():
-            return out(g_shared=self.embed_grad(toks, self.backward(c, res, x_in)[1]))
+            dx, s2, k2 = self.backward_input(c, s_rows, x_in)
+            return out(s_rows=s2, k_rows=k2, g_shared=self.embed_grad(toks, dx))
 
         def bx_mid():
-            return out(msg=self.backward(c, res, x_in)[1].astype(self.act_dtype))
+            dx, s2, k2 = self.backward_input(c, s_rows, x_in)
+            return out(msg=dx.astype(self.act_dtype), s_rows=s2, k_rows=k2)
 
         def w_any():
-            return out(g_chunk=_f32(self.backward(c, res, x_in)[0]))
+            return out(g_chunk=_f32(self.backward_weight(c, s_rows, k_rows)))
 
-        return jax.lax.switch(row[KIND], [out, f_first, f_mid, f_last, b_first, b_mid,
-                                          bx_first, bx_mid, w_any])
+        # A schedule runs either whole backwards or split ones; the other kind's
+        # branches never run and are left empty.
+        whole, split = [b_first, b_mid], [bx_first, bx_mid, w_any]
+        if self.split:
+            whole = [out, out]
+        else:
+            split = [out, out, out]
+        return jax.lax.switch(row[KIND], [out, f_first, f_mid, f_last, *whole, *split])
 
     def tick(self, carry, t):
         """Receive the previous tick's messages, act, file and send the results."""
-        inbox, stash, g_stage, g_shared, loss, send_next, send_prev = carry
+        inbox, stash, keep, g_stage, g_shared, loss, send_next, send_prev = carry
         D = self.p.ranks
         from_prev = jax.lax.ppermute(send_next, AXIS, [(i, (i + 1) % D) for i in range(D)])
         from_next = jax.lax.ppermute(send_prev, AXIS, [(i, (i - 1) % D) for i in range(D)])
         row = jnp.asarray(self.p.table)[t, jax.lax.axis_index(AXIS)]
         inbox = inbox.at[row[RECV_PREV]].set(from_prev)
         inbox = inbox.at[row[RECV_NEXT]].set(from_next)
-        msg, res, g_chunk, g_sh, mb_loss = self.act(row, inbox, stash)
-        is_f = (row[KIND] >= F_FIRST) & (row[KIND] <= F_LAST)
-        stash_slot = jnp.where(is_f, row[RES_SLOT], self.p.stash_slots)
-        stash = [s.at[stash_slot].set(r) for s, r in zip(stash, res, strict=True)]
+        msg, s_rows, k_rows, g_chunk, g_sh, mb_loss = self.act(row, inbox, stash, keep)
+        stash = [b.at[row[RES_WRITE]].set(r) for b, r in zip(stash, s_rows, strict=True)]
+        keep = [b.at[row[KEEP_WRITE]].set(r) for b, r in zip(keep, k_rows, strict=True)]
         inbox = inbox.at[row[DY_SLOT]].set(msg)
         c = row[CHUNK]
         g_stage = jax.tree.map(
@@ -309,19 +420,20 @@ class _Rank:
         g_shared = jax.tree.map(jnp.add, g_shared, g_sh)
         send_next = jnp.where(row[OUT_DIR] == NEXT, msg, jnp.zeros_like(msg))
         send_prev = jnp.where(row[OUT_DIR] == PREV, msg, jnp.zeros_like(msg))
-        return (inbox, stash, g_stage, g_shared, loss + mb_loss, send_next, send_prev), None
+        return (inbox, stash, keep, g_stage, g_shared, loss + mb_loss, send_next,
+                send_prev), None
 
     def run(self):
         """(mean loss, this rank's stage gradients [1, chunks, ...], shared gradients)."""
         p = self.p
         inbox = _vary(jnp.zeros((p.inbox_slots + 1, *self.act_shape), self.act_dtype))
-        stash = [_vary(jnp.zeros((p.stash_slots + 1, *r.shape), r.dtype))
-                 for r in self.res_example]
-        carry = (inbox, stash, jax.tree.map(_vary, self.g_stage0),
+        stash = [_vary(b) for b in self.stash.buffers(p.stash_slots)]
+        keep = [_vary(b) for b in self.keep.buffers(p.keep_slots)]
+        carry = (inbox, stash, keep, jax.tree.map(_vary, self.g_stage0),
                  jax.tree.map(_vary, self.g_shared0), _vary(jnp.zeros((), jnp.float32)),
                  self.x0, self.x0)
         carry, _ = jax.lax.scan(self.tick, carry, jnp.arange(p.table.shape[0]))
-        _, _, g_stage, g_shared, loss, _, _ = carry
+        _, _, _, g_stage, g_shared, loss, _, _ = carry
         loss = jax.lax.psum(loss, AXIS) / self.N
         return loss, jax.tree.map(lambda a: a[None], g_stage), jax.lax.psum(g_shared, AXIS)
 

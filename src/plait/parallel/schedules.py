@@ -260,38 +260,73 @@ def _inflight(prog: list[Action]) -> int:
     return sum(1 for a in prog if a.kind == F) - sum(1 for a in prog if a.kind in (B, W))
 
 
+def _chimera_unit(s: Schedule) -> list[list[Action]]:
+    """One basic unit (N = D): each pipe takes D/2 microbatches. Greedy: backward
+    first, then the stage nearest the end of its pipe; at most D in flight per rank.
+    Its peaks run from D/2 + 1 (the end ranks) to D (the middle), as in the paper."""
+    D = s.stages
+    pending: dict[int, list[Action]] = {r: [] for r in range(D)}
+    for m in range(D):
+        p = int(m >= D // 2)
+        for st in range(D):
+            pending[s.rank_of(p, st)] += [Action(F, p, st, m), Action(B, p, st, m)]
+    return _greedy(s, pending, key=lambda a: (a.kind != B, -a.stage, a.mb),
+                   may_start=lambda r, a, prog: a.kind == B or _inflight(prog) < D)
+
+
 def _chimera_programs(s: Schedule) -> list[list[Action]]:
-    """Each basic unit of D microbatches is split between the down and the up pipe.
-    Greedy: backward first, then the oldest unit, then the stage nearest the end of
-    its pipe; at most D microbatches in flight per rank (1F1B's peak)."""
+    """N = kD: k basic units concatenated, the next unit's work filling the previous
+    unit's tail (Li & Hoefler 2021, section 3.5). A rank starts the next unit only
+    once its current unit has no forward left, and keeps the basic unit's peak in
+    flight, so memory stays the unit's ([D/2 + 1, D] microbatches per rank) while
+    ticks and bubble are those of one long unit: 2N + D - 2 ticks."""
     D, N = s.stages, s.microbatches
+    unit = Schedule(s.kind, D, D, 1)
+    unit.programs = _chimera_unit(unit)
+    if N == D:
+        return unit.programs
+    unit.table = _lockstep(unit)
+    cap = peak_inflight(unit)
     pending: dict[int, list[Action]] = {r: [] for r in range(D)}
     for m in range(N):
         p = int(m % D >= D // 2)
         for st in range(D):
             pending[s.rank_of(p, st)] += [Action(F, p, st, m), Action(B, p, st, m)]
+
+    def may_start(r: int, a: Action, prog: list[Action]) -> bool:
+        oldest = min(x.mb // D for x in pending[r] + [a])
+        if a.mb // D == oldest:
+            return a.kind == B or _inflight(prog) < D
+        forwards_left = any(x.kind == F and x.mb // D == oldest for x in pending[r])
+        return a.mb // D == oldest + 1 and not forwards_left and (
+            a.kind == B or _inflight(prog) < cap[r])
+
     return _greedy(s, pending, key=lambda a: (a.kind != B, a.mb // D, -a.stage, a.mb),
-                   may_start=lambda r, a, prog: a.kind == B or _inflight(prog) < D)
+                   may_start=may_start)
 
 
 def _zb_h1(s: Schedule) -> list[list[Action]]:
-    """ZB-H1: the backward split into input gradient (Bx) and weight gradient (W).
-    Greedy: Bx first, then F (at most D - rank forwards past their Bx, 1F1B's
-    activation count), then W, which may wait while a rank owes fewer than D - 1:
-    the deferred weight gradients fill the cooldown, where 1F1B idles."""
+    """ZB-H1 (Qi et al. 2024): 1F1B's warm-up (D - 1 - r forwards on rank r), then
+    forward, input gradient, and the weight gradient of the microbatch r places
+    earlier: rank r defers r weight gradients, which fill its cooldown. Every rank
+    then holds at most D microbatches from forward to weight gradient (1F1B's
+    peak) and idles a third of 1F1B's time (T_F = T_Bx = T_W)."""
     D, N = s.stages, s.microbatches
-    pending = {r: [Action(k, 0, r, m) for k in (F, BX, W) for m in range(N)] for r in range(D)}
-
-    def may_start(r: int, a: Action, prog: list[Action]) -> bool:
-        if a.kind == W:
-            return True
-        n_bx = sum(1 for x in prog if x.kind == BX)
-        if n_bx - sum(1 for x in prog if x.kind == W) > D - 1:
-            return False
-        return a.kind == BX or sum(1 for x in prog if x.kind == F) - n_bx < D - r
-
-    return _greedy(s, pending, key=lambda a: ({BX: 0, F: 1, W: 2}[a.kind], a.mb),
-                   may_start=may_start)
+    progs = []
+    for r in range(D):
+        warm = min(D - 1 - r, N)
+        prog = [Action(F, 0, r, m) for m in range(warm)]
+        w_next = 0
+        for i in range(N):
+            if warm + i < N:
+                prog.append(Action(F, 0, r, warm + i))
+            prog.append(Action(BX, 0, r, i))
+            while w_next <= i - r:
+                prog.append(Action(W, 0, r, w_next))
+                w_next += 1
+        prog += [Action(W, 0, r, m) for m in range(w_next, N)]
+        progs.append(prog)
+    return progs
 
 
 def _timed(s: Schedule) -> dict:

@@ -105,9 +105,10 @@ def program_key(exp: Experiment, c: Candidate) -> tuple:
 
     s = schedules.build(pipe["schedule"], c.sizes["pipeline"], pipe["microbatches"],
                         pipe.get("virtual_stages", 0))
-    t = pipeline.tick_table(s, exp.model.layers)
+    t = pipeline.tick_table(s, exp.model.layers, exp.pipeline.recompute)
     weights = tuple(round(w, 12) for ws in t.branch_weights().values() for w in ws)
-    return (c.mesh, s.pipes, t.chunks, len(t.table), t.inbox_slots, t.stash_slots, weights)
+    return (c.mesh, s.pipes, s.kind.split_backward, t.chunks, len(t.table), t.inbox_slots,
+            t.stash_slots, t.keep_slots, weights)
 
 
 def crosses_nodes(sizes: dict[str, int], axes: list[str], per_node: int) -> bool:

@@ -66,7 +66,7 @@ class Pipelined:
                 f"train.global_batch = {exp.train.global_batch} does not split into "
                 f"pipeline.microbatches = {N} of rows over data x fsdp = {replicas}; make it a "
                 f"multiple of {N * replicas}")
-        self.ticks = pipeline.tick_table(self.schedule, cfg.layers)
+        self.ticks = pipeline.tick_table(self.schedule, cfg.layers, pc.recompute)
         self.key = layer_key
         # The model without its repeated layers: what every rank keeps whole.
         self.shared_model = build(model.cls, cfg.model_copy(update={"layers": 0}))
@@ -150,16 +150,15 @@ class Pipelined:
         def embed(shared, toks):
             return shared_model.module(shared, dtype).embed(toks[:, :-1])
 
-        def stage(stage_params, x):
-            return layers.apply(stage_params, x, dtype)
 
         def head_loss(shared, x, toks):
             return loss_fn(shared_model.module(shared, dtype).logits(x), toks[:, 1:])
 
         b, seq = batch.shape[1], batch.shape[2] - 1
         act_dtype = dtype or jnp.float32
+        fns = pipeline.StageFns(embed, layers.layer_fn(dtype), head_loss)
         loss, g_stages, g_shared = pipeline.run(
-            self.ticks, pipeline.StageFns(embed, stage, head_loss), params["stages"],
+            self.ticks, fns, params["stages"],
             params["shared"], batch, self.mesh, (b, seq, self.exp.model.d_model), act_dtype,
             self.recompute)
         if self.schedule.pipes > 1:
