@@ -129,6 +129,9 @@ def parser() -> argparse.ArgumentParser:
     sc.add_argument("--virtual-stages", type=int, default=None,
                     help="stages per rank for schedules that interleave (default: the "
                          "schedule's, 2 for interleaved)")
+    sc.add_argument("--recompute", action="store_true",
+                    help="count the executor's buffers as pipeline.recompute = true does "
+                         "(stage inputs stashed, the forward recomputed in the backward)")
     sc.add_argument("--json", action="store_true", help="print one JSON object")
     sc.add_argument("--png", help="also draw the table into this PNG file")
     d = sub.add_parser(
@@ -321,7 +324,7 @@ def cmd_schedule(args) -> int:
     from plait.views.schedule import show
 
     s = schedules.build(args.name, args.stages, args.microbatches, args.virtual_stages or 0)
-    show(s, args.json, args.png)
+    show(s, args.json, args.png, args.recompute)
     return 0
 
 

@@ -27,7 +27,7 @@ are summed over it at the end.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +73,8 @@ class TickTable:
     stash_slots: int
     keep_slots: int = 0
     recompute: bool = False
+    # Per rank, the slots of each buffer it fills at once: inbox, stash, keep.
+    held: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def ranks(self) -> int:
@@ -92,23 +94,6 @@ class TickTable:
         kinds = self.table[:, :, KIND]
         n = W_ANY + 1
         return {n: [float((kinds == k).mean()) for k in range(n)]}
-
-    def held(self) -> dict[str, list[int]]:
-        """Per rank, the most slots of each buffer it fills at once (the executor
-        allocates the largest rank's count on every rank)."""
-        out = {}
-        for name, col, end_col in (("stash", RES_SLOT, RES_WRITE), ("keep", KEEP_SLOT,
-                                                                     KEEP_WRITE)):
-            del end_col
-            per_rank = []
-            for r in range(self.ranks):
-                used = {int(v) for v in self.table[:, r, col]} - {self._trash(name)}
-                per_rank.append(len(used))
-            out[name] = per_rank
-        return out
-
-    def _trash(self, name: str) -> int:
-        return {"stash": self.stash_slots, "keep": self.keep_slots}[name]
 
 
 def tick_table(schedule: sch.Schedule, layers: int, recompute: bool = False) -> TickTable:
@@ -147,9 +132,10 @@ def tick_table(schedule: sch.Schedule, layers: int, recompute: bool = False) -> 
             stash.append((t, when[of(stash_end, a)], here, a))
         if a.kind == sch.BX and recompute:
             keep.append((t, when[of(sch.W, a)], here, a))
-    in_slot, n_in = slots.colour(inbox)
-    res_slot, n_res = slots.colour(stash)
-    keep_slot, n_keep = slots.colour(keep)
+    in_slot, in_held = slots.colour(inbox, D)
+    res_slot, res_held = slots.colour(stash, D)
+    keep_slot, keep_held = slots.colour(keep, D)
+    n_in, n_res, n_keep = max(in_held), max(res_held), max(keep_held)
 
     tab = np.zeros((T, D, 12), np.int32)
     for col, trash in ((IN_SLOT, n_in), (RES_SLOT, n_res), (DY_SLOT, n_in), (RECV_PREV, n_in),
@@ -174,8 +160,7 @@ def tick_table(schedule: sch.Schedule, layers: int, recompute: bool = False) -> 
         if a.kind == sch.F:
             row[KIND] = F_FIRST if first else F_LAST if is_last else F_MID
             if not first:
-                row[IN_SLOT] = in_slot[("msg", of(sch.F, sch.Action(
-                    sch.F, a.pipe, a.stage - 1, a.mb)))]
+                row[IN_SLOT] = in_slot[("msg", sch.Action(sch.F, a.pipe, a.stage - 1, a.mb))]
             if is_last:
                 row[DY_SLOT] = in_slot[("dy", a)]
         else:
@@ -193,7 +178,8 @@ def tick_table(schedule: sch.Schedule, layers: int, recompute: bool = False) -> 
             # The receiver files it when it arrives, at the next tick.
             recv = tab[t + 1, dest]
             recv[RECV_PREV if row[OUT_DIR] == NEXT else RECV_NEXT] = in_slot[("msg", a)]
-    return TickTable(s, layers // S, tab, n_in, n_res, n_keep, recompute)
+    return TickTable(s, layers // S, tab, n_in, n_res, n_keep, recompute,
+                     {"inbox": in_held, "stash": res_held, "keep": keep_held})
 
 
 @dataclass(frozen=True)

@@ -426,5 +426,8 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 0) -> Schedu
         "makespan": timed["makespan"],
         "ticks": len(s.table),
         "peak_inflight": peak_inflight(s),
+        # What each rank computes, in one stage's forward (F 1, B 2, Bx 1, W 1): a split
+        # backward costs what the whole one does.
+        "work_per_rank": [sum(DURATION[a.kind] for a in prog) for prog in s.programs],
     }
     return s

@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def colour(intervals: list[tuple[int, int, int, object]]) -> tuple[dict, int]:
+def colour(intervals: list[tuple[int, int, int, object]], ranks: int
+           ) -> tuple[dict, list[int]]:
     """Greedy interval colouring per rank: item -> slot in its rank's buffer, and the
-    slots the largest rank needs (SPMD: every rank allocates that many). An interval
+    slots each rank needs (SPMD: every rank allocates the largest count). An interval
     (start, end, rank, item) holds its slot from tick start to tick end, both in."""
-    ends: dict[int, list[int]] = {}
+    ends: dict[int, list[int]] = {r: [] for r in range(ranks)}
     slot_of = {}
     for start, end, rank, item in sorted(intervals, key=lambda x: (x[0], x[1])):
-        mine = ends.setdefault(rank, [])
+        mine = ends[rank]
         for k, e in enumerate(mine):
             if e < start:
                 mine[k] = end
@@ -32,7 +33,7 @@ def colour(intervals: list[tuple[int, int, int, object]]) -> tuple[dict, int]:
         else:
             slot_of[item] = len(mine)
             mine.append(end)
-    return slot_of, max((len(v) for v in ends.values()), default=0)
+    return slot_of, [len(ends[r]) for r in range(ranks)]
 
 
 class Rows:

@@ -71,17 +71,20 @@ def predict_group(exp: Experiment, group: list[Candidate], measured: dict, hw: H
                   n: int) -> list[dict]:
     """Rows of candidates that share one compiled program: a pipeline's microbatch counts
     differ only by their schedule's bubble."""
-    from plait.parallel import schedules
+    from plait.parallel import pipeline, schedules
 
     rows = []
     for c in group:
-        m = measured
+        m, held = measured, {}
         if c.pipeline:
             p = c.pipeline
             s = schedules.build(p["schedule"], c.sizes["pipeline"], p["microbatches"],
                                 p.get("virtual_stages", 0))
             m = dict(measured, figures=s.figures)
-        rows.append(predict(exp, c, m, hw, n))
+            # What the compiled executor holds, per rank (its memory is the largest).
+            t = pipeline.tick_table(s, exp.model.layers, exp.pipeline.recompute).held
+            held = {"stash_slots_per_rank": t["stash"], "keep_slots_per_rank": t["keep"]}
+        rows.append({**predict(exp, c, m, hw, n), **held})
     return rows
 
 

@@ -93,10 +93,10 @@ def enumerate_shapes(exp: Experiment, n: int) -> tuple[list[Candidate], list[str
 def program_key(exp: Experiment, c: Candidate) -> tuple:
     """Groups with equal keys compile to the same program (up to the table's values).
 
-    The pipeline executor compiles one switch over every action kind whatever
-    the schedule; its buffers follow the tick table's slots, its loop the ticks,
-    and what the analysis weights follow the branch frequencies. GPipe and 1F1B
-    at N = D, for instance, agree on all of them.
+    The pipeline executor compiles one switch over the action kinds (whole or
+    split backwards); its buffers follow the tick table's slots, its loop the
+    ticks, and what the analysis weights follow the branch frequencies. GPipe and
+    1F1B at N = D, for instance, agree on all of them.
     """
     pipe = c.pipeline
     if not pipe:

@@ -175,4 +175,7 @@ class Pipelined:
 
     @property
     def figures(self) -> dict:
-        return self.schedule.figures
+        """The schedule's figures and the slots the executor holds per rank."""
+        held = self.ticks.held
+        return {**self.schedule.figures, "stash_slots_per_rank": held["stash"],
+                "keep_slots_per_rank": held["keep"], "inbox_slots_per_rank": held["inbox"]}

@@ -43,7 +43,10 @@ def render(r: dict) -> None:
         p = r["pipeline"]
         c.print(f"pipeline {p['schedule']}: {p['stages']} stages, {p['microbatches']} "
                 f"microbatches, bubble {p['bubble']:.3f}, {p['ticks']} ticks, peak in flight "
-                f"{p['peak_inflight']}")
+                f"{p['peak_inflight']}; executor slots per rank: stash "
+                f"{p.get('stash_slots_per_rank')}"
+                + (f", keep {p['keep_slots_per_rank']}" if any(p.get('keep_slots_per_rank') or [])
+                   else ""))
     if "tensor_formula_bytes" in r:
         formula = (f" (formula {size_text(r['tensor_formula_bytes'])})"
                    if r["tensor_formula_bytes"] is not None else "")

@@ -72,13 +72,32 @@ def timeline(s: schedules.Schedule) -> str:
     return "\n".join(lines)
 
 
-def show(s: schedules.Schedule, as_json: bool, png: str | None) -> None:
+def executor(s: schedules.Schedule, recompute: bool = False) -> dict:
+    """What the SPMD executor holds per rank for this table: slots of the stash (a
+    microbatch's forward residuals, or its stage input with recompute), of the keep
+    (zero-bubble with recompute: what W needs, from Bx to W) and of the inbox; and
+    the work per rank, a recomputed forward included, in one stage's forward."""
+    from plait.parallel import pipeline
+
+    t = pipeline.tick_table(s, s.num_stages, recompute)
+    work = s.figures["work_per_rank"]
+    if recompute:
+        backs = [sum(1 for a in prog if a.kind in (schedules.B, schedules.BX))
+                 for prog in s.programs]
+        work = [w + b for w, b in zip(work, backs, strict=True)]
+    return {"recompute": recompute, "stash_slots_per_rank": t.held["stash"],
+            "keep_slots_per_rank": t.held["keep"], "inbox_slots_per_rank": t.held["inbox"],
+            "work_per_rank": work}
+
+
+def show(s: schedules.Schedule, as_json: bool, png: str | None, recompute: bool = False) -> None:
     """Print the schedule (text or JSON) and draw it into `png`."""
     name, stages, microbatches, virtual = s.name, s.stages, s.microbatches, s.virtual
     if png:
         draw(s, png)
+    held = executor(s, recompute)
     if as_json:
-        print(json.dumps({**s.figures,
+        print(json.dumps({**s.figures, "executor": held,
                           "table": [[str(a) if a else None for a in row] for row in s.table]}))
         return
     f = s.figures
@@ -89,3 +108,9 @@ def show(s: schedules.Schedule, as_json: bool, png: str | None) -> None:
           + f"; bubble {f['bubble']:.4f} of the makespan ({f['bubble_ratio']:.4f} of the "
           f"compute), {f['ticks']} lockstep ticks, peak in flight per rank "
           f"{f['peak_inflight']}" + (f"; drawn to {png}" if png else ""))
+    what = "stage inputs" if recompute else "forward residuals"
+    print(f"executor slots per rank: {what} {held['stash_slots_per_rank']}"
+          + (f", weight-gradient inputs {held['keep_slots_per_rank']}"
+             if any(held["keep_slots_per_rank"]) else "")
+          + f", messages {held['inbox_slots_per_rank']}; work per rank "
+          f"{held['work_per_rank']} (one stage's forward = 1)")
