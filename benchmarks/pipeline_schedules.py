@@ -1,16 +1,21 @@
-"""Pipeline schedules side by side: bubble, lockstep cost from measured stage times, memory.
+"""Pipeline schedules side by side: bubble, lockstep cost, compiled FLOPs and memory,
+measured step time.
 
     python benchmarks/pipeline_schedules.py --json out.json
 
-1. Times one pipeline stage of a GPT (forward with residuals, whole backward,
-   input-gradient only, weight-gradient only) on one CPU device, medians of
-   several runs.
-2. For D = 4 and 8 pipeline ranks and N = D .. 4D microbatches, builds every
-   schedule's table and weighs each lockstep tick by its slowest action (every
-   rank waits for the exchange at the end of a tick): the lockstep cost.
-3. Compiles the pipelined train step of a small GPT for each schedule on D
-   simulated devices and reads the stash the executor allocates (slots x
-   residual bytes of one microbatch) and XLA's temporary memory per device.
+1. Times one pipeline stage of a GPT as the executor runs it (forward keeping
+   its residuals, whole backward, and the split backward's input-gradient and
+   weight-gradient halves) on one CPU device, medians of several runs.
+2. For D = 4 and 8 pipeline ranks and N = D, 2D microbatches, builds every
+   schedule's table and weighs each lockstep tick by its slowest action (on a
+   device per rank, every rank waits for the exchange at the end of a tick):
+   the lockstep cost, relative to 1F1B.
+3. Compiles the pipelined train step of a 16-layer GPT for each schedule on D
+   simulated devices: matmul FLOPs and XLA's temporary memory per device
+   relative to 1F1B's (as `plait inspect` reads them), and the step's measured
+   time, median of several runs. The D simulated devices share this machine's
+   cores, so a rank's idle tick frees a core for another: the measured time
+   follows the total work and the per-tick overhead, not the bubble.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from plait.parallel import schedules  # noqa: E402
 
 STAGE_MODEL = {"layers": 2, "d_model": 512, "heads": 8, "d_ff": 2048, "vocab": 4096,
                "seq_len": 256}
+STEP_MODEL = {"layers": 16, "d_model": 128, "heads": 4, "d_ff": 512, "vocab": 512,
+              "seq_len": 64}
+ROWS_PER_MICROBATCH = 4
 
 
 def _median_ms(fn, *args, repeats: int = 7) -> float:
@@ -47,7 +55,11 @@ def _median_ms(fn, *args, repeats: int = 7) -> float:
 
 
 def stage_times(batch: int) -> dict:
-    """Milliseconds of one stage's forward, backward, input-gradient and weight-gradient."""
+    """Milliseconds of one stage's forward, backward, input-gradient and weight-gradient,
+    each the function the executor runs (parallel.pipeline._Stage)."""
+    from plait.parallel.pipeline import _Stage
+    from plait.parallel.split_backward import LayerGrad
+
     exp = Experiment.model_validate({"model": STAGE_MODEL})
     cfg = exp.model
     stack = layer_stack(gpt.Block, cfg)
@@ -55,50 +67,59 @@ def stage_times(batch: int) -> dict:
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for k in sorted(params)))
     x = jax.random.normal(jax.random.key(0), (batch, cfg.seq_len, cfg.d_model))
     g = jax.random.normal(jax.random.key(1), x.shape)
+    st = _Stage(LayerGrad(stack.layer_fn(), jax.tree.map(lambda a: a[0], stacked), x))
+    lg = st.lg
 
-    fwd = jax.jit(lambda p, x: jax.vjp(stack.apply, p, x))
-    _, vjp_fn = fwd(stacked, x)
-
-    @jax.jit
-    def whole(vjp_fn, g):
-        return vjp_fn(g)
-
-    @jax.jit
-    def input_grad(vjp_fn, g):
-        return vjp_fn(g)[1]
-
-    @jax.jit
-    def weight_grad(vjp_fn, g):
-        return vjp_fn(g)[0]
-
-    return {"F": _median_ms(fwd, stacked, x), "B": _median_ms(whole, vjp_fn, g),
-            "Bx": _median_ms(input_grad, vjp_fn, g), "W": _median_ms(weight_grad, vjp_fn, g)}
+    fwd = jax.jit(st.forward)
+    _, stashed = fwd(stacked, x)
+    res_b, res_w = st.pick(stashed, lg.res_b), st.pick(stashed, lg.res_w)
+    whole = jax.jit(st.backward)
+    input_grad = jax.jit(st.backward_input)
+    _, frontier = input_grad(stacked, res_b, res_w, g)
+    weight_grad = jax.jit(st.backward_weight)
+    return {"F": _median_ms(fwd, stacked, x), "B": _median_ms(whole, stacked, stashed, g),
+            "Bx": _median_ms(input_grad, stacked, res_b, res_w, g),
+            "W": _median_ms(weight_grad, stacked, res_w, frontier)}
 
 
 def lockstep_cost(s: schedules.Schedule, ms: dict) -> float:
     return sum(max((ms[a.kind] for a in row if a is not None), default=0.0) for row in s.table)
 
 
-def compiled_memory(name: str, D: int, N: int, v: int) -> dict:
+def compiled_step(name: str, D: int, N: int, v: int, repeats: int) -> dict:
+    """FLOPs, temporary memory and measured step time of the pipelined step."""
+    from plait import analysis
     from plait.mesh import build_mesh
     from plait.tasks.gpt import GPTTask
 
     exp = Experiment.model_validate({
-        "model": {"layers": 8, "d_model": 128, "heads": 4, "d_ff": 512, "vocab": 512,
-                  "seq_len": 64},
-        "train": {"global_batch": 4 * N, "steps": 10},
+        "model": STEP_MODEL, "train": {"global_batch": ROWS_PER_MICROBATCH * N, "steps": 10},
         "pipeline": {"schedule": name, "microbatches": N, "virtual_stages": v}})
     job = GPTTask(exp, build_mesh({"pipeline": D}, D))
-    mem = job.compile().memory_analysis()
-    plan = job.pipeline.ticks
-    x_bytes = 4 * 4 * exp.model.seq_len * exp.model.d_model
-    return {"stash_slots": plan.stash_slots, "inbox_slots": plan.inbox_slots,
-            "temp_bytes": int(mem.temp_size_in_bytes), "activation_bytes": x_bytes}
+    compiled = job.compile()
+    report = analysis.analyze(compiled, dict(job.mesh.shape), job.pipeline.ticks.branch_weights())
+    state, source = job.init_state(), job.source()
+    batch = job.batch(source, 0)
+
+    def step(state):
+        return compiled(state, batch)[0]
+
+    state = jax.block_until_ready(step(state))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(step(state))
+        times.append((time.perf_counter() - t0) * 1e3)
+    held = job.pipeline.ticks.held
+    return {"flops": report["flops_per_device"], "temp_bytes": report["memory"]["temp_bytes"],
+            "step_ms": statistics.median(times), "stash_slots": held["stash"],
+            "keep_slots": held["keep"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=2, help="sequences per microbatch (timing)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per compiled program")
     ap.add_argument("--json")
     args = ap.parse_args()
     ms = stage_times(args.batch)
@@ -107,44 +128,35 @@ def main() -> None:
           + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()), file=sys.stderr)
     rows = []
     for D in (4, 8):
-        for N in (D, 2 * D, 3 * D, 4 * D):
-            base = None
+        for N in (D, 2 * D):
+            group = []
             for name in schedules.SCHEDULES:
                 v = 2 if name == "interleaved" else 1
-                if name == "interleaved" and N % D:
-                    continue
                 s = schedules.build(name, D, N, v)
                 times = dict(ms)
                 if v > 1:  # a chunk is 1/v of a stage
                     times = {k: t / v for k, t in ms.items()}
-                cost = lockstep_cost(s, times)
-                if name == "1f1b":
-                    base = cost
-                rows.append({"D": D, "N": N, "schedule": name, **s.figures,
-                             "lockstep_ms": cost})
-            for r in rows:
-                if r["D"] == D and r["N"] == N:
-                    r["vs_1f1b"] = r["lockstep_ms"] / base
-    memory = {}
-    for D, N in ((4, 4), (4, 8)):
-        for name in schedules.SCHEDULES:
-            memory[f"{name} D={D} N={N}"] = compiled_memory(name, D, N,
-                                                            2 if name == "interleaved" else 1)
-            print(f"compiled {name} D={D} N={N}", file=sys.stderr)
-    print("| D | N | schedule | bubble | ticks | lockstep ms | vs 1F1B | peak in flight per rank |")
-    print("|---:|---:|---|---:|---:|---:|---:|---|")
+                step = compiled_step(name, D, N, v, args.repeats)
+                print(f"compiled and timed {name} D={D} N={N}: {step['step_ms']:.0f} ms",
+                      file=sys.stderr)
+                group.append({"D": D, "N": N, "schedule": name, **s.figures,
+                              "lockstep_ms": lockstep_cost(s, times), **step})
+            base = next(r for r in group if r["schedule"] == "1f1b")
+            for r in group:
+                for k in ("lockstep_ms", "flops", "temp_bytes", "step_ms"):
+                    r[f"{k}_vs_1f1b"] = r[k] / base[k]
+            rows += group
+    print("| D | N | schedule | bubble | ticks | peak in flight per rank | lockstep vs 1F1B "
+          "| FLOPs vs 1F1B | temp memory vs 1F1B | measured step ms (vs 1F1B) |")
+    print("|---:|---:|---|---:|---:|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['D']} | {r['N']} | {r['schedule']} | {r['bubble']:.3f} | {r['ticks']} "
-              f"| {r['lockstep_ms']:.0f} | {r['vs_1f1b']:.2f} | {r['peak_inflight']} |")
-    print()
-    print("| schedule, D, N | stash slots | inbox slots | XLA temp / device |")
-    print("|---|---:|---:|---:|")
-    for k, m in memory.items():
-        print(f"| {k} | {m['stash_slots']} | {m['inbox_slots']} "
-              f"| {m['temp_bytes'] / 2**20:.1f} MiB |")
+              f"| {r['peak_inflight']} | {r['lockstep_ms_vs_1f1b']:.2f} "
+              f"| {r['flops_vs_1f1b']:.3f} | {r['temp_bytes_vs_1f1b']:.2f} "
+              f"| {r['step_ms']:.0f} ({r['step_ms_vs_1f1b']:.2f}) |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"stage_ms": ms, "rows": rows, "memory": memory}, f, indent=1,
+            json.dump({"stage_ms": ms, "rows": rows}, f, indent=1,
                       default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o))
 
 

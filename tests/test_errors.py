@@ -49,8 +49,6 @@ def snapshot(run_dir: Path) -> dict:
      r"with a pipeline, split the batch with pipeline.microbatches"),
     (["--mesh", "pipeline=2", "--set", 'pipeline.schedule="chimera"', "--set",
       "pipeline.microbatches=3"], r"Chimera needs .* microbatches a multiple of the stages"),
-    (["--mesh", "pipeline=2,tensor_row=2,tensor_col=2"],
-     r"the pipeline composes with data, fsdp and 1-D tensor"),
     (["--mesh", "tensor=8", "--set", "model.heads=4"],
      r"model.heads = 4 is not divisible by the tensor axis \(8\)"),
     (["--mesh", "fsdp=8", "--set", "model.d_model=36", "--set", "model.heads=4"],

@@ -141,6 +141,7 @@ def reference(tmp_path_factory):
     ("chimera", "fsdp=2,pipeline=4", {}),
     ("zb-h1", "pipeline=4", {"microbatches": 8}),
     ("zb-h1", "tensor=2,pipeline=4", {}),
+    ("zb-h1", "tensor_row=2,tensor_col=2,pipeline=2", {"microbatches": 4}),
     ("1f1b", "pipeline=2", {"recompute": True}),
 ])
 def test_losses_equal_the_unpipelined_run(schedule, spec, extra, reference, tmp_path):
@@ -289,3 +290,32 @@ def test_zero_bubble_with_recompute_and_remat_trains_like_one_device(model, refe
                pipeline={"schedule": "zb-h1", "microbatches": 4, "recompute": True})
     np.testing.assert_allclose(losses(run(exp, "pipeline=2", tmp_path)), reference[:4],
                                rtol=1e-4)
+
+
+THREE_D_PIPELINE = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 16)
+sys.path.insert(0, "tests")
+from helpers import losses, run, tiny
+from pathlib import Path
+exp = tiny(model={"layers": 8}, train={"steps": 3},
+           pipeline={"schedule": "zb-h1", "microbatches": 2})
+print(json.dumps([float(x) for x in losses(run(exp, "tensor_x=2,tensor_y=2,tensor_z=2,pipeline=2",
+                            Path(sys.argv[1])))]))
+"""
+
+
+def test_pipeline_nests_the_3d_tensor_mode(reference, tmp_path):
+    """Pipeline x 3-D tensor on 16 simulated devices (a process of its own): the tensor
+    layers' shard_maps nest inside the pipeline's, losses equal one device's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", THREE_D_PIPELINE, str(tmp_path)], cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(got, reference[:3], rtol=1e-4)

@@ -336,7 +336,12 @@ class _Rank:
     def act(self, row, inbox, stash, keep):
         """Run this tick's action (the table's KIND column) with lax.switch."""
         c, m, N, fns, out = row[CHUNK], row[MB], self.N, self.fns, self.out
-        toks = self.tokens[m]
+        # The microbatch's tokens whole on every device of the rank: a branch then slices
+        # what it needs with no resharding collective (3-D tensor layouts asked GSPMD for
+        # a collective-permute, which on CPU waits for every device, and only this
+        # rank's branch would reach it).
+        toks = jax.lax.with_sharding_constraint(self.tokens[m], jax.sharding.NamedSharding(
+            jax.sharding.get_abstract_mesh(), P()))
         x_in = inbox[row[IN_SLOT]]
         s_rows = [b[row[RES_SLOT]] for b in stash]
         k_rows = [b[row[KEEP_SLOT]] for b in keep]

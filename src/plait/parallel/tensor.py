@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -48,6 +49,59 @@ def _gather(x: jax.Array, dims: list[tuple[str, ...]], axis: str, dim: int) -> j
         raise AssertionError(f"cannot gather {axis} from {dims[dim]}: not the minor axis")
     dims[dim] = dims[dim][:-1]
     return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def _nested() -> bool:
+    """Whether this runs inside another shard_map (the pipeline's, manual over it)."""
+    ctx = jax.sharding.get_abstract_mesh()
+    return not ctx.empty and bool(ctx.manual_axes)
+
+
+def _shard_map(body, mesh: Mesh, in_specs, out_specs, n_diff: int):
+    """shard_map(body) over the mesh's free axes, differentiable in its first `n_diff`
+    arguments.
+
+    Inside the pipeline's shard_map, this JAX's Shardy lowering rejects the
+    derivative of a nested shard_map (its linearised form names the outer manual
+    axis). So there the derivative is spelled with custom_vjp: the backward is
+    two more forward-only shard_maps, one per differentiated argument, each
+    taking the vjp of `body` inside, so a zero-bubble backward can still run the
+    input gradient and the weight gradient apart. They re-gather what the
+    forward gathered instead of keeping it (the forward's gather volume once more
+    per matmul); outside a pipeline, autodiff of the plain shard_map keeps it.
+    """
+    if not _nested():
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    ctx = jax.sharding.get_abstract_mesh()
+    free = set(ctx.axis_names) - set(ctx.manual_axes)
+
+    def smap(fn, ins, outs):
+        return jax.shard_map(fn, mesh=ctx, in_specs=ins, out_specs=outs, axis_names=free)
+
+    @jax.custom_vjp
+    def f(*args):
+        return smap(body, in_specs, out_specs)(*args)
+
+    def fwd(*args):
+        return f(*args), args
+
+    def bwd(args, dy):
+        grads = []
+        for i in range(len(args)):
+            if i >= n_diff:
+                grads.append(np.zeros(args[i].shape, jax.dtypes.float0))
+                continue
+
+            def one(*a_and_dy, i=i):
+                *a, g = a_and_dy
+                fn = (lambda ai: body(*a[:i], ai, *a[i + 1:]))
+                return jax.vjp(fn, a[i])[1](g)[0]
+
+            grads.append(smap(one, (*in_specs, out_specs), in_specs[i])(*args, dy))
+        return tuple(grads)
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
 def _vary(w: jax.Array, axes: set[str]) -> jax.Array:
@@ -103,7 +157,7 @@ def gathered_matmul(eq: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, x_spec: 
             y = jax.lax.psum_scatter(y, axis, scatter_dimension=dim, tiled=True)
         return y
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)(x, w)
+    return _shard_map(body, mesh, (x_spec, w_spec), out_spec, n_diff=2)(x, w)
 
 
 def sharded_lookup(table: jax.Array, ids: jax.Array, *, mesh: Mesh, table_spec: P,
@@ -141,5 +195,4 @@ def sharded_lookup(table: jax.Array, ids: jax.Array, *, mesh: Mesh, table_spec: 
         dim = next(i for i, d in enumerate(od) if vaxis in d)
         return jax.lax.psum_scatter(found, vaxis, scatter_dimension=dim, tiled=True)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(table_spec, ids_spec),
-                         out_specs=out_spec)(table, ids)
+    return _shard_map(body, mesh, (table_spec, ids_spec), out_spec, n_diff=1)(table, ids)

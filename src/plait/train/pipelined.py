@@ -43,10 +43,6 @@ class Pipelined:
         self.exp, self.mesh, self.model = exp, mesh, model
         cfg, pc = exp.model, exp.pipeline
         D = mesh.shape["pipeline"]
-        if rules.mode not in (None, "1d"):
-            raise UserError(
-                f"the pipeline composes with data, fsdp and 1-D tensor parallelism; "
-                f"drop the {rules.mode.upper()} tensor axes or the pipeline axis")
         if exp.train.microbatches != 1:
             raise UserError(
                 f"with a pipeline, split the batch with pipeline.microbatches, not "
