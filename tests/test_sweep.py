@@ -34,6 +34,9 @@ def _expected_shapes_for_tiny_on_8() -> set[tuple]:
             for n in (2, 4, 8):
                 if 16 % (n * d * f) == 0:
                     out.add((f"data={d},pipeline=2,fsdp={f},tensor={t}", s, n))
+    for s in ("gpipe", "1f1b", "zb-h1", "chimera"):  # the pipeline nests a 2-D grid too
+        for n in (2, 4, 8):
+            out.add(("pipeline=2,tensor_row=2,tensor_col=2", s, n))
     return out
 
 
