@@ -96,6 +96,14 @@ def test_schedule_command_json_and_png(tmp_path, capsys):
     assert out["bubble"] == pytest.approx(2 / 10) and out["ticks"] == 10
     assert len(out["peak_inflight"]) == 4
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert out["executor"]["stash_slots_per_rank"] == out["peak_inflight"] == [3, 4, 4, 3]
+    assert main(["schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--recompute",
+                 "--json"]) == 0
+    held = json.loads(capsys.readouterr().out)["executor"]
+    # Recompute: stage inputs until Bx; W's inputs kept from Bx to W (rank r: r + 1).
+    assert held["stash_slots_per_rank"] == [4, 3, 2, 1]
+    assert held["keep_slots_per_rank"] == [1, 2, 3, 4]
+    assert held["work_per_rank"] == [32] * 4  # 3N + a recomputed forward per microbatch
     assert main(["schedule", "1f1b", "--stages", "4", "--microbatches", "8"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("rank 0: F0") and "bubble 0.2727" in text
