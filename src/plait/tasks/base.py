@@ -15,10 +15,13 @@ shapes without building a Task per shape.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh
 
 from plait.config import Experiment
@@ -37,6 +40,29 @@ class Evaluator(Protocol):
     """Held-out metrics of a state (e.g. {"auc": 0.8}), computed on the task's mesh."""
 
     def __call__(self, state: dict) -> Metrics: ...
+
+
+@contextlib.contextmanager
+def _persistent_cache(allowed: bool):
+    """Compile with JAX's persistent compilation cache on (as configured) or off.
+
+    On this JAX (0.10.2), an XLA:CPU executable *loaded* from the persistent
+    cache gives run-to-run different results for a pipeline whose stages nest the
+    2-D / 2.5-D / 3-D tensor modes' shard_maps (a fresh compile of the same
+    program is deterministic); see docs/architecture.md, "Known issues". Such a
+    step is compiled fresh instead, at the cost of its compile time.
+    """
+    if allowed or not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    # JAX decides once per process whether the cache is in use; reset that decision.
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 class Task(abc.ABC):
@@ -86,7 +112,13 @@ class Task(abc.ABC):
     def compile(self, compiler_options: dict | None = None):
         """Ahead-of-time compile of the step for the state and batch layouts."""
         lowered = self.step_fn.lower(self.layout.abstract(), self.abstract_batch())
-        return lowered.compile(compiler_options) if compiler_options else lowered.compile()
+        with _persistent_cache(not self.cache_unsafe()):
+            return lowered.compile(compiler_options) if compiler_options else lowered.compile()
+
+    def cache_unsafe(self) -> bool:
+        """Whether this step must not come from JAX's persistent compilation cache
+        (see `_persistent_cache`)."""
+        return False
 
     def branch_weights(self) -> dict[int, list[float]] | None:
         """How often each branch of a conditional in the step runs (plait.analysis)."""

@@ -221,6 +221,12 @@ class GPTTask(Task):
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.batch_shape, np.int32, sharding=self.batch_sharding)
 
+    def cache_unsafe(self) -> bool:
+        grid = any(self.mesh.shape.get(a, 1) > 1 for mode in ("2.5d", "3d")
+                   for a in mesh_lib.TENSOR_MODES[mode])
+        return (self.pipeline is not None and grid
+                and self.mesh.devices.flat[0].platform == "cpu")
+
     def branch_weights(self):
         return self.pipeline.ticks.branch_weights() if self.pipeline else None
 
