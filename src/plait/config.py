@@ -219,6 +219,19 @@ class OptimizerConfig(Section):
     grad_clip: NonNegFloat = 1.0
 
 
+class SyncConfig(Section):
+    """How data replicas agree. "allreduce": one model, gradients all-reduced every step.
+    "easgd" (Sync EASGD) and "diloco": each data replica keeps its own model and
+    optimizer state, takes `period` local steps with no gradient exchange, then meets a
+    center model sharded over the data axis (plait.parallel.local_sgd)."""
+
+    method: Literal["allreduce", "easgd", "diloco"] = "allreduce"
+    period: PosInt = 4  # EASGD's tau / DiLoCo's H: local steps between exchanges
+    alpha: PosFloat = 0.1  # EASGD's elasticity (the center moves by beta = P * alpha)
+    outer_lr: PosFloat = 0.7  # DiLoCo's outer learning rate
+    outer_momentum: NonNegFloat = 0.9  # DiLoCo's outer Nesterov momentum
+
+
 class PrecisionConfig(Section):
     compute: Literal["float32", "bfloat16"] = "float32"
 
@@ -247,6 +260,7 @@ class Experiment(Section):
     embedding: EmbeddingConfig = EmbeddingConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    sync: SyncConfig = SyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     # Default mesh of the experiment: axis name -> size (see plait.mesh).

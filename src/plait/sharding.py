@@ -106,6 +106,17 @@ RULES_3D = Rules("3d", {
 _FILL_LAST = "act_batch"
 
 
+def without_axis(rules: Rules, axis: str) -> Rules:
+    """The rules with one mesh axis taken out of every mapping: for a model traced per
+    data replica (vmap with spmd_axis_name), where that axis is the replica's."""
+    def drop(axes: MeshAxes) -> MeshAxes:
+        kept = tuple(a for a in axes_tuple(axes) if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return Rules(rules.mode, {k: drop(v) for k, v in rules.names.items()},
+                 {k: drop(v) for k, v in rules.inputs.items()})
+
+
 def rules_for(mesh: Mesh) -> Rules:
     """The rule set of the tensor mode the mesh selects."""
     return rules_for_sizes(dict(mesh.shape))

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 
 from plait import data, models, sharding
@@ -25,12 +26,22 @@ from plait import mesh as mesh_lib
 from plait.config import Experiment, GPTConfig
 from plait.errors import UserError
 from plait.models import ModelDef, build, gpt
-from plait.parallel import formulas, schedules
+from plait.parallel import formulas, local_sgd, schedules
+from plait.parallel.local_sgd import LocalSGD
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checks import check_fits
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
-from plait.train.step import compute_dtype, cross_entropy, make_train_step
+from plait.train.step import (
+    accumulated,
+    clip_by_norm,
+    compute_dtype,
+    cross_entropy,
+    global_norm,
+    make_train_step,
+    metric_shardings,
+    skipping_nonfinite,
+)
 
 TENSOR_AXES = frozenset(a for axes in mesh_lib.TENSOR_MODES.values() for a in axes)
 MODE_NAMES = {None: "none", "1d": "1-D", "2d": "2-D", "2.5d": "2.5-D", "3d": "3-D"}
@@ -120,6 +131,7 @@ class GPTTask(Task):
             self.pipeline = Pipelined(exp, mesh, self.model, self.rules, "blocks", gpt.Block,
                                       stacked=exp.model.scan_layers)
         self.stacked = exp.model.scan_layers is True and exp.model.layers > 0
+        self.local = self._local_sgd(exp, mesh)
         mask = (self.pipeline.decay_mask if self.pipeline
                 else models.decay_mask(self.model.variables()))
         self.tx, self.lr_schedule = optimizer(exp, mask)
@@ -128,12 +140,31 @@ class GPTTask(Task):
         else:
             params = (self.model.shapes(),
                       sharding.param_shardings(self.model.variables(), mesh, self.rules))
-        self._layout = layout(*params, self.tx, mesh)
+        self._params = params
+        self._layout = (StateLayout(*self.local.state_layout(*params, self.tx)) if self.local
+                        else layout(*params, self.tx, mesh))
         t, n = exp.train, (self.pipeline.microbatches if self.pipeline else exp.train.microbatches)
         # [microbatch, row, token]: rows split over the batch axes.
         self.batch_shape = (n, t.global_batch // n, exp.model.seq_len + 1)
         self.batch_sharding: NamedSharding = sharding.batch_sharding(mesh, self.rules, 3,
                                                                      batch_dim=1)
+
+    def _local_sgd(self, exp: Experiment, mesh: Mesh) -> LocalSGD | None:
+        """Replicas that sync every sync.period steps (EASGD, DiLoCo), or None."""
+        method = exp.sync.method
+        if method == "allreduce":
+            return None
+        if self.pipeline is not None:
+            raise UserError(
+                f"sync.method = \"{method}\" keeps one model per data replica and does not "
+                "run with a pipeline yet; use pipeline = 1 or sync.method = \"allreduce\"")
+        mode = mesh_lib.tensor_mode(dict(mesh.shape))
+        if mode not in (None, "1d"):
+            raise UserError(
+                f"sync.method = \"{method}\" runs with fsdp and 1-D tensor inside each "
+                f"replica, not the {MODE_NAMES[mode]} tensor mode; use the tensor axis, or "
+                "sync.method = \"allreduce\"")
+        return LocalSGD(exp.sync, mesh)
 
     # ------------------------------------------------------------------ state
     @property
@@ -153,6 +184,9 @@ class GPTTask(Task):
         per_layer = abstract_model(self.exp.model.model_copy(
             update={"scan_layers": False}).model_dump_json())
         shardings = sharding.param_shardings(per_layer.variables(), self.mesh, self.rules)
+        if self.local:
+            return StateLayout(*self.local.state_layout(per_layer.shapes(), shardings,
+                                                        optimizer(self.exp)[0]))
         return layout(per_layer.shapes(), shardings, optimizer(self.exp)[0], self.mesh)
 
     def init_state(self) -> dict:
@@ -160,7 +194,19 @@ class GPTTask(Task):
             p = self.model.init(self.exp.seed)
             return self.pipeline.from_canonical(p) if self.pipeline else p
 
+        if self.local:
+            return jax.jit(lambda: self.local.init(params(), self.tx),
+                           out_shardings=self.layout.shardings)()
         return init_state(params, self.tx, self.layout)
+
+    def _map_model(self, state: dict, fn) -> dict:
+        """Apply a model-params conversion to the state: per replica where there are
+        replicas (sync.method easgd / diloco), and to their center."""
+        if not self.local:
+            return map_params(state, self._model_params, fn)
+        out = map_params(state, self._model_params, jax.vmap(fn))
+        out["sync"] = {k: fn(v) for k, v in state["sync"].items()}
+        return out
 
     def _model_params(self, tree) -> bool:
         return isinstance(tree, dict) and "blocks" in tree
@@ -171,8 +217,7 @@ class GPTTask(Task):
             if self.pipeline:
                 state = self.pipeline.map_state(state, self.pipeline.to_canonical)
             if self.stacked:
-                state = map_params(state, self._model_params,
-                                   lambda p: models.unstack(p, "blocks"))
+                state = self._map_model(state, lambda p: models.unstack(p, "blocks"))
             return state
 
         return jax.jit(convert, out_shardings=self.canonical_layout.shardings)
@@ -181,8 +226,7 @@ class GPTTask(Task):
     def _from_checkpoint(self):
         def convert(state):
             if self.stacked:
-                state = map_params(state, self._model_params,
-                                   lambda p: models.stack(p, "blocks"))
+                state = self._map_model(state, lambda p: models.stack(p, "blocks"))
             if self.pipeline:
                 state = self.pipeline.map_state(state, self.pipeline.from_canonical)
             return state
@@ -208,8 +252,40 @@ class GPTTask(Task):
                 params, batch, compute_dtype(self.exp),
                 functools.partial(cross_entropy, vocab=self.exp.model.vocab))
 
+    def _local_step(self):
+        """The step of replicas that sync every sync.period steps (parallel.local_sgd)."""
+        shapes, shardings = self._params
+        rules = sharding.without_axis(self.rules, "data")  # the replica's own axis
+        dtype, vocab = compute_dtype(self.exp), self.exp.model.vocab
+
+        def loss(params, tokens):
+            with sharding.use(self.mesh, rules):
+                logits = self.model.apply(params, tokens[:, :-1], dtype)
+            return cross_entropy(logits, tokens[:, 1:], vocab)
+
+        grads_of = accumulated(loss, lambda g: jax.lax.with_sharding_constraint(g, shardings))
+        clip = self.exp.optimizer.grad_clip
+
+        def replica_step(params, opt_state, batch):
+            value, grads = grads_of(params, batch)
+            norm = global_norm(grads)
+            updates, opt_state = self.tx.update(clip_by_norm(grads, norm, clip), opt_state,
+                                                params)
+            return optax.apply_updates(params, updates), opt_state, value, norm
+
+        step = self.local.make_step(replica_step, self.local.leaves(shapes, shardings),
+                                    self.lr_schedule)
+        if self.exp.train.on_nonfinite == "skip":
+            step = skipping_nonfinite(step)
+        return jax.jit(step, in_shardings=(self.layout.shardings, self.batch_sharding),
+                       out_shardings=(self.layout.shardings,
+                                      metric_shardings(self.mesh, self.exp)),
+                       donate_argnums=0)
+
     @functools.cached_property
     def step_fn(self):
+        if self.local:
+            return self._local_step()
         pipe = self.pipeline
         return make_train_step(
             self.mesh, self.layout, self.batch_sharding, self.tx, self.lr_schedule,
@@ -228,7 +304,12 @@ class GPTTask(Task):
                 and self.mesh.devices.flat[0].platform == "cpu")
 
     def branch_weights(self):
+        if self.local:
+            return local_sgd.phases(self.exp.sync.period)["mean_step"]
         return self.pipeline.ticks.branch_weights() if self.pipeline else None
+
+    def phases(self) -> dict[str, dict[int, list[float]]]:
+        return local_sgd.phases(self.exp.sync.period) if self.local else {}
 
     # ------------------------------------------------------------------ data
     def source(self) -> Source:
