@@ -33,6 +33,14 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
         model_flops_per_device=flops * task.units_per_step / n if flops else None,
         compile_s=compile_s, tensor_mode="none")
     report.update(task.report(report))
+    phases = task.phases()
+    if phases:
+        # Steps that differ (a local step, a sync step): each one's collectives.
+        report["phases"] = {
+            name: {k: v for k, v in analysis.analyze(compiled, sizes, weights).items()
+                   if k in ("collectives", "collectives_wire", "wire_by_axes",
+                            "collective_ops")}
+            for name, weights in phases.items()}
     return report
 
 

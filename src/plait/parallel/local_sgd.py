@@ -38,21 +38,29 @@ AXIS = "data"
 LOCAL_METHODS = ("easgd", "diloco")
 
 
-def center_dim(shape: tuple[int, ...], spec: P, replicas: int) -> int | None:
-    """The dimension of a leaf the center splits over `data`: the first that no other
-    axis splits and that the replica count divides (None: the leaf is kept whole on
-    every replica, and exchanged with an all-reduce; only small vectors)."""
+def _axes(part) -> tuple[str, ...]:
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
+def center_dim(shape: tuple[int, ...], spec: P, replicas: int,
+               mesh_shape: dict[str, int]) -> int | None:
+    """The dimension of a leaf the center splits over `data` (inside whatever fsdp or
+    tensor split it already has there): the first whose per-device size the replica
+    count divides. None: the leaf (a tiny vector) is exchanged with an all-reduce."""
     parts = tuple(spec) + (None,) * (len(shape) - len(spec))
     for i, n in enumerate(shape):
-        if parts[i] is None and n % replicas == 0 and n >= replicas:
+        local = n // math.prod(mesh_shape[a] for a in _axes(parts[i]))
+        if local % replicas == 0 and local >= replicas:
             return i
     return None
 
 
-def _with(spec: P, ndim: int, dim: int | None, axis) -> P:
+def _with(spec: P, ndim: int, dim: int | None, axis: str) -> P:
+    """`spec` with `axis` added innermost on dimension `dim`."""
     parts = list(tuple(spec) + (None,) * (ndim - len(spec)))
     if dim is not None:
-        parts[dim] = axis
+        both = _axes(parts[dim]) + (axis,)
+        parts[dim] = both[0] if len(both) == 1 else both
     return P(*parts)
 
 
@@ -74,7 +82,8 @@ class LocalSGD:
     # --- layout ------------------------------------------------------------
     def leaves(self, param_shapes: dict, param_shardings: dict) -> dict:
         return jax.tree.map(
-            lambda s, sh: Leaf(sh.spec, center_dim(s.shape, sh.spec, self.replicas)),
+            lambda s, sh: Leaf(sh.spec, center_dim(s.shape, sh.spec, self.replicas,
+                                                   dict(self.mesh.shape))),
             param_shapes, param_shardings)
 
     def replica_sharding(self, sh: NamedSharding, sharded: bool = True) -> NamedSharding:
@@ -83,13 +92,15 @@ class LocalSGD:
         return NamedSharding(self.mesh, P(AXIS if sharded else None, *sh.spec))
 
     def center_sharding(self, shape, sh: NamedSharding) -> NamedSharding:
-        dim = center_dim(shape.shape, sh.spec, self.replicas)
+        dim = center_dim(shape.shape, sh.spec, self.replicas, dict(self.mesh.shape))
         return NamedSharding(self.mesh, _with(sh.spec, len(shape.shape), dim, AXIS))
 
     def state_layout(self, param_shapes: dict, param_shardings: dict,
                      tx: optax.GradientTransformation, sharded: bool = True
                      ) -> tuple[dict, dict]:
-        """(shapes, shardings) of {"step", "params", "opt_state", "sync"}."""
+        """(shapes, shardings) of {"step", "params", "opt_state", "sync"}; with
+        `sharded` False (reading a checkpoint of another replica count) nothing is split
+        over `data`."""
         R = self.replicas
         rep = NamedSharding(self.mesh, P())
         stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((R,) + s.shape, s.dtype),
@@ -99,7 +110,8 @@ class LocalSGD:
         lead = NamedSharding(self.mesh, P(AXIS if sharded else None))
         opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, stacked_sh,
                                        transform_non_params=lambda _: lead)
-        center_sh = jax.tree.map(self.center_sharding, param_shapes, param_shardings)
+        center_sh = (jax.tree.map(self.center_sharding, param_shapes, param_shardings)
+                     if sharded else param_shardings)
         sync_shapes = {"center": param_shapes}
         sync_sh = {"center": center_sh}
         if self.cfg.method == "diloco":
@@ -126,32 +138,30 @@ class LocalSGD:
         return {**fresh, "step": state["step"], "sync": state["sync"]}
 
     # --- collectives -------------------------------------------------------
+    # Manual over every mesh axis: each device holds exactly its shard of the leaf (as
+    # fsdp / tensor split it), and the only collectives are these, over `data`.
     def _sum_to_center(self, x: jax.Array, leaf: Leaf) -> jax.Array:
         """[R, ...] split over data -> sum over replicas, laid out as the center."""
-        ndim = x.ndim - 1
-
         def body(xl):
             xl = xl[0]
             if leaf.dim is None:
                 return jax.lax.psum(xl, AXIS)
             return jax.lax.psum_scatter(xl, AXIS, scatter_dimension=leaf.dim, tiled=True)
 
-        out = _with(P(), ndim, leaf.dim, AXIS)
-        return jax.shard_map(body, mesh=self.mesh, in_specs=P(AXIS), out_specs=out,
-                             axis_names={AXIS})(x)
+        ndim = x.ndim - 1
+        return jax.shard_map(body, mesh=self.mesh, in_specs=P(AXIS, *leaf.spec),
+                             out_specs=_with(leaf.spec, ndim, leaf.dim, AXIS))(x)
 
     def _broadcast(self, c: jax.Array, leaf: Leaf) -> jax.Array:
         """The center -> [R, ...] (every replica a whole copy), split over data."""
-        ndim = c.ndim
-
         def body(cl):
             if leaf.dim is not None:
                 cl = jax.lax.all_gather(cl, AXIS, axis=leaf.dim, tiled=True)
             return cl[None]
 
-        inp = _with(P(), ndim, leaf.dim, AXIS)
-        return jax.shard_map(body, mesh=self.mesh, in_specs=inp, out_specs=P(AXIS),
-                             axis_names={AXIS})(c)
+        return jax.shard_map(body, mesh=self.mesh,
+                             in_specs=_with(leaf.spec, c.ndim, leaf.dim, AXIS),
+                             out_specs=P(AXIS, *leaf.spec))(c)
 
     # --- the exchange --------------------------------------------------------
     def exchange(self, params: dict, sync: dict, leaves: dict) -> tuple[dict, dict]:

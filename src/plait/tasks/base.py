@@ -115,6 +115,12 @@ class Task(abc.ABC):
         with _persistent_cache(not self.cache_unsafe()):
             return lowered.compile(compiler_options) if compiler_options else lowered.compile()
 
+    def restore_plan(self, saved_config: dict) -> tuple[Any, Callable[[dict], dict], str | None]:
+        """How to read a checkpoint written with `saved_config` (its resolved config):
+        (abstract canonical state to restore, conversion to this run's canonical state,
+        a one-line notice or None)."""
+        return self.canonical_layout.abstract(), lambda state: state, None
+
     def cache_unsafe(self) -> bool:
         """Whether this step must not come from JAX's persistent compilation cache
         (see `_persistent_cache`)."""
@@ -123,6 +129,11 @@ class Task(abc.ABC):
     def branch_weights(self) -> dict[int, list[float]] | None:
         """How often each branch of a conditional in the step runs (plait.analysis)."""
         return None
+
+    def phases(self) -> dict[str, dict[int, list[float]]]:
+        """Named kinds of step whose collectives differ (branch weights of each), for
+        `plait inspect` to report apart; {} when every step is alike."""
+        return {}
 
     # ------------------------------------------------------------------ data
     @abc.abstractmethod

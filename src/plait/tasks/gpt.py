@@ -199,6 +199,33 @@ class GPTTask(Task):
                            out_shardings=self.layout.shardings)()
         return init_state(params, self.tx, self.layout)
 
+    def restore_plan(self, saved_config: dict):
+        """Checkpoints keep their sync method; one of another data replica count (EASGD,
+        DiLoCo) restarts every replica from its center."""
+        saved = (saved_config.get("sync") or {}).get("method", "allreduce")
+        now = self.exp.sync.method
+        if saved != now:
+            raise UserError(
+                f"the run directory's checkpoints were trained with sync.method = "
+                f"\"{saved}\", this run asks for \"{now}\"; use sync.method = \"{saved}\" "
+                "or a new --run-dir")
+        old = int((saved_config.get("mesh") or {}).get("data", 1))
+        if not self.local or old == self.local.replicas:
+            return super().restore_plan(saved_config)
+        per_layer = abstract_model(self.exp.model.model_copy(
+            update={"scan_layers": False}).model_dump_json())
+        shardings = sharding.param_shardings(per_layer.variables(), self.mesh, self.rules)
+        tx = optimizer(self.exp)[0]
+        shapes, shs = LocalSGD(self.exp.sync, self.mesh, old).state_layout(
+            per_layer.shapes(), shardings, tx, sharded=False)
+        abstract = StateLayout(shapes, shs).abstract()
+        adapt = jax.jit(lambda state: self.local.restart_from_center(state, tx),
+                        out_shardings=self.canonical_layout.shardings)
+        notice = (f"plait: the checkpoint holds {old} data replicas and this mesh has "
+                  f"{self.local.replicas}: every replica restarts from the {now} center, "
+                  "with a fresh optimizer state")
+        return abstract, adapt, notice
+
     def _map_model(self, state: dict, fn) -> dict:
         """Apply a model-params conversion to the state: per replica where there are
         replicas (sync.method easgd / diloco), and to their center."""

@@ -107,6 +107,7 @@ class Run:
             self.close()
             raise
         self.last_saved: int | None = None
+        self.restore_note: str | None = None
         self.resolved_json = json.loads(self.resolved.model_dump_json())
 
     def checkpoint_bytes(self) -> int:
@@ -117,19 +118,33 @@ class Run:
     def restore(self, from_step: int | None = None) -> tuple[dict, int, bool]:
         """(state, first step, restored?): the checkpoint of `from_step`, or the newest
         usable one, or a fresh state."""
-        abstract = self.task.canonical_layout.abstract()
+        if from_step is not None and self.ckpts is None:
+            raise UserError(f"--from-step {from_step}: '{self.run_dir}' has no checkpoints")
+        abstract, adapt, self.restore_note = self._restore_plan(from_step)
         if from_step is not None:
-            if self.ckpts is None:
-                raise UserError(f"--from-step {from_step}: '{self.run_dir}' has no checkpoints")
             restored = self.ckpts.restore_step(abstract, from_step)
         else:
             restored = self.ckpts.restore_latest(abstract) if self.ckpts else None
         if restored is None:
+            self.restore_note = None
             return self.task.init_state(), 0, False
         state, meta = restored
         start = int(meta["step"])
         self.last_saved = start
-        return self.task.from_checkpoint(state), start, True
+        return self.task.from_checkpoint(adapt(state)), start, True
+
+    def _restore_plan(self, from_step: int | None):
+        """The task's plan for the checkpoint about to be read, judged on its config (a
+        checkpoint of another number of data replicas, say)."""
+        steps = self.ckpts.steps() if self.ckpts else []
+        step = from_step if from_step is not None else (steps[0] if steps else None)
+        saved = None
+        if step is not None and step in steps:
+            with contextlib.suppress(Exception):  # unreadable: judged when restoring
+                saved = self.ckpts.read_meta(step).get("config")
+        if saved is None:
+            return self.task.canonical_layout.abstract(), lambda state: state, None
+        return self.task.restore_plan(saved)
 
     def meta_for(self, step: int) -> dict:
         exp = self.exp
@@ -351,6 +366,8 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
     run.header(log, state, start, restored)
     if schedule_note:
         log.note(schedule_note)
+    if run.restore_note:
+        log.note(run.restore_note)
     if start >= total:
         log.note(f"plait: already trained to step {start} of {total}; nothing to do "
                  "(raise --steps to continue)")
