@@ -27,7 +27,6 @@ def test_diloco_with_period_1_outer_lr_1_and_no_momentum_is_allreduce(tmp_path):
 
 def _numpy_exchange(method, xs, sync, cfg):
     """The papers' rules, on float64 arrays: xs [R, ...] replicas, sync = center state."""
-    R = len(xs)
     if method == "easgd":
         c = sync["center"]
         d = xs - c
@@ -67,7 +66,7 @@ def test_each_step_equals_numpy_on_the_same_gradients(method, cfg):
                                    state["params"]), tokens[i * rows:(i + 1) * rows])
                  for i in range(R)]
         lr = float(job.lr_schedule(step))
-        xs = jax.tree.map(lambda x, *g: x - lr * np.stack([np.asarray(gi) for gi in g]),
+        xs = jax.tree.map(lambda x, *g, lr=lr: x - lr * np.stack([np.asarray(gi) for gi in g]),
                           ref["params"], *grads)
         sync = ref["sync"]
         if (step + 1) % cfg["period"] == 0:
@@ -83,8 +82,8 @@ def test_each_step_equals_numpy_on_the_same_gradients(method, cfg):
             got = jax.tree.map(np.asarray, state[name])
             for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want),
                                     jax.tree.leaves(got), strict=True):
-                np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6,
-                                           err_msg=f"step {step} {name}{jax.tree_util.keystr(path)}")
+                where = f"step {step} {name}{jax.tree_util.keystr(path)}"
+                np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6, err_msg=where)
     # Replicas drift apart between exchanges (they saw different rows).
     p = jax.tree.leaves(state["params"])[0]
     assert method == "diloco" or not np.allclose(p[0], p[1])

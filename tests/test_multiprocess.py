@@ -18,9 +18,12 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("sync", ["allreduce", "easgd"])
+def test_two_processes_equal_one(sync, tmp_path):
+    """Also with EASGD: replicas on different processes, the center's shards exchanged
+    between them (period 4, a checkpoint mid-period at step 6)."""
     exp = tiny(checkpoint={"enabled": True, "every_steps": 6, "keep": 2, "async_save": True},
-               log=LINE_LOG)
+               log=LINE_LOG, sync={"method": sync, "period": 4})
     path = write_experiment(tmp_path / "tiny.toml", exp)
     reference = losses(run(exp, MESH, tmp_path / "one"))
     port = _free_port()
