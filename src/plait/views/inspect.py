@@ -53,6 +53,17 @@ def render(r: dict) -> None:
         c.print(f"tensor mode {r['tensor_mode']}: {size_text(r['tensor_wire_bytes'])} over tensor "
                 f"axes per device per step{formula}; parameters "
                 f"{size_text(r['param_bytes_per_device'])} per device")
+    if r.get("phases"):
+        names = list(r["phases"])
+        ph = Table(title="wire bytes per device, by kind of step and mesh axes")
+        ph.add_column("axes")
+        for name in names:
+            ph.add_column(name.replace("_", " "), justify="right")
+        axes = sorted({a for p in r["phases"].values() for a in p["wire_by_axes"]})
+        for a in axes:
+            ph.add_row(a, *(size_text(r["phases"][n]["wire_by_axes"].get(a, 0.0))
+                            for n in names))
+        c.print(ph)
     if r["wire_by_axes"]:
         ax = Table(title="wire bytes per device per step, by mesh axes")
         ax.add_column("axes")
