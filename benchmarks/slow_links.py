@@ -4,7 +4,8 @@ Two parts.
 
 1. Predicted share of step time in communication (compile-only: nothing here is
    timed). Each method's train step is compiled on simulated CPU devices for a
-   mesh of `--devices` (default 32 = data 4 x fsdp 8, as 4 nodes of 8); per-device
+   mesh (default data=32: one replica per GPU of 4 nodes x 8, the EASGD paper's
+   setting); per-device
    matmul FLOPs and collective bytes per mesh-axis group are read from the
    compiled HLO (plait.inspect) and priced by the sweep's cost model
    (plait.sweep.cost) on a hardware description (default h100-4node: 450 GB/s
@@ -63,7 +64,7 @@ def predict(models: list[str], mesh_text: str, hardware: str) -> list[dict]:
     mesh = mesh_lib.build_mesh(sizes, n)
     rows = []
     for name in models:
-        # One row per device in the quickstart's batch: it must split over data x fsdp.
+        # The quickstart's batch of 16 does not split over 32 devices: 2 rows each.
         extra = ["train.global_batch=64"] if name == "quickstart" else []
         for method, period in METHODS:
             exp = _experiment(name, method, period, extra)
@@ -81,14 +82,20 @@ def predict(models: list[str], mesh_text: str, hardware: str) -> list[dict]:
                 mean = comm["local_step"] + comm["sync_step"] / period
             data_bytes = {k: v["wire_by_axes"].get("data", 0.0) * width
                           for k, v in phases.items()}
+            data_comm = {k: comm_time(cand, _groups([o for o in v["collective_ops"]
+                                                     if o["axes"] == ["data"]]), hw, width)[0]
+                         for k, v in phases.items()}
+            data_mean = (data_comm["step"] if method == "allreduce" else
+                         data_comm["local_step"] + data_comm["sync_step"] / period)
             row = {"model": name, "method": method, "period": period, "mesh": mesh_text,
                    "hardware": hardware, "compute_s": compute, "comm_s": mean,
-                   "comm_share": mean / (mean + compute),
+                   "comm_share": mean / (mean + compute), "data_comm_s": data_mean,
                    "comm_s_by_step": comm, "data_wire_bytes_by_step": data_bytes,
                    "parameters": report["parameters"]}
             rows.append(row)
             print(f"{name:11s} {method:9s} period {period or '-':>3}: compute "
-                  f"{compute * 1e3:8.2f} ms, comm {mean * 1e3:8.2f} ms per step "
+                  f"{compute * 1e3:8.2f} ms, comm {mean * 1e3:8.2f} ms per step (over data "
+                  f"{data_mean * 1e3:8.2f} ms) "
                   f"-> {100 * row['comm_share']:5.1f}% communication", flush=True)
     return rows
 
@@ -139,7 +146,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="quickstart,gpt2-124m")
-    ap.add_argument("--mesh", default="data=4,fsdp=8")
+    ap.add_argument("--mesh", default="data=32")
     ap.add_argument("--hardware", default="h100-4node")
     ap.add_argument("--curves", action="store_true", help="train the quickstart instead")
     ap.add_argument("--steps", type=int, default=None, help="--curves: steps (default its own)")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -138,30 +139,87 @@ class LocalSGD:
         return {**fresh, "step": state["step"], "sync": state["sync"]}
 
     # --- collectives -------------------------------------------------------
-    # Manual over every mesh axis: each device holds exactly its shard of the leaf (as
-    # fsdp / tensor split it), and the only collectives are these, over `data`.
-    def _sum_to_center(self, x: jax.Array, leaf: Leaf) -> jax.Array:
-        """[R, ...] split over data -> sum over replicas, laid out as the center."""
-        def body(xl):
-            xl = xl[0]
-            if leaf.dim is None:
-                return jax.lax.psum(xl, AXIS)
-            return jax.lax.psum_scatter(xl, AXIS, scatter_dimension=leaf.dim, tiled=True)
+    # Manual over every mesh axis: each device holds exactly its shard of a leaf (as
+    # fsdp / tensor split it), and the only collectives are these, over `data`. All
+    # leaves travel in one flat float32 buffer (a bucket): one reduce-scatter and one
+    # all-gather per exchange rather than one per leaf, whose latencies would add up.
+    def _sum_to_center(self, xs: dict, leaves: dict) -> dict:
+        """Replicas [R, ...] split over data -> their sum, laid out as the center."""
+        R = self.replicas
+        flat_leaves, tdef = jax.tree.flatten(leaves)
 
-        ndim = x.ndim - 1
-        return jax.shard_map(body, mesh=self.mesh, in_specs=P(AXIS, *leaf.spec),
-                             out_specs=_with(leaf.spec, ndim, leaf.dim, AXIS))(x)
+        def body(*xl):
+            split, whole = [], []
+            for x, leaf in zip(xl, flat_leaves, strict=True):
+                x = x[0].astype(jnp.float32)
+                if leaf.dim is None:
+                    whole.append(x.reshape(-1))
+                else:
+                    split.append(jnp.moveaxis(x, leaf.dim, 0).reshape(R, -1))
+            outs_split = outs_whole = None
+            if split:
+                sizes = [a.shape[1] for a in split]
+                red = jax.lax.psum_scatter(jnp.concatenate(split, axis=1), AXIS,
+                                           scatter_dimension=0, tiled=True)[0]
+                outs_split = jnp.split(red, np.cumsum(sizes)[:-1])
+            if whole:
+                sizes = [a.size for a in whole]
+                outs_whole = jnp.split(jax.lax.psum(jnp.concatenate(whole), AXIS),
+                                       np.cumsum(sizes)[:-1])
+            out, i, j = [], 0, 0
+            for x, leaf in zip(xl, flat_leaves, strict=True):
+                shape = x.shape[1:]
+                if leaf.dim is None:
+                    out.append(outs_whole[j].reshape(shape))
+                    j += 1
+                else:
+                    moved = (shape[leaf.dim] // R,) + tuple(
+                        n for k, n in enumerate(shape) if k != leaf.dim)
+                    out.append(jnp.moveaxis(outs_split[i].reshape(moved), 0, leaf.dim))
+                    i += 1
+            return tuple(out)
 
-    def _broadcast(self, c: jax.Array, leaf: Leaf) -> jax.Array:
+        flat_x = jax.tree.leaves(xs)
+        in_specs = tuple(P(AXIS, *leaf.spec) for leaf in flat_leaves)
+        out_specs = tuple(_with(leaf.spec, x.ndim - 1, leaf.dim, AXIS)
+                          for x, leaf in zip(flat_x, flat_leaves, strict=True))
+        # A bucket mixes leaves split over fsdp / tensor with replicated ones: it varies
+        # over those axes, though each replicated leaf's slice of it does not.
+        out = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                            check_vma=False)(*flat_x)
+        return jax.tree.unflatten(tdef, list(out))
+
+    def _broadcast(self, center: dict, leaves: dict) -> dict:
         """The center -> [R, ...] (every replica a whole copy), split over data."""
-        def body(cl):
-            if leaf.dim is not None:
-                cl = jax.lax.all_gather(cl, AXIS, axis=leaf.dim, tiled=True)
-            return cl[None]
+        R = self.replicas
+        flat_leaves, tdef = jax.tree.flatten(leaves)
+        flat_c = jax.tree.leaves(center)
 
-        return jax.shard_map(body, mesh=self.mesh,
-                             in_specs=_with(leaf.spec, c.ndim, leaf.dim, AXIS),
-                             out_specs=P(AXIS, *leaf.spec))(c)
+        def body(*cl):
+            parts = [jnp.moveaxis(c.astype(jnp.float32), leaf.dim, 0).reshape(-1)
+                     for c, leaf in zip(cl, flat_leaves, strict=True) if leaf.dim is not None]
+            full = None
+            if parts:
+                sizes = [p.size for p in parts]
+                gathered = jax.lax.all_gather(jnp.concatenate(parts), AXIS, tiled=False)
+                full = jnp.split(gathered, np.cumsum(sizes)[:-1], axis=1)  # [R, size] each
+            out, i = [], 0
+            for c, leaf in zip(cl, flat_leaves, strict=True):
+                if leaf.dim is None:
+                    out.append(c[None])
+                    continue
+                moved = jnp.moveaxis(c, leaf.dim, 0).shape
+                whole = full[i].reshape((R * moved[0],) + moved[1:])
+                out.append(jnp.moveaxis(whole, 0, leaf.dim).astype(c.dtype)[None])
+                i += 1
+            return tuple(out)
+
+        in_specs = tuple(_with(leaf.spec, c.ndim, leaf.dim, AXIS)
+                         for c, leaf in zip(flat_c, flat_leaves, strict=True))
+        out_specs = tuple(P(AXIS, *leaf.spec) for leaf in flat_leaves)
+        out = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                            check_vma=False)(*flat_c)
+        return jax.tree.unflatten(tdef, list(out))
 
     # --- the exchange --------------------------------------------------------
     def exchange(self, params: dict, sync: dict, leaves: dict) -> tuple[dict, dict]:
@@ -169,32 +227,23 @@ class LocalSGD:
         f32 = jnp.float32
         if self.cfg.method == "easgd":
             a = self.cfg.alpha
-
-            def one(x, c, leaf):
-                cb = self._broadcast(c, leaf)
-                d = x.astype(f32) - cb.astype(f32)
-                c_new = c.astype(f32) + a * self._sum_to_center(d, leaf)
-                return (x - a * d).astype(x.dtype), c_new.astype(c.dtype)
-
-            out = jax.tree.map(one, params, sync["center"], leaves)
-            new_x = jax.tree.map(lambda o: o[0], out, is_leaf=lambda o: isinstance(o, tuple))
-            new_c = jax.tree.map(lambda o: o[1], out, is_leaf=lambda o: isinstance(o, tuple))
-            return new_x, {"center": new_c}
+            d = jax.tree.map(lambda x, cb: x.astype(f32) - cb.astype(f32), params,
+                             self._broadcast(sync["center"], leaves))
+            total = self._sum_to_center(d, leaves)
+            center = jax.tree.map(lambda c, t: (c.astype(f32) + a * t).astype(c.dtype),
+                                  sync["center"], total)
+            new_x = jax.tree.map(lambda x, di: (x - a * di).astype(x.dtype), params, d)
+            return new_x, {"center": center}
         lr, mu, R = self.cfg.outer_lr, self.cfg.outer_momentum, self.replicas
-
-        def outer(x, c, m, leaf):
-            mean = self._sum_to_center(x.astype(f32), leaf) / R
-            g = c.astype(f32) - mean
-            m_new = mu * m.astype(f32) + g
-            c_new = c.astype(f32) - lr * (g + mu * m_new)
-            return c_new.astype(c.dtype), m_new.astype(m.dtype)
-
-        out = jax.tree.map(outer, params, sync["center"], sync["momentum"], leaves)
-        pick = (lambda i: jax.tree.map(lambda o: o[i], out,
-                                       is_leaf=lambda o: isinstance(o, tuple)))
-        center, momentum = pick(0), pick(1)
-        new_x = jax.tree.map(lambda c, x, leaf: self._broadcast(c, leaf).astype(x.dtype),
-                             center, params, leaves)
+        total = self._sum_to_center(params, leaves)
+        g = jax.tree.map(lambda c, t: c.astype(f32) - t / R, sync["center"], total)
+        momentum = jax.tree.map(lambda m, gi: mu * m.astype(f32) + gi, sync["momentum"], g)
+        center = jax.tree.map(lambda c, gi, m: (c.astype(f32) - lr * (gi + mu * m)
+                                                ).astype(c.dtype), sync["center"], g, momentum)
+        momentum = jax.tree.map(lambda m, old: m.astype(old.dtype), momentum,
+                                sync["momentum"])
+        new_x = jax.tree.map(lambda b, x: b.astype(x.dtype), self._broadcast(center, leaves),
+                             params)
         return new_x, {"center": center, "momentum": momentum}
 
     # --- the step ----------------------------------------------------------
