@@ -70,7 +70,17 @@ class Leaf:
     """How one parameter is laid out: per replica, and in the center."""
 
     spec: P  # the single model's spec (fsdp / tensor axes)
+    ndim: int
     dim: int | None  # the center's dimension over `data`
+
+    @property
+    def replicas_spec(self) -> P:
+        """[replica, ...]: the replica dimension over `data`."""
+        return P(AXIS, *self.spec)
+
+    @property
+    def center_spec(self) -> P:
+        return _with(self.spec, self.ndim, self.dim, AXIS)
 
 
 class LocalSGD:
@@ -83,18 +93,9 @@ class LocalSGD:
     # --- layout ------------------------------------------------------------
     def leaves(self, param_shapes: dict, param_shardings: dict) -> dict:
         return jax.tree.map(
-            lambda s, sh: Leaf(sh.spec, center_dim(s.shape, sh.spec, self.replicas,
-                                                   dict(self.mesh.shape))),
+            lambda s, sh: Leaf(sh.spec, len(s.shape), center_dim(
+                s.shape, sh.spec, self.replicas, dict(self.mesh.shape))),
             param_shapes, param_shardings)
-
-    def replica_sharding(self, sh: NamedSharding, sharded: bool = True) -> NamedSharding:
-        """[replica, ...]: the replica dimension over `data` (or, for a checkpoint of
-        another replica count, kept whole)."""
-        return NamedSharding(self.mesh, P(AXIS if sharded else None, *sh.spec))
-
-    def center_sharding(self, shape, sh: NamedSharding) -> NamedSharding:
-        dim = center_dim(shape.shape, sh.spec, self.replicas, dict(self.mesh.shape))
-        return NamedSharding(self.mesh, _with(sh.spec, len(shape.shape), dim, AXIS))
 
     def state_layout(self, param_shapes: dict, param_shardings: dict,
                      tx: optax.GradientTransformation, sharded: bool = True
@@ -106,12 +107,19 @@ class LocalSGD:
         rep = NamedSharding(self.mesh, P())
         stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct((R,) + s.shape, s.dtype),
                                param_shapes)
-        stacked_sh = jax.tree.map(lambda sh: self.replica_sharding(sh, sharded), param_shardings)
+        leaves = self.leaves(param_shapes, param_shardings)
+
+        def named(spec: P) -> NamedSharding:
+            return NamedSharding(self.mesh, spec)
+
+        # A checkpoint of another replica count is read with nothing split over data.
+        stacked_sh = jax.tree.map(
+            lambda leaf: named(leaf.replicas_spec if sharded else P(None, *leaf.spec)), leaves)
         opt_shapes = jax.eval_shape(jax.vmap(tx.init), stacked)
         lead = NamedSharding(self.mesh, P(AXIS if sharded else None))
         opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_shapes, stacked_sh,
                                        transform_non_params=lambda _: lead)
-        center_sh = (jax.tree.map(self.center_sharding, param_shapes, param_shardings)
+        center_sh = (jax.tree.map(lambda leaf: named(leaf.center_spec), leaves)
                      if sharded else param_shardings)
         sync_shapes = {"center": param_shapes}
         sync_sh = {"center": center_sh}
@@ -180,9 +188,8 @@ class LocalSGD:
             return tuple(out)
 
         flat_x = jax.tree.leaves(xs)
-        in_specs = tuple(P(AXIS, *leaf.spec) for leaf in flat_leaves)
-        out_specs = tuple(_with(leaf.spec, x.ndim - 1, leaf.dim, AXIS)
-                          for x, leaf in zip(flat_x, flat_leaves, strict=True))
+        in_specs = tuple(leaf.replicas_spec for leaf in flat_leaves)
+        out_specs = tuple(leaf.center_spec for leaf in flat_leaves)
         # A bucket mixes leaves split over fsdp / tensor with replicated ones: it varies
         # over those axes, though each replicated leaf's slice of it does not.
         out = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
@@ -214,9 +221,8 @@ class LocalSGD:
                 i += 1
             return tuple(out)
 
-        in_specs = tuple(_with(leaf.spec, c.ndim, leaf.dim, AXIS)
-                         for c, leaf in zip(flat_c, flat_leaves, strict=True))
-        out_specs = tuple(P(AXIS, *leaf.spec) for leaf in flat_leaves)
+        in_specs = tuple(leaf.center_spec for leaf in flat_leaves)
+        out_specs = tuple(leaf.replicas_spec for leaf in flat_leaves)
         out = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                             check_vma=False)(*flat_c)
         return jax.tree.unflatten(tdef, list(out))
@@ -280,7 +286,3 @@ def phases(period: int) -> dict[str, dict[int, list[float]]]:
     return {"local_step": {2: [1.0, 0.0]}, "sync_step": {2: [0.0, 1.0]},
             "mean_step": {2: [1 - 1 / period, 1 / period]}}
 
-
-def model_bytes(param_shapes: dict) -> int:
-    return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
-               for s in jax.tree.leaves(param_shapes))

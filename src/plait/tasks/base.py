@@ -49,8 +49,9 @@ def _persistent_cache(allowed: bool):
     On this JAX (0.10.2), an XLA:CPU executable *loaded* from the persistent
     cache gives run-to-run different results for a pipeline whose stages nest the
     2-D / 2.5-D / 3-D tensor modes' shard_maps (a fresh compile of the same
-    program is deterministic); see docs/architecture.md, "Known issues". Such a
-    step is compiled fresh instead, at the cost of its compile time.
+    program is deterministic); see docs/architecture.md, "Determinism, checkpoints
+    and resume". Such a step is compiled fresh instead, at the cost of its compile
+    time.
     """
     if allowed or not jax.config.jax_enable_compilation_cache:
         yield

@@ -15,7 +15,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,13 +32,7 @@ from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.dlrm_tables import TableState
 from plait.train.metrics import auc
 from plait.train.state import StateLayout, layout, optimizer
-from plait.train.step import (
-    clip_by_norm,
-    compute_dtype,
-    global_norm,
-    metric_shardings,
-    skipping_nonfinite,
-)
+from plait.train.step import compute_dtype, dense_update, global_norm, jit_step
 
 BATCH_AXES = ("data", "fsdp")
 HELD_OUT = 1 << 40  # steps at and above this index of a source are held out
@@ -181,26 +174,22 @@ class DLRMTask(Task):
         loss, (g_params, g_bags) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
             state["params"], self._bags(state, ids))
         norm = global_norm(g_params)
-        g_params = clip_by_norm(g_params, norm, exp.optimizer.grad_clip)
-        updates, opt_state = self.tx.update(g_params, state["opt_state"], state["params"])
+        params, opt_state = dense_update(self.tx, state["params"], state["opt_state"], g_params,
+                                         norm, exp.optimizer.grad_clip)
         lr = self.lr_schedule(state["step"])
         table_lr = (lr * sopt.lr / exp.optimizer.lr).astype(jnp.float32)
         tables, table_opt = emb.sparse_update(
             self.tables, self.mesh, sopt, state["tables"], state["table_opt"], ids, g_bags,
             table_lr, state["step"], exp.model.pooling == "mean")
         new = {"step": state["step"] + 1,
-               "params": optax.apply_updates(state["params"], updates),
+               "params": params,
                "opt_state": opt_state, "tables": tables, "table_opt": table_opt}
         return new, {"loss": loss, "grad_norm": norm, "lr": lr}
 
     @functools.cached_property
     def step_fn(self):
-        skip = self.exp.train.on_nonfinite == "skip"
-        return jax.jit(skipping_nonfinite(self._step) if skip else self._step,
-                       in_shardings=(self.layout.shardings, self.batch_sharding),
-                       out_shardings=(self.layout.shardings,
-                                      metric_shardings(self.mesh, self.exp)),
-                       donate_argnums=0)
+        return jit_step(self._step, self.mesh, self.layout, self.batch_sharding,
+                        self.exp.train.on_nonfinite == "skip")
 
     @functools.cached_property
     def predict_fn(self):

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 
 from plait import data, models, sharding
@@ -34,13 +33,12 @@ from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
 from plait.train.step import (
     accumulated,
-    clip_by_norm,
     compute_dtype,
     cross_entropy,
+    dense_update,
     global_norm,
+    jit_step,
     make_train_step,
-    metric_shardings,
-    skipping_nonfinite,
 )
 
 TENSOR_AXES = frozenset(a for axes in mesh_lib.TENSOR_MODES.values() for a in axes)
@@ -181,13 +179,19 @@ class GPTTask(Task):
         """One entry per layer, whatever the pipeline or the stacked layers do in memory."""
         if not self._converts:
             return self.layout
+        shapes, shardings = self._per_layer_params
+        if self.local:
+            return StateLayout(*self.local.state_layout(shapes, shardings,
+                                                        optimizer(self.exp)[0]))
+        return layout(shapes, shardings, optimizer(self.exp)[0], self.mesh)
+
+    @functools.cached_property
+    def _per_layer_params(self) -> tuple[dict, dict]:
+        """(shapes, shardings) of the parameters with one entry per layer (on disk)."""
         per_layer = abstract_model(self.exp.model.model_copy(
             update={"scan_layers": False}).model_dump_json())
-        shardings = sharding.param_shardings(per_layer.variables(), self.mesh, self.rules)
-        if self.local:
-            return StateLayout(*self.local.state_layout(per_layer.shapes(), shardings,
-                                                        optimizer(self.exp)[0]))
-        return layout(per_layer.shapes(), shardings, optimizer(self.exp)[0], self.mesh)
+        return (per_layer.shapes(),
+                sharding.param_shardings(per_layer.variables(), self.mesh, self.rules))
 
     def init_state(self) -> dict:
         def params():
@@ -212,13 +216,9 @@ class GPTTask(Task):
         old = int((saved_config.get("mesh") or {}).get("data", 1))
         if not self.local or old == self.local.replicas:
             return super().restore_plan(saved_config)
-        per_layer = abstract_model(self.exp.model.model_copy(
-            update={"scan_layers": False}).model_dump_json())
-        shardings = sharding.param_shardings(per_layer.variables(), self.mesh, self.rules)
         tx = optimizer(self.exp)[0]
-        shapes, shs = LocalSGD(self.exp.sync, self.mesh, old).state_layout(
-            per_layer.shapes(), shardings, tx, sharded=False)
-        abstract = StateLayout(shapes, shs).abstract()
+        abstract = StateLayout(*LocalSGD(self.exp.sync, self.mesh, old).state_layout(
+            *self._per_layer_params, tx, sharded=False)).abstract()
         adapt = jax.jit(lambda state: self.local.restart_from_center(state, tx),
                         out_shardings=self.canonical_layout.shardings)
         notice = (f"plait: the checkpoint holds {old} data replicas and this mesh has "
@@ -267,9 +267,11 @@ class GPTTask(Task):
         return self._from_checkpoint(state) if self._converts else state
 
     # ------------------------------------------------------------------ step
-    def loss(self, params: dict, tokens: jax.Array) -> jax.Array:
-        """Mean next-token loss of tokens [rows, seq + 1]."""
-        with sharding.use(self.mesh, self.rules):
+    def loss(self, params: dict, tokens: jax.Array, rules: sharding.Rules | None = None
+             ) -> jax.Array:
+        """Mean next-token loss of tokens [rows, seq + 1] (under the task's rules, or
+        `rules`)."""
+        with sharding.use(self.mesh, rules or self.rules):
             logits = self.model.apply(params, tokens[:, :-1], compute_dtype(self.exp))
         return cross_entropy(logits, tokens[:, 1:], self.exp.model.vocab)
 
@@ -283,31 +285,20 @@ class GPTTask(Task):
         """The step of replicas that sync every sync.period steps (parallel.local_sgd)."""
         shapes, shardings = self._params
         rules = sharding.without_axis(self.rules, "data")  # the replica's own axis
-        dtype, vocab = compute_dtype(self.exp), self.exp.model.vocab
-
-        def loss(params, tokens):
-            with sharding.use(self.mesh, rules):
-                logits = self.model.apply(params, tokens[:, :-1], dtype)
-            return cross_entropy(logits, tokens[:, 1:], vocab)
-
-        grads_of = accumulated(loss, lambda g: jax.lax.with_sharding_constraint(g, shardings))
-        clip = self.exp.optimizer.grad_clip
+        grads_of = accumulated(functools.partial(self.loss, rules=rules),
+                               lambda g: jax.lax.with_sharding_constraint(g, shardings))
 
         def replica_step(params, opt_state, batch):
             value, grads = grads_of(params, batch)
             norm = global_norm(grads)
-            updates, opt_state = self.tx.update(clip_by_norm(grads, norm, clip), opt_state,
-                                                params)
-            return optax.apply_updates(params, updates), opt_state, value, norm
+            params, opt_state = dense_update(self.tx, params, opt_state, grads, norm,
+                                             self.exp.optimizer.grad_clip)
+            return params, opt_state, value, norm
 
         step = self.local.make_step(replica_step, self.local.leaves(shapes, shardings),
                                     self.lr_schedule)
-        if self.exp.train.on_nonfinite == "skip":
-            step = skipping_nonfinite(step)
-        return jax.jit(step, in_shardings=(self.layout.shardings, self.batch_sharding),
-                       out_shardings=(self.layout.shardings,
-                                      metric_shardings(self.mesh, self.exp)),
-                       donate_argnums=0)
+        return jit_step(step, self.mesh, self.layout, self.batch_sharding,
+                        self.exp.train.on_nonfinite == "skip")
 
     @functools.cached_property
     def step_fn(self):
@@ -325,10 +316,8 @@ class GPTTask(Task):
         return jax.ShapeDtypeStruct(self.batch_shape, np.int32, sharding=self.batch_sharding)
 
     def cache_unsafe(self) -> bool:
-        grid = any(self.mesh.shape.get(a, 1) > 1 for mode in ("2.5d", "3d")
-                   for a in mesh_lib.TENSOR_MODES[mode])
-        return (self.pipeline is not None and grid
-                and self.mesh.devices.flat[0].platform == "cpu")
+        return (self.pipeline is not None and self.mesh.devices.flat[0].platform == "cpu"
+                and mesh_lib.tensor_mode(dict(self.mesh.shape)) not in (None, "1d"))
 
     def branch_weights(self):
         if self.local:

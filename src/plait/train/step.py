@@ -86,12 +86,24 @@ def skipping_nonfinite(step: Callable) -> Callable:
     return guarded
 
 
-def metric_shardings(mesh: Mesh, exp: Experiment) -> dict:
-    """The step's metrics, each replicated."""
-    rep = sharding.replicated(mesh)
-    keys = ("loss", "grad_norm", "lr") + (("skipped",) if exp.train.on_nonfinite == "skip"
-                                          else ())
-    return dict.fromkeys(keys, rep)
+def dense_update(tx: optax.GradientTransformation, params, opt_state, grads, norm: jax.Array,
+                 grad_clip: float):
+    """(params, opt_state) after one optimizer step on the gradients clipped to
+    `grad_clip` by their global norm `norm`."""
+    updates, opt_state = tx.update(clip_by_norm(grads, norm, grad_clip), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def jit_step(step: Callable, mesh: Mesh, lay: StateLayout, batch_sharding,
+             skip_nonfinite: bool):
+    """jit(step)(state, batch) -> (state, metrics): the state donated and pinned to its
+    shardings, every metric replicated; with `skip_nonfinite`, behind the guard that
+    leaves the state as it was after a NaN/Inf (skipping_nonfinite)."""
+    keys = ("loss", "grad_norm", "lr") + (("skipped",) if skip_nonfinite else ())
+    metrics = dict.fromkeys(keys, sharding.replicated(mesh))
+    return jax.jit(skipping_nonfinite(step) if skip_nonfinite else step,
+                   in_shardings=(lay.shardings, batch_sharding),
+                   out_shardings=(lay.shardings, metrics), donate_argnums=0)
 
 
 def make_train_step(mesh: Mesh, lay: StateLayout, batch_sharding, tx: optax.GradientTransformation,
@@ -113,17 +125,9 @@ def make_train_step(mesh: Mesh, lay: StateLayout, batch_sharding, tx: optax.Grad
         loss, grads = loss_and_grads(params, batch)
         grads = pin(grads)
         norm = grad_norm(grads)
-        grads = clip_by_norm(grads, norm, grad_clip)
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                     "opt_state": opt_state}
+        params, opt_state = dense_update(tx, params, state["opt_state"], grads, norm, grad_clip)
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         return new_state, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(state["step"])}
 
-    replicated = sharding.replicated(mesh)
-    metrics = {"loss": replicated, "grad_norm": replicated, "lr": replicated}
-    if skip_nonfinite:
-        step = skipping_nonfinite(step)
-        metrics["skipped"] = replicated
-    return jax.jit(step, in_shardings=(lay.shardings, batch_sharding),
-                   out_shardings=(lay.shardings, metrics), donate_argnums=0)
+    return jit_step(step, mesh, lay, batch_sharding, skip_nonfinite)
 
