@@ -10,7 +10,7 @@ import jax
 import pytest
 from helpers import tiny, wrap_gpt_step, write_experiment
 
-from plait.tasks.gpt import UNROLL_MAX_LAYERS, attention_for, scan_for
+from plait.tasks.gpt_runtime import UNROLL_MAX_LAYERS, attention_for, scan_for
 
 
 @pytest.mark.parametrize("platform,kind,compute,heads,want", [

@@ -75,7 +75,7 @@ class GPTConfig(ModelSection):
     remat: Literal["none", "full", "save_dots"] = "none"
     # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
     # parameters, same results): compile time no longer grows with the number of
-    # layers. "auto": tasks.gpt.scan_for's rule (unrolled on GPUs up to 24 layers).
+    # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 24 layers).
     scan_layers: bool | Literal["auto"] = False
 
     data_sources: ClassVar[tuple[str, ...]] = ("synthetic", "tokens")

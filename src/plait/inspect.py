@@ -12,7 +12,6 @@ from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
 from plait.tasks import make_task
-from plait.tasks.gpt import MODE_NAMES
 
 
 def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
@@ -69,7 +68,7 @@ def compare_tensor_modes(exp: Experiment, n: int) -> list[dict]:
     rows = []
     for mode, axes in tensor_mode_meshes(n):
         sizes = mesh_lib.resolve(mesh_lib.MeshSpec(axes, "--compare-tensor-modes"), n)
-        row = {"mode": MODE_NAMES[mode], "mesh": mesh_lib.inline(sizes)}
+        row = {"mode": mesh_lib.MODE_NAMES[mode], "mesh": mesh_lib.inline(sizes)}
         with console.status(f"compiling {row['mode']} on {row['mesh']} ..."):
             try:
                 r = inspect_step(exp, mesh_lib.build_mesh(sizes, n))

@@ -30,6 +30,8 @@ TENSOR_MODES = {
     "2.5d": ("tensor_depth", "tensor_row", "tensor_col"),
     "3d": ("tensor_x", "tensor_y", "tensor_z"),
 }
+# How reports and messages name each mode (None: no tensor parallelism).
+MODE_NAMES = {None: "none", "1d": "1-D", "2d": "2-D", "2.5d": "2.5-D", "3d": "3-D"}
 
 
 @dataclass

@@ -73,7 +73,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), resid_std,
                          fan_in=("heads", "head_dim"))
         self.bo = _param(rngs, (d,), ("norm",), 0.0)
-        # "auto" is resolved by the task for the device (tasks.gpt.attention_for).
+        # "auto" is resolved by the task for the device (tasks.gpt_runtime.attention_for).
         self.implementation = None if cfg.attention == "auto" else cfg.attention
 
     def __call__(self, x):

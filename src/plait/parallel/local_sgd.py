@@ -33,7 +33,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from plait.config import SyncConfig
+from plait import mesh as mesh_lib
+from plait.config import Experiment, SyncConfig
+from plait.errors import UserError
+from plait.train.state import StateLayout
 
 AXIS = "data"
 LOCAL_METHODS = ("easgd", "diloco")
@@ -99,8 +102,8 @@ class LocalSGD:
 
     def state_layout(self, param_shapes: dict, param_shardings: dict,
                      tx: optax.GradientTransformation, sharded: bool = True
-                     ) -> tuple[dict, dict]:
-        """(shapes, shardings) of {"step", "params", "opt_state", "sync"}; with
+                     ) -> StateLayout:
+        """Shapes and shardings of {"step", "params", "opt_state", "sync"}; with
         `sharded` False (reading a checkpoint of another replica count) nothing is split
         over `data`."""
         R = self.replicas
@@ -128,7 +131,7 @@ class LocalSGD:
         shapes = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": stacked,
                   "opt_state": opt_shapes, "sync": sync_shapes}
         shardings = {"step": rep, "params": stacked_sh, "opt_state": opt_sh, "sync": sync_sh}
-        return shapes, shardings
+        return StateLayout(shapes, shardings)
 
     def init(self, params: dict, tx: optax.GradientTransformation) -> dict:
         """Every replica starts from the same model, which is also the center."""
@@ -278,6 +281,52 @@ class LocalSGD:
                          "lr": lr_schedule(s)}
 
         return step
+
+
+def for_run(exp: Experiment, mesh: Mesh, pipelined: bool) -> LocalSGD | None:
+    """The replicas of a run whose sync.method is "easgd" or "diloco" (None for
+    "allreduce"); what they do not run with yet is refused in one line."""
+    method = exp.sync.method
+    if method == "allreduce":
+        return None
+    if pipelined:
+        raise UserError(
+            f"sync.method = \"{method}\" keeps one model per data replica and does not "
+            "run with a pipeline yet; use pipeline = 1 or sync.method = \"allreduce\"")
+    mode = mesh_lib.tensor_mode(dict(mesh.shape))
+    if mode not in (None, "1d"):
+        raise UserError(
+            f"sync.method = \"{method}\" runs with fsdp and 1-D tensor inside each "
+            f"replica, not the {mesh_lib.MODE_NAMES[mode]} tensor mode; use the tensor axis, "
+            "or sync.method = \"allreduce\"")
+    return LocalSGD(exp.sync, mesh)
+
+
+def restore_plan(saved_config: dict, cfg: SyncConfig, local: LocalSGD | None,
+                 per_layer: tuple[dict, dict], tx: optax.GradientTransformation,
+                 shardings: dict):
+    """How a run reads a checkpoint written under `saved_config` (see Task.restore_plan),
+    or None when nothing about the sync changes it. A checkpoint keeps its sync method
+    (another is refused in one line); one of another data replica count is read with
+    its replicas whole, and every replica restarts from the center (`per_layer`: the
+    canonical parameters' shapes and shardings; `shardings`: the run's canonical state
+    shardings)."""
+    saved = (saved_config.get("sync") or {}).get("method", "allreduce")
+    if saved != cfg.method:
+        raise UserError(
+            f"the run directory's checkpoints were trained with sync.method = "
+            f"\"{saved}\", this run asks for \"{cfg.method}\"; use sync.method = "
+            f"\"{saved}\" or a new --run-dir")
+    old = int((saved_config.get("mesh") or {}).get("data", 1))
+    if local is None or old == local.replicas:
+        return None
+    abstract = LocalSGD(cfg, local.mesh, old).state_layout(*per_layer, tx,
+                                                           sharded=False).abstract()
+    adapt = jax.jit(lambda state: local.restart_from_center(state, tx), out_shardings=shardings)
+    notice = (f"plait: the checkpoint holds {old} data replicas and this mesh has "
+              f"{local.replicas}: every replica restarts from the {cfg.method} center, with a "
+              "fresh optimizer state")
+    return abstract, adapt, notice
 
 
 def phases(period: int) -> dict[str, dict[int, list[float]]]:

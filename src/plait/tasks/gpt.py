@@ -26,9 +26,9 @@ from plait.config import Experiment, GPTConfig
 from plait.errors import UserError
 from plait.models import ModelDef, build, gpt
 from plait.parallel import formulas, local_sgd, schedules
-from plait.parallel.local_sgd import LocalSGD
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checks import check_fits
+from plait.tasks.gpt_runtime import attention_for, scan_for
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
 from plait.train.step import (
@@ -42,51 +42,12 @@ from plait.train.step import (
 )
 
 TENSOR_AXES = frozenset(a for axes in mesh_lib.TENSOR_MODES.values() for a in axes)
-MODE_NAMES = {None: "none", "1d": "1-D", "2d": "2-D", "2.5d": "2.5-D", "3d": "3-D"}
 
 
 def tensor_wire_bytes(analysis: dict) -> float:
     """Ring wire bytes of the collectives that run over tensor axes only."""
     return sum(b for axes, b in analysis["wire_by_axes"].items()
                if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)
-
-
-def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str
-                  ) -> tuple[str, str]:
-    """(implementation, why) for `model.attention`: "auto" takes the fused cuDNN flash
-    kernel of `jax.nn.dot_product_attention` where it applies (an NVIDIA GPU, bf16 compute,
-    a head size cuDNN takes), XLA's attention otherwise. (JAX's own default chose XLA's
-    unfused attention on an H100, 2.2x slower: shared/gpu-findings.)"""
-    if cfg.attention != "auto":
-        return cfg.attention, "model.attention"
-    head = cfg.d_model // cfg.heads
-    if platform != "gpu" or "nvidia" not in device_kind.lower():
-        return "xla", f"auto: no fused kernel on {platform}"
-    if compute != "bfloat16":
-        return "xla", "auto: cuDNN flash attention needs bf16 compute"
-    if head % 8 or head > 128:
-        return "xla", f"auto: head size {head} is not one cuDNN takes (a multiple of 8, <= 128)"
-    return "cudnn", "auto: fused flash attention on an NVIDIA GPU"
-
-
-# Up to this depth `scan_layers = "auto"` unrolls the blocks on a GPU.
-UNROLL_MAX_LAYERS = 24
-
-
-def scan_for(cfg: GPTConfig, platform: str) -> tuple[bool, str]:
-    """(scan?, why) for `model.scan_layers`. "auto" unrolls on a GPU up to
-    UNROLL_MAX_LAYERS blocks: there XLA schedules and fuses across blocks, and the
-    unrolled GPT-2 124M ran 20-30% faster than the scanned one on an H100
-    (shared/gpu-findings), while the unrolled step's compile time, which grows with
-    depth, stays short. Deeper models, CPUs (no speed gap measured, compile several
-    times faster) and TPUs (where scanning is the norm, as in MaxText) scan."""
-    if cfg.scan_layers != "auto":
-        return bool(cfg.scan_layers), "model.scan_layers"
-    if platform == "gpu" and cfg.layers <= UNROLL_MAX_LAYERS:
-        return False, f"auto: unrolled on a GPU up to {UNROLL_MAX_LAYERS} layers"
-    if platform == "gpu":
-        return True, f"auto: scanned on a GPU beyond {UNROLL_MAX_LAYERS} layers"
-    return True, f"auto: scanned on {platform}"
 
 
 @functools.lru_cache(maxsize=8)
@@ -129,7 +90,7 @@ class GPTTask(Task):
             self.pipeline = Pipelined(exp, mesh, self.model, self.rules, "blocks", gpt.Block,
                                       stacked=exp.model.scan_layers)
         self.stacked = exp.model.scan_layers is True and exp.model.layers > 0
-        self.local = self._local_sgd(exp, mesh)
+        self.local = local_sgd.for_run(exp, mesh, pipelined=self.pipeline is not None)
         mask = (self.pipeline.decay_mask if self.pipeline
                 else models.decay_mask(self.model.variables()))
         self.tx, self.lr_schedule = optimizer(exp, mask)
@@ -139,30 +100,13 @@ class GPTTask(Task):
             params = (self.model.shapes(),
                       sharding.param_shardings(self.model.variables(), mesh, self.rules))
         self._params = params
-        self._layout = (StateLayout(*self.local.state_layout(*params, self.tx)) if self.local
+        self._layout = (self.local.state_layout(*params, self.tx) if self.local
                         else layout(*params, self.tx, mesh))
         t, n = exp.train, (self.pipeline.microbatches if self.pipeline else exp.train.microbatches)
         # [microbatch, row, token]: rows split over the batch axes.
         self.batch_shape = (n, t.global_batch // n, exp.model.seq_len + 1)
         self.batch_sharding: NamedSharding = sharding.batch_sharding(mesh, self.rules, 3,
                                                                      batch_dim=1)
-
-    def _local_sgd(self, exp: Experiment, mesh: Mesh) -> LocalSGD | None:
-        """Replicas that sync every sync.period steps (EASGD, DiLoCo), or None."""
-        method = exp.sync.method
-        if method == "allreduce":
-            return None
-        if self.pipeline is not None:
-            raise UserError(
-                f"sync.method = \"{method}\" keeps one model per data replica and does not "
-                "run with a pipeline yet; use pipeline = 1 or sync.method = \"allreduce\"")
-        mode = mesh_lib.tensor_mode(dict(mesh.shape))
-        if mode not in (None, "1d"):
-            raise UserError(
-                f"sync.method = \"{method}\" runs with fsdp and 1-D tensor inside each "
-                f"replica, not the {MODE_NAMES[mode]} tensor mode; use the tensor axis, or "
-                "sync.method = \"allreduce\"")
-        return LocalSGD(exp.sync, mesh)
 
     # ------------------------------------------------------------------ state
     @property
@@ -181,8 +125,7 @@ class GPTTask(Task):
             return self.layout
         shapes, shardings = self._per_layer_params
         if self.local:
-            return StateLayout(*self.local.state_layout(shapes, shardings,
-                                                        optimizer(self.exp)[0]))
+            return self.local.state_layout(shapes, shardings, optimizer(self.exp)[0])
         return layout(shapes, shardings, optimizer(self.exp)[0], self.mesh)
 
     @functools.cached_property
@@ -204,27 +147,10 @@ class GPTTask(Task):
         return init_state(params, self.tx, self.layout)
 
     def restore_plan(self, saved_config: dict):
-        """Checkpoints keep their sync method; one of another data replica count (EASGD,
-        DiLoCo) restarts every replica from its center."""
-        saved = (saved_config.get("sync") or {}).get("method", "allreduce")
-        now = self.exp.sync.method
-        if saved != now:
-            raise UserError(
-                f"the run directory's checkpoints were trained with sync.method = "
-                f"\"{saved}\", this run asks for \"{now}\"; use sync.method = \"{saved}\" "
-                "or a new --run-dir")
-        old = int((saved_config.get("mesh") or {}).get("data", 1))
-        if not self.local or old == self.local.replicas:
-            return super().restore_plan(saved_config)
-        tx = optimizer(self.exp)[0]
-        abstract = StateLayout(*LocalSGD(self.exp.sync, self.mesh, old).state_layout(
-            *self._per_layer_params, tx, sharded=False)).abstract()
-        adapt = jax.jit(lambda state: self.local.restart_from_center(state, tx),
-                        out_shardings=self.canonical_layout.shardings)
-        notice = (f"plait: the checkpoint holds {old} data replicas and this mesh has "
-                  f"{self.local.replicas}: every replica restarts from the {now} center, "
-                  "with a fresh optimizer state")
-        return abstract, adapt, notice
+        plan = local_sgd.restore_plan(saved_config, self.exp.sync, self.local,
+                                      self._per_layer_params, optimizer(self.exp)[0],
+                                      self.canonical_layout.shardings)
+        return plan or super().restore_plan(saved_config)
 
     def _map_model(self, state: dict, fn) -> dict:
         """Apply a model-params conversion to the state: per replica where there are
@@ -408,7 +334,7 @@ class GPTTask(Task):
         sizes = dict(self.mesh.shape)
         platform = self.mesh.devices.flat[0].platform
         wire = tensor_wire_bytes(analysis)
-        mode = MODE_NAMES[mesh_lib.tensor_mode(sizes)]
+        mode = mesh_lib.MODE_NAMES[mesh_lib.tensor_mode(sizes)]
         # The formulas describe tensor parallelism without a pipeline.
         formula = None if self.pipeline else formulas.tensor_bytes(self.exp, sizes, platform)
         out = {"tensor_mode": mode, "tensor_wire_bytes": wire, "tensor_formula_bytes": formula,
