@@ -14,6 +14,11 @@ Collective bytes per device (`collectives`), by kind:
 `collectives_wire` gives the bytes each device receives with ring algorithms:
 all-reduce 2(n-1)/n x size, all-gather and reduce-scatter (n-1)/n x size,
 all-to-all (n-1)/n x size, collective-permute 1 x size (n = group size).
+
+Given the host of every mesh position (`hosts`, from plait.mesh.host_layout),
+each collective is classed by the links it crosses: within one host, or across
+hosts (its group, or one of a permute's pairs, spans several), and reported per
+class (`bytes_by_link`, `wire_by_link`).
 """
 
 from __future__ import annotations
@@ -244,6 +249,7 @@ class Collective:
     axes: list[str]
     count: float
     shape: str
+    crosses_hosts: bool = False
 
     @property
     def wire_bytes(self) -> float:
@@ -256,8 +262,24 @@ class Collective:
         return factor * self.bytes
 
 
+LINKS = ("within_host", "across_hosts")
+
+
+def _pairs(attrs: str) -> list[list[int]]:
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if not m:
+        return []
+    return [[int(x) for x in g.split(",")] for g in re.findall(r"\{(\d+,\d+)", m.group(0))]
+
+
+def _crosses(groups: list[list[int]], hosts) -> bool:
+    return any(len({hosts[d] for d in g if d < len(hosts)}) > 1 for g in groups)
+
+
 def collectives(mod: Module, mesh_shape: dict[str, int],
-                mult: dict[str, float] | None = None) -> list[Collective]:
+                mult: dict[str, float] | None = None, hosts=None) -> list[Collective]:
+    """Every collective the step runs, with how often; `hosts`: the host of each mesh
+    position (flattened), to class each by the links it crosses."""
     n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
     mult = multiplicities(mod) if mult is None else mult
     found = []
@@ -275,7 +297,11 @@ def collectives(mod: Module, mesh_shape: dict[str, int],
             size = len(group) if kind != "collective-permute" else 2
             nbytes = operand_bytes * size if kind == "all-gather" else operand_bytes
             axes = _axes_of_group(group, mesh_shape) if kind != "collective-permute" else []
-            found.append(Collective(kind, nbytes, size, axes, times, ins.shape))
+            crosses = False
+            if hosts is not None:
+                crosses = _crosses(_pairs(ins.attrs) if kind == "collective-permute"
+                                   else groups or [group], hosts)
+            found.append(Collective(kind, nbytes, size, axes, times, ins.shape, crosses))
     return found
 
 
@@ -322,11 +348,12 @@ def kernel_count(mod: Module, mult: dict[str, float] | None = None) -> float:
 
 
 def analyze(compiled, mesh_shape: dict[str, int],
-            branch_weights: dict[int, list[float]] | None = None) -> dict:
-    """Per-device figures of a compiled (jax `Compiled`) step."""
+            branch_weights: dict[int, list[float]] | None = None, hosts=None) -> dict:
+    """Per-device figures of a compiled (jax `Compiled`) step; `hosts` as for
+    `collectives`."""
     mod = parse_hlo(compiled.as_text())
     mult = multiplicities(mod, branch_weights)
-    colls = collectives(mod, mesh_shape, mult)
+    colls = collectives(mod, mesh_shape, mult, None if hosts is None else list(hosts))
     by_kind = {k: 0.0 for k in COLLECTIVE_KINDS}
     wire = {k: 0.0 for k in COLLECTIVE_KINDS}
     for c in colls:
@@ -351,13 +378,19 @@ def analyze(compiled, mesh_shape: dict[str, int],
                                  + memory["temp_bytes"] - memory["alias_bytes"])
     detail: dict[tuple, dict] = {}
     for c in colls:
-        key = (c.kind, c.shape, c.group_size, tuple(c.axes))
+        key = (c.kind, c.shape, c.group_size, tuple(c.axes), c.crosses_hosts)
         row = detail.setdefault(key, {"kind": c.kind, "shape": c.shape, "group_size": c.group_size,
-                                      "axes": list(c.axes), "count": 0.0, "bytes": 0.0,
-                                      "wire_bytes": 0.0})
+                                      "axes": list(c.axes), "crosses_hosts": c.crosses_hosts,
+                                      "count": 0.0, "bytes": 0.0, "wire_bytes": 0.0})
         row["count"] += c.count
         row["bytes"] += c.bytes * c.count
         row["wire_bytes"] += c.wire_bytes * c.count
+    by_link = dict.fromkeys(LINKS, 0.0)
+    wire_link = dict.fromkeys(LINKS, 0.0)
+    for c in colls:
+        link = LINKS[c.crosses_hosts]
+        by_link[link] += c.bytes * c.count
+        wire_link[link] += c.wire_bytes * c.count
     by_axes: dict[str, float] = {}
     for c in colls:
         if c.wire_bytes:
@@ -372,6 +405,11 @@ def analyze(compiled, mesh_shape: dict[str, int],
         "collectives_wire": wire,
         # Ring wire bytes per group of mesh axes the collectives run over.
         "wire_by_axes": dict(sorted(by_axes.items(), key=lambda kv: -kv[1])),
+        # Collective bytes (as `collectives`) and ring wire bytes by the links they
+        # cross: within one host, or across hosts.
+        "bytes_by_link": by_link,
+        "wire_by_link": wire_link,
+        "hosts": len(set(hosts)) if hosts is not None else 1,
         "collective_ops": sorted(detail.values(), key=lambda r: -r["bytes"]),
         "memory": memory,
         "kernels": kernel_count(mod, mult),

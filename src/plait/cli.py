@@ -87,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
                                        "collective bytes and memory per device")
     _common(i)
     i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument("--hardware", default=None,
+                   help="price the collectives, within a host and across hosts, with this "
+                        "hardware description's bandwidths and latencies (as plait sweep)")
     i.add_argument("--compare-tensor-modes", action="store_true",
                    help="compile the step under 1-D, 2-D, 2.5-D and 3-D tensor parallelism on "
                         "the mesh's device count (or --devices) and compare bytes and memory")
@@ -201,7 +204,7 @@ def _setup(args):
     cluster.join(args)
     n = mesh_lib.provision_devices(spec, args.devices)
     # Divisibility is checked by train.build.Job, before anything is written.
-    return exp, mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
+    return exp, mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n, spec.dcn)
 
 
 def _profile_window(text: str | None) -> tuple[int, int] | None:
@@ -240,7 +243,12 @@ def cmd_inspect(args) -> int:
         else:
             render_comparison(exp.name, rows)
         return 0
-    report = inspect_step(exp, mesh)
+    hw = None
+    if args.hardware:
+        from plait.hardware import load_hardware
+
+        hw = load_hardware(args.hardware)
+    report = inspect_step(exp, mesh, hw)
     if args.json:
         print(json.dumps(report))
     else:

@@ -230,6 +230,10 @@ class SyncConfig(Section):
     alpha: PosFloat = 0.1  # EASGD's elasticity (the center moves by beta = P * alpha)
     outer_lr: PosFloat = 0.7  # DiLoCo's outer learning rate
     outer_momentum: NonNegFloat = 0.9  # DiLoCo's outer Nesterov momentum
+    # "allreduce"'s gradient reduction: "hierarchical" reduces within each host first
+    # (the data axis has parts across and within hosts: data=S@dcn,data=F), "flat" is
+    # one all-reduce over data; "auto" is hierarchical wherever it applies.
+    reduce: Literal["auto", "flat", "hierarchical"] = "auto"
 
 
 class PrecisionConfig(Section):

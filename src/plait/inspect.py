@@ -11,21 +11,24 @@ from plait import analysis
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
+from plait.hardware import Hardware
 from plait.tasks import make_task
 
 
-def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
-    """Compile-only report: FLOPs, collective bytes by kind, memory (all per device), and
-    the task's own figures (Task.report)."""
+def inspect_step(exp: Experiment, mesh: Mesh, hw: Hardware | None = None) -> dict:
+    """Compile-only report: FLOPs, collective bytes by kind and by link (within a host,
+    across hosts), memory (all per device), and the task's own figures (Task.report);
+    with `hw`, the collectives' time on it per link (`link_seconds`)."""
     task = make_task(exp, mesh)
     t0 = time.perf_counter()
     compiled = task.compile()
     compile_s = time.perf_counter() - t0
-    report = analysis.analyze(compiled, dict(mesh.shape), task.branch_weights())
+    hosts = mesh_lib.host_layout(mesh).ravel()
+    report = analysis.analyze(compiled, dict(mesh.shape), task.branch_weights(), hosts)
     n, sizes = mesh.devices.size, dict(mesh.shape)
     flops = task.flops_per_unit()
     report.update(
-        experiment=exp.name, mesh=mesh_lib.inline(sizes), mesh_shape=sizes, devices=n,
+        experiment=exp.name, mesh=mesh_lib.mesh_text(mesh), mesh_shape=sizes, devices=n,
         platform=mesh.devices.flat[0].platform, parameters=task.num_params(),
         unit=task.unit, units_per_step=task.units_per_step,
         **{f"{task.unit}_per_step": task.units_per_step},
@@ -36,10 +39,19 @@ def inspect_step(exp: Experiment, mesh: Mesh) -> dict:
     if phases:
         # Steps that differ (a local step, a sync step): each one's collectives.
         report["phases"] = {
-            name: {k: v for k, v in analysis.analyze(compiled, sizes, weights).items()
+            name: {k: v for k, v in analysis.analyze(compiled, sizes, weights, hosts).items()
                    if k in ("collectives", "collectives_wire", "wire_by_axes",
-                            "collective_ops")}
+                            "bytes_by_link", "wire_by_link", "collective_ops")}
             for name, weights in phases.items()}
+    if hw is not None:
+        from plait.sweep.cost import link_times
+
+        # Collectives compiled on CPU run in fp32; an accelerator sends bf16 ones at 2 bytes.
+        width = 0.5 if (exp.precision.compute == "bfloat16" and report["platform"] == "cpu"
+                        and hw.extra.get("device") != "cpu") else 1.0
+        report["hardware"] = hw.name
+        for part in [report, *report.get("phases", {}).values()]:
+            part["link_seconds"] = link_times(part["collective_ops"], hw, width)
     return report
 
 

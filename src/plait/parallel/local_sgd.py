@@ -16,8 +16,10 @@ PHub) along a dimension no other axis splits:
 
 An exchange is one reduce-scatter of the replicas' sum onto the center's
 shards and one all-gather of the center back to the replicas (one model's
-worth each way, written here with shard_map); a local step exchanges nothing
-over `data` but the step's two scalar metrics.
+worth each way, written here with shard_map); where the data axis has parts
+across and within hosts, each runs within the hosts first and sends 1/fast of
+it across (parallel.hierarchical; sync.reduce = "flat" turns that off). A
+local step exchanges nothing over `data` but the step's two scalar metrics.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from plait import mesh as mesh_lib
 from plait.config import Experiment, SyncConfig
 from plait.errors import UserError
+from plait.parallel import hierarchical
 from plait.train.state import StateLayout
 
 AXIS = "data"
@@ -92,6 +95,9 @@ class LocalSGD:
     def __init__(self, cfg: SyncConfig, mesh: Mesh, replicas: int | None = None):
         self.cfg, self.mesh = cfg, mesh
         self.replicas = replicas or mesh.shape.get(AXIS, 1)
+        # (slow, fast) of the data axis; the exchange is hierarchical where both exceed 1.
+        self.split = ((self.replicas, 1) if cfg.reduce == "flat"
+                      else mesh_lib.axis_split(mesh, AXIS))
 
     # --- layout ------------------------------------------------------------
     def leaves(self, param_shapes: dict, param_shardings: dict) -> dict:
@@ -170,8 +176,8 @@ class LocalSGD:
             outs_split = outs_whole = None
             if split:
                 sizes = [a.shape[1] for a in split]
-                red = jax.lax.psum_scatter(jnp.concatenate(split, axis=1), AXIS,
-                                           scatter_dimension=0, tiled=True)[0]
+                red = hierarchical.reduce_scatter_rows(jnp.concatenate(split, axis=1),
+                                                       self.split)
                 outs_split = jnp.split(red, np.cumsum(sizes)[:-1])
             if whole:
                 sizes = [a.size for a in whole]
@@ -211,7 +217,7 @@ class LocalSGD:
             full = None
             if parts:
                 sizes = [p.size for p in parts]
-                gathered = jax.lax.all_gather(jnp.concatenate(parts), AXIS, tiled=False)
+                gathered = hierarchical.all_gather_rows(jnp.concatenate(parts), self.split)
                 full = jnp.split(gathered, np.cumsum(sizes)[:-1], axis=1)  # [R, size] each
             out, i = [], 0
             for c, leaf in zip(cl, flat_leaves, strict=True):

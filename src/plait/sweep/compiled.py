@@ -25,7 +25,7 @@ def _figures(r: dict) -> dict:
     (kind, mesh axes, group size) as [count, wire bytes], and memory."""
     groups: dict[tuple, list[float]] = {}
     for op in r["collective_ops"]:
-        key = (op["kind"], ",".join(op["axes"]), op["group_size"])
+        key = (op["kind"], ",".join(op["axes"]), op["group_size"], op["crosses_hosts"])
         acc = groups.setdefault(key, [0.0, 0.0])
         acc[0] += op["count"]
         acc[1] += op["wire_bytes"]
@@ -36,15 +36,25 @@ def _figures(r: dict) -> dict:
             + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0)}
 
 
-def read_program(exp: Experiment, sizes: dict[str, int], n: int) -> dict:
-    """Figures of one compiled step, plus the task's own (`Task.sweep_extras`)."""
+def read_program(exp: Experiment, sizes: dict[str, int], n: int,
+                 per_node: int | None = None) -> dict:
+    """Figures of one compiled step, plus the task's own (`Task.sweep_extras`). With
+    `per_node` devices a node, the mesh is laid over n / per_node simulated hosts (its
+    outer axes across them), so the step is the one plait runs there (a hierarchical
+    reduction) and each collective is classed by the links it crosses."""
+    import numpy as np
+
     from plait import analysis
     from plait.tasks import make_task
 
-    mesh = mesh_lib.build_mesh(sizes, n)
+    hosts = n // per_node if per_node and n > per_node and n % per_node == 0 else 1
+    dcn = mesh_lib.dcn_for(sizes, hosts) if hosts > 1 else None
+    mesh = mesh_lib.build_mesh(sizes, n, dcn)
+    layout = (mesh_lib.host_layout(mesh).ravel() if dcn or hosts == 1
+              else np.arange(n) // per_node)  # axes that do not split by node: by order
     task = make_task(exp, mesh)
     r = analysis.analyze(task.compile(COMPILER_OPTIONS), dict(mesh.shape),
-                         task.branch_weights())
+                         task.branch_weights(), layout)
     return {**_figures(r), "units_per_step": task.units_per_step, **task.sweep_extras()}
 
 
@@ -69,18 +79,19 @@ def extrapolate(a: dict, b: dict, t: float) -> dict:
             "kernels": lerp(a["kernels"], b["kernels"])}
 
 
-def measure(exp: Experiment, c: Candidate, n: int) -> dict:
+def measure(exp: Experiment, c: Candidate, n: int, per_node: int | None = None) -> dict:
     """Per-device FLOPs, collectives and memory of the candidate's step at full size."""
     from plait import tasks
 
     programs, t = tasks.task_class(exp.model.kind).sweep_programs(c.experiment(exp), c.sizes)
-    points = [read_program(e, c.sizes, n) for e in programs]
+    points = [read_program(e, c.sizes, n, per_node) for e in programs]
     return points[0] if t is None else extrapolate(points[0], points[1], t)
 
 
-def timed_measure(exp: Experiment, c: Candidate, n: int) -> tuple[dict, float]:
+def timed_measure(exp: Experiment, c: Candidate, n: int,
+                  per_node: int | None = None) -> tuple[dict, float]:
     t0 = time.perf_counter()
-    return measure(exp, c, n), time.perf_counter() - t0
+    return measure(exp, c, n, per_node), time.perf_counter() - t0
 
 
 def worker_init(n: int) -> None:

@@ -5,8 +5,9 @@ Per step, per device:
   the task's memory traffic (a DLRM's row gathers and updates) at the memory
   bandwidth;
 - each collective = count x ring steps x latency + wire bytes / bandwidth of
-  the links its group crosses (within a node, or across nodes by the device
-  order of the mesh); bf16 collectives count at 2 bytes per element on
+  the links its group crosses (within a node, or across nodes: the compile
+  lays the mesh over the hardware's nodes, outer axes across them, and reads
+  which groups span several); bf16 collectives count at 2 bytes per element on
   accelerators (the CPU compile runs them in fp32);
 - no overlap of compute and communication;
 - a pipeline multiplies the busy time by 1 + its bubble_ratio from the
@@ -30,17 +31,47 @@ RING_STEPS = {"all-reduce": lambda g: 2 * (g - 1), "all-gather": lambda g: g - 1
               "collective-permute": lambda g: 1}
 
 
+def collective_time(kind: str, group: int, count: float, wire_bytes: float, cross: bool,
+                    hw: Hardware, width: float = 1.0) -> float:
+    """Seconds of `count` ring collectives moving `wire_bytes` in all, within a node or
+    across nodes (`cross`)."""
+    bw = hw.inter_node_bandwidth if cross else hw.intra_node_bandwidth
+    lat = hw.inter_node_latency if cross else hw.intra_node_latency
+    return count * RING_STEPS.get(kind, lambda g: g - 1)(int(group)) * lat + (
+        wire_bytes * width / bw)
+
+
+def link_times(ops: list[dict], hw: Hardware, width: float = 1.0) -> dict[str, float]:
+    """Seconds per link class of an analysis's collective ops (`crosses_hosts` each)."""
+    out = {"within_host": 0.0, "across_hosts": 0.0}
+    for op in ops:
+        link = "across_hosts" if op.get("crosses_hosts") else "within_host"
+        out[link] += collective_time(op["kind"], op["group_size"], op["count"],
+                                     op["wire_bytes"], bool(op.get("crosses_hosts")), hw, width)
+    return out
+
+
+def comm_by_link(c: Candidate, groups: dict, hw: Hardware, width: float
+                 ) -> dict[str, dict[str, float]]:
+    """{"within_host" | "across_hosts": {"s": seconds, "wire": wire bytes}} of the
+    step's collectives on `hw`. A group key ends with whether it crosses nodes as
+    compiled; a key without it is placed by mesh order."""
+    out = {link: {"s": 0.0, "wire": 0.0} for link in ("within_host", "across_hosts")}
+    for key, (count, nbytes) in groups.items():
+        kind, axes, g, *crossed = key
+        axis_list = [a for a in axes.split(",") if a]
+        cross = crossed[0] if crossed else (
+            crosses_nodes(c.sizes, axis_list, hw.devices_per_node) if axis_list else False)
+        link = out["across_hosts" if cross else "within_host"]
+        link["s"] += collective_time(kind, g, count, nbytes, cross, hw, width)
+        link["wire"] += nbytes * width
+    return out
+
+
 def comm_time(c: Candidate, groups: dict, hw: Hardware, width: float) -> tuple[float, float]:
     """(seconds, wire bytes) of the step's collectives on `hw`."""
-    comm = wire = 0.0
-    for (kind, axes, g), (count, nbytes) in groups.items():
-        axis_list = [a for a in axes.split(",") if a]
-        cross = crosses_nodes(c.sizes, axis_list, hw.devices_per_node) if axis_list else False
-        bw = hw.inter_node_bandwidth if cross else hw.intra_node_bandwidth
-        lat = hw.inter_node_latency if cross else hw.intra_node_latency
-        comm += count * RING_STEPS.get(kind, lambda g: g - 1)(int(g)) * lat + nbytes * width / bw
-        wire += nbytes * width
-    return comm, wire
+    links = comm_by_link(c, groups, hw, width).values()
+    return sum(v["s"] for v in links), sum(v["wire"] for v in links)
 
 
 def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int) -> dict:
@@ -48,7 +79,9 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
     accelerator = hw.extra.get("device") != "cpu" and not hw.shared_compute
     width = 0.5 if exp.precision.compute == "bfloat16" and accelerator else 1.0
     compute = measured["flops"] / (hw.peak(exp.precision.compute, n) * hw.efficiency)
-    comm, wire = comm_time(c, measured["groups"], hw, width)
+    links = comm_by_link(c, measured["groups"], hw, width)
+    comm = sum(v["s"] for v in links.values())
+    wire = sum(v["wire"] for v in links.values())
     bubble = measured["figures"]["bubble_ratio"] if measured.get("figures") else 0.0
     traffic = measured.get("row_traffic_bytes", 0.0) / hw.bandwidth(n)
     compute += traffic
@@ -60,7 +93,9 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
     return {"mesh": c.mesh, **c.columns(), "settings": dict(c.settings), **extra,
             "tensor_mode": mesh_lib.tensor_mode(c.sizes) or "none",
             "flops_per_device": measured["flops"], "collective_bytes": wire,
-            "compute_s": compute, "comm_s": comm, "bubble_ratio": bubble,
+            "collective_bytes_across_nodes": links["across_hosts"]["wire"],
+            "compute_s": compute, "comm_s": comm,
+            "comm_across_nodes_s": links["across_hosts"]["s"], "bubble_ratio": bubble,
             "predicted_step_s": step, "model_step_s": model_step,
             "kernels": measured.get("kernels", 0.0),
             "predicted_units_per_s": measured["units_per_step"] / step,

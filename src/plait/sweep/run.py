@@ -44,7 +44,8 @@ def _label(program: Program) -> str:
     return rep.label
 
 
-def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int, progress: bool):
+def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int, progress: bool,
+                 per_node: int | None = None):
     """Yield (program, figures, seconds) as each program is compiled and read."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
@@ -56,13 +57,13 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
         if workers == 1:
             for prog in programs:
                 bar.update(task, description=f"compiling {_label(prog)}")
-                yield (prog, *compiled.timed_measure(exp, prog[0][0], n))
+                yield (prog, *compiled.timed_measure(exp, prog[0][0], n, per_node))
                 bar.advance(task)
             return
         bar.update(task, description=f"compiling {len(programs)} programs in {workers} processes")
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
                                  initializer=compiled.worker_init, initargs=(n,)) as pool:
-            futures = {pool.submit(compiled.timed_measure, exp, prog[0][0], n): prog
+            futures = {pool.submit(compiled.timed_measure, exp, prog[0][0], n, per_node): prog
                        for prog in programs}
             for fut in as_completed(futures):
                 yield (futures[fut], *fut.result())
@@ -76,7 +77,8 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
     programs = list(programs_of(exp, n).values())
     workers = workers or compiled.default_workers(len(programs))
     rows: list[dict] = []
-    for prog, figures, seconds in _compile_all(exp, n, programs, workers, progress):
+    for prog, figures, seconds in _compile_all(exp, n, programs, workers, progress,
+                                               hw.devices_per_node):
         for group in prog:
             for r in cost.predict_group(exp, group, figures, hw, n):
                 r["compile_s"] = seconds

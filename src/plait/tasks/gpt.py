@@ -25,7 +25,7 @@ from plait import mesh as mesh_lib
 from plait.config import Experiment, GPTConfig
 from plait.errors import UserError
 from plait.models import ModelDef, build, gpt
-from plait.parallel import formulas, local_sgd, schedules
+from plait.parallel import formulas, hierarchical, local_sgd, schedules
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checks import check_fits
 from plait.tasks.gpt_runtime import attention_for, scan_for
@@ -91,6 +91,7 @@ class GPTTask(Task):
                                       stacked=exp.model.scan_layers)
         self.stacked = exp.model.scan_layers is True and exp.model.layers > 0
         self.local = local_sgd.for_run(exp, mesh, pipelined=self.pipeline is not None)
+        self.data_split = hierarchical.for_run(exp, mesh, pipelined=self.pipeline is not None)
         mask = (self.pipeline.decay_mask if self.pipeline
                 else models.decay_mask(self.model.variables()))
         self.tx, self.lr_schedule = optimizer(exp, mask)
@@ -207,12 +208,30 @@ class GPTTask(Task):
                 params, batch, compute_dtype(self.exp),
                 functools.partial(cross_entropy, vocab=self.exp.model.vocab))
 
+    def _replica_grads(self):
+        """(params, batch) -> (loss, grads) of one data replica's rows, for a model
+        traced per replica (vmap with spmd_axis_name="data")."""
+        shardings = self._params[1]
+        rules = sharding.without_axis(self.rules, "data")  # the replica's own axis
+        return accumulated(functools.partial(self.loss, rules=rules),
+                           lambda g: jax.lax.with_sharding_constraint(g, shardings))
+
+    def _hierarchical_loss_and_grads(self, params: dict, batch: jax.Array):
+        """Loss and gradients averaged over data replicas within each host first
+        (parallel.hierarchical)."""
+        R = self.mesh.shape["data"]
+        per_replica = jnp.moveaxis(batch.reshape(batch.shape[0], R, batch.shape[1] // R,
+                                                 *batch.shape[2:]), 1, 0)
+        loss, grads = jax.vmap(self._replica_grads(), in_axes=(None, 0),
+                               spmd_axis_name="data")(params, per_replica)
+        specs = jax.tree.map(lambda sh: sh.spec, self._params[1])
+        return jnp.mean(loss), hierarchical.mean_over_data(grads, specs, self.mesh,
+                                                            self.data_split)
+
     def _local_step(self):
         """The step of replicas that sync every sync.period steps (parallel.local_sgd)."""
         shapes, shardings = self._params
-        rules = sharding.without_axis(self.rules, "data")  # the replica's own axis
-        grads_of = accumulated(functools.partial(self.loss, rules=rules),
-                               lambda g: jax.lax.with_sharding_constraint(g, shardings))
+        grads_of = self._replica_grads()
 
         def replica_step(params, opt_state, batch):
             value, grads = grads_of(params, batch)
@@ -231,10 +250,11 @@ class GPTTask(Task):
         if self.local:
             return self._local_step()
         pipe = self.pipeline
+        loss_and_grads = (self._pipeline_loss_and_grads if pipe else
+                          self._hierarchical_loss_and_grads if self.data_split else None)
         return make_train_step(
             self.mesh, self.layout, self.batch_sharding, self.tx, self.lr_schedule,
-            self.exp.optimizer.grad_clip, loss_fn=self.loss,
-            loss_and_grads=self._pipeline_loss_and_grads if pipe else None,
+            self.exp.optimizer.grad_clip, loss_fn=self.loss, loss_and_grads=loss_and_grads,
             skip_nonfinite=self.exp.train.on_nonfinite == "skip",
             **({"grad_norm": pipe.grad_norm} if pipe else {}))
 

@@ -64,6 +64,8 @@ def render(r: dict) -> None:
             ph.add_row(a, *(size_text(r["phases"][n]["wire_by_axes"].get(a, 0.0))
                             for n in names))
         c.print(ph)
+    if r.get("hosts", 1) > 1 or "link_seconds" in r:
+        c.print(link_table(r))
     if r["wire_by_axes"]:
         ax = Table(title="wire bytes per device per step, by mesh axes")
         ax.add_column("axes")
@@ -79,11 +81,14 @@ def render(r: dict) -> None:
     c.print(t)
     if r["collective_ops"]:
         ops = Table(title="largest collective ops")
-        for col in ("kind", "shape", "axes", "group", "count", "bytes"):
+        hosts = r.get("hosts", 1) > 1
+        for col in ("kind", "shape", "axes", "group", *(["link"] * hosts), "count", "bytes"):
             ops.add_column(col)
         for op in r["collective_ops"][:12]:
+            link = ["across hosts" if op.get("crosses_hosts") else "within host"] * hosts
             ops.add_row(op["kind"], clip_shape(op["shape"]), ",".join(op["axes"]) or "-",
-                        str(op["group_size"]), f"{op['count']:g}", size_text(op["bytes"]))
+                        str(op["group_size"]), *link, f"{op['count']:g}",
+                        size_text(op["bytes"]))
         c.print(ops)
     m = r["memory"]
     if m:
@@ -93,3 +98,27 @@ def render(r: dict) -> None:
         for key in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "total_bytes"):
             mt.add_row(key.removesuffix("_bytes"), size_text(m[key]))
         c.print(mt)
+
+
+def link_table(r: dict) -> Table:
+    """Collective bytes per device by the links they cross (per kind of step, where
+    steps differ), and their time on the --hardware given."""
+    parts = {"step": r, **{k.replace("_", " "): v for k, v in r.get("phases", {}).items()}}
+    priced = "link_seconds" in r
+    title = f"collectives per device per step by link ({r.get('hosts', 1)} hosts"
+    title += f"; time on {r['hardware']})" if priced else ")"
+    t = Table(title=title)
+    t.add_column("link")
+    for name in parts:
+        t.add_column(f"{name} bytes", justify="right")
+        t.add_column(f"{name} wire", justify="right")
+        if priced:
+            t.add_column(f"{name} time", justify="right")
+    for link in ("within_host", "across_hosts"):
+        cells = []
+        for p in parts.values():
+            cells += [size_text(p["bytes_by_link"][link]), size_text(p["wire_by_link"][link])]
+            if priced:
+                cells.append(f"{p['link_seconds'][link] * 1e3:.3g} ms")
+        t.add_row(link.replace("_", " "), *cells)
+    return t

@@ -10,8 +10,9 @@ from plait.views.common import console, pyplot
 
 COLUMNS = ["rank", "mesh", "pipeline_schedule", "pipeline_microbatches", "embedding_sharding",
            "embedding_kinds", "tensor_mode",
-           "predicted_step_s", "predicted_units_per_s", "compute_s", "comm_s", "bubble_ratio",
-           "flops_per_device", "collective_bytes", "memory_bytes", "fits", "measured_step_s"]
+           "predicted_step_s", "predicted_units_per_s", "compute_s", "comm_s",
+           "comm_across_nodes_s", "bubble_ratio", "flops_per_device", "collective_bytes",
+           "collective_bytes_across_nodes", "memory_bytes", "fits", "measured_step_s"]
 
 
 def write_outputs(rows: list[dict], out: Path, meta: dict) -> None:
@@ -60,7 +61,7 @@ def render(rows: list[dict], meta: dict) -> None:
     t = Table(title=f"{meta['experiment']}: {meta['devices']} devices, predicted on "
                     f"{meta['hardware']} (sweep {meta['sweep_s']:.0f}s)")
     cols = ["rank", "mesh", "pipeline", "tensor", "step s", f"{meta.get('unit', 'units')}/s",
-            "compute s", "comm s",
+            "compute s", "comm s", "across nodes s",
             "bubble", "GiB/device", "fits"]
     if any("measured_step_s" in r for r in rows):
         cols.append("measured s")
@@ -72,7 +73,8 @@ def render(rows: list[dict], meta: dict) -> None:
                 f"tables {r['embedding_kinds']}" if r.get("embedding_sharding") else "-")
         cells = [str(r["rank"]), r["mesh"], pipe, r["tensor_mode"],
                  f"{r['predicted_step_s']:.4g}", f"{r['predicted_units_per_s']:,.0f}",
-                 f"{r['compute_s']:.3g}", f"{r['comm_s']:.3g}", f"{r['bubble_ratio']:.3f}",
+                 f"{r['compute_s']:.3g}", f"{r['comm_s']:.3g}",
+                 f"{r.get('comm_across_nodes_s', 0.0):.3g}", f"{r['bubble_ratio']:.3f}",
                  f"{r['memory_bytes'] / 2**30:.2f}", "yes" if r["fits"] else "[red]no[/red]"]
         if "measured s" in cols:
             m = r.get("measured_step_s")
