@@ -47,7 +47,7 @@ def tiny(**sections) -> Experiment:
 def make_mesh(spec: str):
     s = mesh_lib.load_spec(spec)
     n = mesh_lib.provision_devices(s)
-    return mesh_lib.build_mesh(mesh_lib.resolve(s, n), n)
+    return mesh_lib.build_mesh(mesh_lib.resolve(s, n), n, s.dcn)
 
 
 def run(exp: Experiment, spec: str, run_dir: Path) -> dict:

@@ -18,19 +18,21 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["allreduce", "easgd"])
-def test_two_processes_equal_one(sync, tmp_path):
+@pytest.mark.parametrize("sync,mesh", [("allreduce", MESH), ("easgd", MESH),
+                                       ("allreduce", "data=2@dcn,data=2,fsdp=2")])
+def test_two_processes_equal_one(sync, mesh, tmp_path):
     """Also with EASGD: replicas on different processes, the center's shards exchanged
-    between them (period 4, a checkpoint mid-period at step 6)."""
+    between them (period 4, a checkpoint mid-period at step 6); and with the data axis
+    across the two processes as hosts, its gradients reduced within each first."""
     exp = tiny(checkpoint={"enabled": True, "every_steps": 6, "keep": 2, "async_save": True},
                log=LINE_LOG, sync={"method": sync, "period": 4})
     path = write_experiment(tmp_path / "tiny.toml", exp)
-    reference = losses(run(exp, MESH, tmp_path / "one"))
+    reference = losses(run(exp, mesh, tmp_path / "one"))
     port = _free_port()
     run_dir = tmp_path / "two"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "plait", "train", str(path), "--mesh", MESH,
+            [sys.executable, "-m", "plait", "train", str(path), "--mesh", mesh,
              "--run-dir", str(run_dir), "--coordinator", f"127.0.0.1:{port}",
              "--num-processes", "2", "--process-id", str(i)],
             cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -40,7 +42,7 @@ def test_two_processes_equal_one(sync, tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    assert "8 cpu devices" in outs[0][0]
+    assert "8 cpu devices, 2 hosts" in outs[0][0]
     np.testing.assert_allclose(losses(run_dir), reference, rtol=1e-5)
     assert (run_dir / "checkpoints" / "12").is_dir()
 

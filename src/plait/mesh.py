@@ -335,10 +335,7 @@ def build_mesh(sizes: dict[str, int], n_devices: int, dcn: dict[str, int] | None
         if sizes.get(a, 1) % s:
             raise UserError(f"mesh axis '{a}' of size {sizes.get(a, 1)} cannot have {s} of it "
                             f"across hosts; make {s} divide it")
-    if one_process:
-        if n_devices % hosts:
-            raise UserError(f"{text} spans {hosts} hosts, which does not divide the "
-                            f"{n_devices} devices; use a host count that divides them")
+    if one_process:  # each part divides its axis, so the hosts divide the devices
         per = n_devices // hosts
         groups = [devices[h * per:(h + 1) * per] for h in range(hosts)]
         for h, group in enumerate(groups):
