@@ -1,16 +1,17 @@
-"""Training across slow links: allreduce vs Sync EASGD vs DiLoCo.
+"""Training across slow links: flat vs hierarchical allreduce vs Sync EASGD vs DiLoCo.
 
 Two parts.
 
 1. Predicted share of step time in communication (compile-only: nothing here is
    timed). Each method's train step is compiled on simulated CPU devices for a
-   mesh (default data=32: one replica per GPU of 4 nodes x 8, the EASGD paper's
-   setting); per-device
-   matmul FLOPs and collective bytes per mesh-axis group are read from the
-   compiled HLO (plait.inspect) and priced by the sweep's cost model
-   (plait.sweep.cost) on a hardware description (default h100-4node: 450 GB/s
-   inside a node, 50 GB/s across). For EASGD and DiLoCo the average step is a
-   local step plus a sync step / period. Compute time = FLOPs / (peak x the
+   mesh (default data=4@dcn,data=8: one replica per GPU of 4 nodes x 8, the
+   EASGD paper's setting, laid out as 4 simulated hosts); per-device matmul
+   FLOPs and collective bytes, each classed within a host or across hosts, are
+   read from the compiled HLO (plait inspect) and priced by the sweep's cost
+   model (plait.sweep.cost) on a hardware description (default h100-4node:
+   450 GB/s inside a node, 50 GB/s across). For EASGD and DiLoCo the average
+   step is a local step plus a sync step / period (their exchange is
+   hierarchical on this mesh). Compute time = FLOPs / (peak x the
    description's efficiency); no overlap of compute and communication.
 
 2. `--curves`: trains the quickstart on this machine's CPU for the same number of
@@ -31,7 +32,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = [("allreduce", None), ("easgd", 4), ("easgd", 16), ("diloco", 4), ("diloco", 16)]
+# (method, period, sync.reduce)
+METHODS = [("allreduce", None, "flat"), ("allreduce", None, "hierarchical"),
+           ("easgd", 4, "auto"), ("easgd", 16, "auto"), ("diloco", 4, "auto"),
+           ("diloco", 16, "auto")]
 
 
 def _experiment(name: str, method: str, period: int | None, extra: list[str]):
@@ -41,61 +45,49 @@ def _experiment(name: str, method: str, period: int | None, extra: list[str]):
     return load_experiment(ROOT / "experiments" / f"{name}.toml", sets + extra)
 
 
-def _groups(ops: list[dict]) -> dict:
-    groups: dict[tuple, list[float]] = {}
-    for op in ops:
-        acc = groups.setdefault((op["kind"], ",".join(op["axes"]), op["group_size"]), [0.0, 0.0])
-        acc[0] += op["count"]
-        acc[1] += op["wire_bytes"]
-    return groups
-
-
 def predict(models: list[str], mesh_text: str, hardware: str) -> list[dict]:
     from plait import mesh as mesh_lib
     from plait.hardware import load_hardware
     from plait.inspect import inspect_step
-    from plait.sweep.cost import comm_time
-    from plait.sweep.shapes import Candidate
 
     hw = load_hardware(hardware)
     spec = mesh_lib.load_spec(mesh_text)
     n = mesh_lib.provision_devices(spec)
-    sizes = mesh_lib.resolve(spec, n)
-    mesh = mesh_lib.build_mesh(sizes, n)
+    mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n, spec.dcn)
     rows = []
     for name in models:
         # The quickstart's batch of 16 does not split over 32 devices: 2 rows each.
         extra = ["train.global_batch=64"] if name == "quickstart" else []
-        for method, period in METHODS:
-            exp = _experiment(name, method, period, extra)
-            report = inspect_step(exp, mesh)
-            width = 0.5 if exp.precision.compute == "bfloat16" else 1.0
+        for method, period, reduce in METHODS:
+            exp = _experiment(name, method, period, extra + [f'sync.reduce="{reduce}"'])
+            report = inspect_step(exp, mesh, hw)
             compute = report["flops_per_device"] / (hw.peak(exp.precision.compute, n)
                                                     * hw.efficiency)
-            cand = Candidate(sizes)
             phases = report.get("phases") or {"step": report}
-            comm = {k: comm_time(cand, _groups(v["collective_ops"]), hw, width)[0]
-                    for k, v in phases.items()}
-            if method == "allreduce":
-                mean = comm["step"]
-            else:
-                mean = comm["local_step"] + comm["sync_step"] / period
-            data_bytes = {k: v["wire_by_axes"].get("data", 0.0) * width
-                          for k, v in phases.items()}
-            data_comm = {k: comm_time(cand, _groups([o for o in v["collective_ops"]
-                                                     if o["axes"] == ["data"]]), hw, width)[0]
-                         for k, v in phases.items()}
-            data_mean = (data_comm["step"] if method == "allreduce" else
-                         data_comm["local_step"] + data_comm["sync_step"] / period)
-            row = {"model": name, "method": method, "period": period, "mesh": mesh_text,
-                   "hardware": hardware, "compute_s": compute, "comm_s": mean,
-                   "comm_share": mean / (mean + compute), "data_comm_s": data_mean,
-                   "comm_s_by_step": comm, "data_wire_bytes_by_step": data_bytes,
-                   "parameters": report["parameters"]}
+            per_step = {k: {link: {"s": v["link_seconds"][link],
+                                   "wire": v["wire_by_link"][link]}
+                            for link in ("within_host", "across_hosts")}
+                        for k, v in phases.items()}
+
+            def mean(link: str, what: str, steps=per_step, every=period) -> float:
+                if every is None:
+                    return steps["step"][link][what]
+                return steps["local_step"][link][what] + steps["sync_step"][link][what] / every
+
+            comm = mean("within_host", "s") + mean("across_hosts", "s")
+            label = f"{method} ({reduce})" if method == "allreduce" else method
+            row = {"model": name, "method": method, "period": period, "reduce": reduce,
+                   "mesh": mesh_text, "hardware": hardware, "compute_s": compute,
+                   "comm_s": comm, "comm_share": comm / (comm + compute),
+                   "comm_across_hosts_s": mean("across_hosts", "s"),
+                   "wire_across_hosts_bytes": mean("across_hosts", "wire"),
+                   "wire_within_host_bytes": mean("within_host", "wire"),
+                   "by_step": per_step, "parameters": report["parameters"]}
             rows.append(row)
-            print(f"{name:11s} {method:9s} period {period or '-':>3}: compute "
-                  f"{compute * 1e3:8.2f} ms, comm {mean * 1e3:8.2f} ms per step (over data "
-                  f"{data_mean * 1e3:8.2f} ms) "
+            print(f"{name:11s} {label:24s} period {period or '-':>3}: compute "
+                  f"{compute * 1e3:7.2f} ms, comm {comm * 1e3:7.2f} ms per step (across "
+                  f"hosts {row['comm_across_hosts_s'] * 1e3:7.2f} ms, "
+                  f"{row['wire_across_hosts_bytes'] / 2**20:8.2f} MiB) "
                   f"-> {100 * row['comm_share']:5.1f}% communication", flush=True)
     return rows
 
@@ -146,7 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="quickstart,gpt2-124m")
-    ap.add_argument("--mesh", default="data=32")
+    ap.add_argument("--mesh", default="data=4@dcn,data=8")
     ap.add_argument("--hardware", default="h100-4node")
     ap.add_argument("--curves", action="store_true", help="train the quickstart instead")
     ap.add_argument("--steps", type=int, default=None, help="--curves: steps (default its own)")

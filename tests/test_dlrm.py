@@ -211,6 +211,8 @@ def test_auc_matches_pairwise_definition():
     (["model.bottom_mlp=[32, 8]"], "bottom_mlp must end in model.embedding_dim"),
     (['embedding.overrides={"0" = "column"}', "model.embedding_dim=12",
       "model.bottom_mlp=[32, 12]"], "column-wise"),
+    (['sync.method="easgd"'], "sparse tables train synchronously"),
+    (['sync.reduce="hierarchical"'], "sync.reduce"),
 ])
 def test_user_errors(sets, needle):
     with pytest.raises(UserError, match=needle):

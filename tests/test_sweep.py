@@ -215,3 +215,22 @@ def test_calibration_fits_per_step_and_per_kernel_overheads_and_reranks():
     fit = sweep.calibrate(noisy)
     assert fit["per_step_s"] >= 0 and fit["per_kernel_s"] >= 0
     assert sweep.calibrate([row("a", 0.001, 100)]) is None
+
+
+def test_the_sweep_lays_shapes_over_nodes_and_prices_the_links_they_cross():
+    """On a hardware of 4 devices a node, data=8 is 2 nodes x 4: the step compiles with
+    the hierarchical reduction, its reduce-scatter and all-gather stay in a node, and
+    only the all-reduce of a quarter of the gradients (and the loss) crosses nodes."""
+    from dataclasses import replace
+
+    exp = tiny()
+    cand = sweep.Candidate({"data": 8})
+    measured = sweep.measure(exp, cand, 8, per_node=4)
+    crossing = {(k[0], k[2]) for k in measured["groups"] if k[3]}
+    staying = {(k[0], k[2]) for k in measured["groups"] if not k[3]}
+    assert crossing == {("all-reduce", 2), ("all-reduce", 8)}
+    assert staying == {("reduce-scatter", 4), ("all-gather", 4)}
+    hw = replace(load_hardware("h100-4node"), devices_per_node=4)
+    row = sweep.predict(exp, cand, measured, hw, 8)
+    assert 0 < row["comm_across_nodes_s"] < row["comm_s"]
+    assert row["collective_bytes_across_nodes"] < row["collective_bytes"] / 4

@@ -116,3 +116,13 @@ def collective_width(exp: Experiment, platform: str = "gpu") -> int:
 def tensor_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu") -> float:
     """Bytes per device per step; activations and gathered weights travel in the compute dtype."""
     return tensor_elements(exp, sizes).total * collective_width(exp, platform)
+
+
+TENSOR_AXES = frozenset(a for axes in mesh_lib.TENSOR_MODES.values() for a in axes)
+
+
+def tensor_wire_bytes(analysis: dict) -> float:
+    """What the compiled step moves to compare with `tensor_bytes`: ring wire bytes of
+    the collectives that run over tensor axes only (plait.analysis)."""
+    return sum(b for axes, b in analysis["wire_by_axes"].items()
+               if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)

@@ -50,6 +50,11 @@ def check_mesh(exp: Experiment, sizes: dict[str, int]) -> None:
                         f"(its output meets the embeddings), got {m.bottom_mlp}")
     if m.top_mlp[-1] != 1:
         raise UserError(f"model.top_mlp must end in 1 (the click logit), got {m.top_mlp}")
+    if exp.sync.method != "allreduce" or exp.sync.reduce == "hierarchical":
+        key, value = (("sync.method", exp.sync.method) if exp.sync.method != "allreduce"
+                      else ("sync.reduce", exp.sync.reduce))
+        raise UserError(f"{key} = \"{value}\" is for dense models (a GPT); a DLRM's sparse "
+                        "tables train synchronously: drop it from the [sync] table")
     if t.microbatches != 1:
         raise UserError("train.microbatches must be 1 for a DLRM (its batches are small and "
                         "its tables are updated once per step)")

@@ -41,14 +41,6 @@ from plait.train.step import (
     make_train_step,
 )
 
-TENSOR_AXES = frozenset(a for axes in mesh_lib.TENSOR_MODES.values() for a in axes)
-
-
-def tensor_wire_bytes(analysis: dict) -> float:
-    """Ring wire bytes of the collectives that run over tensor axes only."""
-    return sum(b for axes, b in analysis["wire_by_axes"].items()
-               if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)
-
 
 @functools.lru_cache(maxsize=8)
 def abstract_model(cfg_json: str) -> ModelDef:
@@ -353,7 +345,7 @@ class GPTTask(Task):
     def report(self, analysis: dict) -> dict:
         sizes = dict(self.mesh.shape)
         platform = self.mesh.devices.flat[0].platform
-        wire = tensor_wire_bytes(analysis)
+        wire = formulas.tensor_wire_bytes(analysis)
         mode = mesh_lib.MODE_NAMES[mesh_lib.tensor_mode(sizes)]
         # The formulas describe tensor parallelism without a pipeline.
         formula = None if self.pipeline else formulas.tensor_bytes(self.exp, sizes, platform)
