@@ -4,7 +4,8 @@ Per step, per device:
 - compute = matmul FLOPs / (peak FLOP/s of the compute dtype x efficiency), plus
   the task's memory traffic (a DLRM's row gathers and updates) at the memory
   bandwidth;
-- each collective = count x ring steps x latency + wire bytes / bandwidth of
+- each collective = count x latency steps (2 log2 g for an all-reduce over g
+  devices, log2 g for a gather or scatter) x latency + ring wire bytes / bandwidth of
   the links its group crosses (within a node, or across nodes: the compile
   lays the mesh over the hardware's nodes, outer axes across them, and reads
   which groups span several); bf16 collectives count at 2 bytes per element on
@@ -21,14 +22,25 @@ Per step, per device:
 
 from __future__ import annotations
 
+import math
+
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.hardware import Hardware
 from plait.sweep.shapes import Candidate, crosses_nodes
 
-RING_STEPS = {"all-reduce": lambda g: 2 * (g - 1), "all-gather": lambda g: g - 1,
-              "reduce-scatter": lambda g: g - 1, "all-to-all": lambda g: g - 1,
-              "collective-permute": lambda g: 1}
+
+def _log2(g: int) -> int:
+    return max(1, math.ceil(math.log2(g))) if g > 1 else 0
+
+
+# Latency steps of one collective over g devices: recursive halving / doubling
+# (Rabenseifner; Thakur et al. 2005), which NCCL's and MPI's tree-like algorithms
+# approach, moves the ring's bytes in log2(g) steps a phase, where a ring takes g - 1:
+# small collectives (a step's scalar metrics) cost log2(g) latencies, not g.
+LATENCY_STEPS = {"all-reduce": lambda g: 2 * _log2(g), "all-gather": _log2,
+                 "reduce-scatter": _log2, "all-to-all": lambda g: g - 1,
+                 "collective-permute": lambda g: 1}
 
 
 def collective_time(kind: str, group: int, count: float, wire_bytes: float, cross: bool,
@@ -37,7 +49,7 @@ def collective_time(kind: str, group: int, count: float, wire_bytes: float, cros
     across nodes (`cross`)."""
     bw = hw.inter_node_bandwidth if cross else hw.intra_node_bandwidth
     lat = hw.inter_node_latency if cross else hw.intra_node_latency
-    return count * RING_STEPS.get(kind, lambda g: g - 1)(int(group)) * lat + (
+    return count * LATENCY_STEPS.get(kind, lambda g: g - 1)(int(group)) * lat + (
         wire_bytes * width / bw)
 
 
