@@ -299,3 +299,29 @@ def jax_leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_local_sgd_replicas_report_a_divergence_and_skip_like_one_model(tmp_path, capsys):
+    """EASGD keeps the loss and gradient norm per replica (averaged on the host): a
+    diverging run still stops in one line before saving, and "skip" still leaves the
+    state as it was (every replica agrees on what is skipped)."""
+    sync = {"method": "easgd", "period": 2}
+    ckpt = {"enabled": True, "every_steps": 1, "keep": 10, "async_save": False}
+    for policy in ("stop", "skip"):
+        exp = write_experiment(tmp_path / f"{policy}.toml", tiny(
+            optimizer={"lr": 1e6, "warmup_steps": 0}, checkpoint=ckpt, sync=sync,
+            train={"on_nonfinite": policy, "max_skipped": 2}))
+        run_dir = tmp_path / policy
+        assert main(["train", str(exp), "--mesh", "data=2,tensor=2",
+                     "--run-dir", str(run_dir)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        records = _strict(run_dir / "metrics.jsonl")
+        if policy == "stop":
+            bad = records[-1]["step"]
+            assert f"became non-finite (NaN or Inf) at step {bad}" in err[0]
+            saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir())
+            assert saved[-1] == bad - 1
+        else:
+            assert "3 steps in a row" in err[0] and "train.max_skipped = 2" in err[0]
+            assert records[-1]["skipped_steps"] == 3

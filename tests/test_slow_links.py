@@ -112,9 +112,9 @@ def test_local_sgd_exchange_goes_across_hosts_once_per_host(method, tmp_path):
     sync = {"method": method, "period": 2}
     flat = inspect_step(tiny(sync={**sync, "reduce": "flat"}), mesh)["phases"]["sync_step"]
     hier = inspect_step(tiny(sync=sync), mesh)["phases"]["sync_step"]
-    metrics = 8  # the step's two f32 metrics
-    across = flat["bytes_by_link"]["across_hosts"] - metrics
-    assert hier["bytes_by_link"]["across_hosts"] - metrics == across / 2
+    across = flat["bytes_by_link"]["across_hosts"]
+    assert across > 0
+    assert hier["bytes_by_link"]["across_hosts"] == across / 2
     ref = losses(run(tiny(sync={**sync, "reduce": "flat"}, train={"steps": 6}), spec,
                      tmp_path / "flat"))
     got = losses(run(tiny(sync=sync, train={"steps": 6}), spec, tmp_path / "hier"))

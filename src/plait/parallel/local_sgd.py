@@ -19,7 +19,8 @@ shards and one all-gather of the center back to the replicas (one model's
 worth each way, written here with shard_map); where the data axis has parts
 across and within hosts, each runs within the hosts first and sends 1/fast of
 it across (parallel.hierarchical; sync.reduce = "flat" turns that off). A
-local step exchanges nothing over `data` but the step's two scalar metrics.
+local step exchanges nothing over `data`: its loss and gradient norm stay one
+per replica, and the host averages them where it reads them.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ class LocalSGD:
     def make_step(self, replica_step: Callable, leaves: dict, lr_schedule: optax.Schedule):
         """step(state, batch) for batch [micro, rows, ...] (rows split over data first):
         `replica_step(params, opt_state, batch) -> (params, opt_state, loss, grad_norm)`
-        runs on every replica; every `period`-th step ends with an exchange."""
+        runs on every replica; every `period`-th step ends with an exchange. The loss and
+        norm come back [replicas] (see train.step.jit_step's `per_replica`)."""
         R, period = self.replicas, self.cfg.period
         run_all = jax.vmap(replica_step, spmd_axis_name=AXIS)
 
@@ -283,8 +285,8 @@ class LocalSGD:
             params, sync = jax.lax.cond((s + 1) % period == 0, meet, lambda ps: ps,
                                         (params, state["sync"]))
             new = {"step": s + 1, "params": params, "opt_state": opt_state, "sync": sync}
-            return new, {"loss": jnp.mean(loss), "grad_norm": jnp.mean(norm),
-                         "lr": lr_schedule(s)}
+            # One loss and norm per replica: averaged on the host, not over `data`.
+            return new, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(s)}
 
         return step
 

@@ -9,7 +9,8 @@ Per step, per device:
   the links its group crosses (within a node, or across nodes: the compile
   lays the mesh over the hardware's nodes, outer axes across them, and reads
   which groups span several); bf16 collectives count at 2 bytes per element on
-  accelerators (the CPU compile runs them in fp32);
+  accelerators (the CPU compile runs them in fp32), except over the batch axes
+  (data, fsdp), which carry the fp32 master parameters and gradients;
 - no overlap of compute and communication;
 - a pipeline multiplies the busy time by 1 + its bubble_ratio from the
   schedule table;
@@ -53,13 +54,24 @@ def collective_time(kind: str, group: int, count: float, wire_bytes: float, cros
         wire_bytes * width / bw)
 
 
+# Collectives over these axes only move parameters and gradients (fp32 master copies),
+# whatever the compute dtype.
+FP32_AXES = frozenset({"data", "fsdp"})
+
+
+def width_over(axes: list[str], width: float) -> float:
+    """Bytes per compiled byte of a collective over `axes` (`width` for activations)."""
+    return 1.0 if axes and set(axes) <= FP32_AXES else width
+
+
 def link_times(ops: list[dict], hw: Hardware, width: float = 1.0) -> dict[str, float]:
     """Seconds per link class of an analysis's collective ops (`crosses_hosts` each)."""
     out = {"within_host": 0.0, "across_hosts": 0.0}
     for op in ops:
         link = "across_hosts" if op.get("crosses_hosts") else "within_host"
         out[link] += collective_time(op["kind"], op["group_size"], op["count"],
-                                     op["wire_bytes"], bool(op.get("crosses_hosts")), hw, width)
+                                     op["wire_bytes"], bool(op.get("crosses_hosts")), hw,
+                                     width_over(op["axes"], width))
     return out
 
 
@@ -75,8 +87,9 @@ def comm_by_link(c: Candidate, groups: dict, hw: Hardware, width: float
         cross = crossed[0] if crossed else (
             crosses_nodes(c.sizes, axis_list, hw.devices_per_node) if axis_list else False)
         link = out["across_hosts" if cross else "within_host"]
-        link["s"] += collective_time(kind, g, count, nbytes, cross, hw, width)
-        link["wire"] += nbytes * width
+        w = width_over(axis_list, width)
+        link["s"] += collective_time(kind, g, count, nbytes, cross, hw, w)
+        link["wire"] += nbytes * w
     return out
 
 

@@ -235,7 +235,7 @@ class GPTTask(Task):
         step = self.local.make_step(replica_step, self.local.leaves(shapes, shardings),
                                     self.lr_schedule)
         return jit_step(step, self.mesh, self.layout, self.batch_sharding,
-                        self.exp.train.on_nonfinite == "skip")
+                        self.exp.train.on_nonfinite == "skip", per_replica="data")
 
     @functools.cached_property
     def step_fn(self):

@@ -43,8 +43,19 @@ logger = logging.getLogger("plait")
 
 
 def _local_values(tree):
-    """Host values of replicated metrics; works when the mesh spans several processes."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), tree)
+    """Host values of metrics; works when the mesh spans several processes. A metric
+    with one value per replica (local SGD) is their mean."""
+    return jax.tree.map(host_value, tree)
+
+
+def host_value(x: jax.Array) -> np.ndarray:
+    if x.ndim == 0:  # replicated
+        return np.asarray(x.addressable_shards[0].data)
+    if not x.is_fully_addressable:  # every process calls this at the same step
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x).mean(0)
 
 
 def write_config(run_dir: Path, exp: Experiment, resumed_step: int) -> None:

@@ -23,6 +23,7 @@ def _first_nonfinite(first: jax.Array, metrics: dict, step: jax.Array) -> jax.Ar
     """The first step whose loss or gradient norm was NaN or Inf (-1: none yet); kept on
     the device and read only where the loop syncs anyway (log steps, saves)."""
     bad = ~(jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]))
+    # Per replica where the metrics are (local SGD): no reduction over replicas per step.
     return jnp.where((first < 0) & bad, step, first)
 
 
@@ -33,6 +34,19 @@ def _count_skips(counts: jax.Array, skipped: jax.Array, step: jax.Array,
     row = jnp.where(skipped > 0, counts[0] + 1, 0)
     over = jnp.where((counts[2] < 0) & (row > max_skipped), step, counts[2])
     return jnp.stack([row, counts[1] + skipped, over])
+
+
+def _first_step(first: jax.Array) -> int:
+    """The earliest bad step over replicas (-1: none), read on the host."""
+    if first.ndim == 0:
+        return int(np.asarray(first.addressable_shards[0].data))
+    if not first.is_fully_addressable:  # every process checks at the same step
+        from jax.experimental import multihost_utils
+
+        first = multihost_utils.process_allgather(first, tiled=True)
+    seen = np.asarray(first)
+    seen = seen[seen >= 0]
+    return int(seen.min()) if seen.size else -1
 
 
 class NonFiniteGuard:
@@ -48,6 +62,9 @@ class NonFiniteGuard:
         self.counts = jax.device_put(np.array([0, 0, -1], np.int32), rep)
 
     def after(self, metrics: dict, step: int) -> None:
+        if self.first.shape != metrics["loss"].shape:  # one per replica (local SGD)
+            self.first = jax.device_put(np.full(metrics["loss"].shape, -1, np.int32),
+                                        metrics["loss"].sharding)
         if self.policy == "skip":
             self.counts = _count_skips(self.counts, metrics["skipped"], np.int32(step),
                                        self.max_skipped)
@@ -72,7 +89,7 @@ class NonFiniteGuard:
                 f"non-finite loss or gradient norm and were skipped ({total} in all), more "
                 f"than train.max_skipped = {self.max_skipped}; {kept}: lower optimizer.lr "
                 "(or check the data) and rerun the same command to resume")
-        bad = int(np.asarray(self.first.addressable_shards[0].data))
+        bad = _first_step(self.first)
         if bad < 0:
             return
         kept = (f"the checkpoint at step {run.last_saved} is intact: lower optimizer.lr (or "

@@ -80,7 +80,8 @@ def skipping_nonfinite(step: Callable) -> Callable:
     so XLA may keep a copy of what the step updates in place (a DLRM's tables)."""
     def guarded(state, batch):
         new, metrics = step(state, batch)
-        ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        # Every replica's (local SGD: one value each), so all agree on what is skipped.
+        ok = jnp.all(jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]))
         kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
         return kept, {**metrics, "skipped": (~ok).astype(jnp.int32)}
     return guarded
@@ -95,12 +96,19 @@ def dense_update(tx: optax.GradientTransformation, params, opt_state, grads, nor
 
 
 def jit_step(step: Callable, mesh: Mesh, lay: StateLayout, batch_sharding,
-             skip_nonfinite: bool):
+             skip_nonfinite: bool, per_replica: str | None = None):
     """jit(step)(state, batch) -> (state, metrics): the state donated and pinned to its
-    shardings, every metric replicated; with `skip_nonfinite`, behind the guard that
-    leaves the state as it was after a NaN/Inf (skipping_nonfinite)."""
+    shardings, every metric replicated (or, with `per_replica` a mesh axis, the loss and
+    gradient norm one per replica over it: the host averages them, so a step that has
+    no other reason to talk over that axis does not); with `skip_nonfinite`, behind the
+    guard that leaves the state as it was after a NaN/Inf (skipping_nonfinite)."""
     keys = ("loss", "grad_norm", "lr") + (("skipped",) if skip_nonfinite else ())
     metrics = dict.fromkeys(keys, sharding.replicated(mesh))
+    if per_replica:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        split = NamedSharding(mesh, PartitionSpec(per_replica))
+        metrics.update(loss=split, grad_norm=split)
     return jax.jit(skipping_nonfinite(step) if skip_nonfinite else step,
                    in_shardings=(lay.shardings, batch_sharding),
                    out_shardings=(lay.shardings, metrics), donate_argnums=0)
