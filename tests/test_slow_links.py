@@ -10,7 +10,7 @@ from helpers import losses, make_mesh, run, tiny
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from plait import analysis
+from plait import analysis, hosts
 from plait import mesh as mesh_lib
 from plait.errors import UserError
 from plait.inspect import inspect_step
@@ -23,24 +23,24 @@ def test_dcn_parts_multiply_into_the_axis_and_lay_hosts_out_in_blocks(tmp_path):
     sizes = mesh_lib.resolve(spec, 8)
     assert (sizes["data"], sizes["fsdp"]) == (4, 2)
     mesh = make_mesh("data=2@dcn,data=2,fsdp=2")
-    hosts = mesh_lib.host_layout(mesh).reshape(4, 2)
+    layout = hosts.host_layout(mesh).reshape(4, 2)
     # The data axis's outer 2 are hosts; each host holds 4 consecutive devices.
-    np.testing.assert_array_equal(hosts, [[0, 0], [0, 0], [1, 1], [1, 1]])
+    np.testing.assert_array_equal(layout, [[0, 0], [0, 0], [1, 1], [1, 1]])
     ids = np.vectorize(lambda d: d.id)(mesh.devices).reshape(4, 2)
     assert set(ids[:2].ravel()) == {0, 1, 2, 3}
-    assert mesh_lib.axis_split(mesh, "data") == (2, 2)
-    assert mesh_lib.axis_split(mesh, "fsdp") == (1, 2)
-    assert mesh_lib.mesh_text(mesh) == "data=2@dcn,data=2,fsdp=2"
+    assert hosts.axis_split(mesh, "data") == (2, 2)
+    assert hosts.axis_split(mesh, "fsdp") == (1, 2)
+    assert hosts.mesh_text(mesh) == "data=2@dcn,data=2,fsdp=2"
     # An inner axis across hosts: fsdp's 2 are the hosts, data stays within each.
     inner = make_mesh("fsdp=2@dcn,data=4")
-    assert mesh_lib.axis_split(inner, "data") == (1, 4)
-    assert mesh_lib.axis_split(inner, "fsdp") == (2, 1)
+    assert hosts.axis_split(inner, "data") == (1, 4)
+    assert hosts.axis_split(inner, "fsdp") == (2, 1)
     # A mesh file says the same with a [mesh.dcn] table.
     f = tmp_path / "two-hosts.toml"
     f.write_text("[mesh]\ndata = 2\nfsdp = 2\n[mesh.dcn]\ndata = 2\n")
     assert mesh_lib.load_spec(str(f)).dcn == {"data": 2}
     # Without a dcn part every device is on one host again.
-    assert mesh_lib.axis_split(make_mesh("data=4,fsdp=2"), "data") == (1, 4)
+    assert hosts.axis_split(make_mesh("data=4,fsdp=2"), "data") == (1, 4)
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -67,7 +67,7 @@ def _bucket_program(split):
     fn = jax.jit(lambda g: hierarchical.mean_over_data({"w": g}, {"w": P()}, mesh, split))
     compiled = fn.lower(x).compile()
     report = analysis.analyze(compiled, dict(mesh.shape), None,
-                              mesh_lib.host_layout(mesh).ravel())
+                              hosts.host_layout(mesh).ravel())
     return np.asarray(fn(x)["w"]), report, np.asarray(x).mean(0)
 
 

@@ -7,7 +7,7 @@ import time
 from jax.sharding import Mesh
 from rich.console import Console
 
-from plait import analysis
+from plait import analysis, hosts
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
@@ -23,12 +23,12 @@ def inspect_step(exp: Experiment, mesh: Mesh, hw: Hardware | None = None) -> dic
     t0 = time.perf_counter()
     compiled = task.compile()
     compile_s = time.perf_counter() - t0
-    hosts = mesh_lib.host_layout(mesh).ravel()
-    report = analysis.analyze(compiled, dict(mesh.shape), task.branch_weights(), hosts)
+    layout = hosts.host_layout(mesh).ravel()
+    report = analysis.analyze(compiled, dict(mesh.shape), task.branch_weights(), layout)
     n, sizes = mesh.devices.size, dict(mesh.shape)
     flops = task.flops_per_unit()
     report.update(
-        experiment=exp.name, mesh=mesh_lib.mesh_text(mesh), mesh_shape=sizes, devices=n,
+        experiment=exp.name, mesh=hosts.mesh_text(mesh), mesh_shape=sizes, devices=n,
         platform=mesh.devices.flat[0].platform, parameters=task.num_params(),
         unit=task.unit, units_per_step=task.units_per_step,
         **{f"{task.unit}_per_step": task.units_per_step},
@@ -39,7 +39,7 @@ def inspect_step(exp: Experiment, mesh: Mesh, hw: Hardware | None = None) -> dic
     if phases:
         # Steps that differ (a local step, a sync step): each one's collectives.
         report["phases"] = {
-            name: {k: v for k, v in analysis.analyze(compiled, sizes, weights, hosts).items()
+            name: {k: v for k, v in analysis.analyze(compiled, sizes, weights, layout).items()
                    if k in ("collectives", "collectives_wire", "wire_by_axes",
                             "bytes_by_link", "wire_by_link", "collective_ops")}
             for name, weights in phases.items()}

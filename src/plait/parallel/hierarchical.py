@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from plait import hosts
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
@@ -118,7 +119,7 @@ def for_run(exp: Experiment, mesh: Mesh, pipelined: bool) -> tuple[int, int] | N
     cfg = exp.sync
     if cfg.reduce == "flat":
         return None
-    split = mesh_lib.axis_split(mesh, AXIS)
+    split = hosts.axis_split(mesh, AXIS)
     mode = mesh_lib.tensor_mode(dict(mesh.shape))
     if not applies(split):
         why = ("the mesh's data axis does not have parts both across and within hosts; "

@@ -36,6 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from plait import hosts
 from plait import mesh as mesh_lib
 from plait.config import Experiment, SyncConfig
 from plait.errors import UserError
@@ -98,7 +99,7 @@ class LocalSGD:
         self.replicas = replicas or mesh.shape.get(AXIS, 1)
         # (slow, fast) of the data axis; the exchange is hierarchical where both exceed 1.
         self.split = ((self.replicas, 1) if cfg.reduce == "flat"
-                      else mesh_lib.axis_split(mesh, AXIS))
+                      else hosts.axis_split(mesh, AXIS))
 
     # --- layout ------------------------------------------------------------
     def leaves(self, param_shapes: dict, param_shardings: dict) -> dict:

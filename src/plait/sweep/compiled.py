@@ -44,13 +44,13 @@ def read_program(exp: Experiment, sizes: dict[str, int], n: int,
     reduction) and each collective is classed by the links it crosses."""
     import numpy as np
 
-    from plait import analysis
+    from plait import analysis, hosts
     from plait.tasks import make_task
 
-    hosts = n // per_node if per_node and n > per_node and n % per_node == 0 else 1
-    dcn = mesh_lib.dcn_for(sizes, hosts) if hosts > 1 else None
+    nodes = n // per_node if per_node and n > per_node and n % per_node == 0 else 1
+    dcn = hosts.dcn_for(sizes, nodes) if nodes > 1 else None
     mesh = mesh_lib.build_mesh(sizes, n, dcn)
-    layout = (mesh_lib.host_layout(mesh).ravel() if dcn or hosts == 1
+    layout = (hosts.host_layout(mesh).ravel() if dcn or nodes == 1
               else np.arange(n) // per_node)  # axes that do not split by node: by order
     task = make_task(exp, mesh)
     r = analysis.analyze(task.compile(COMPILER_OPTIONS), dict(mesh.shape),

@@ -20,8 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from plait import cluster
-from plait import mesh as mesh_lib
+from plait import cluster, hosts
 from plait.checkpoint import Checkpoints
 from plait.config import Experiment
 from plait.errors import RunFailed, UserError
@@ -93,7 +92,7 @@ class Run:
         self.task = make_task(exp, mesh)
         self.source = self.task.source()  # checks data files before anything is written
         self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
-        self.mesh_text = mesh_lib.mesh_text(mesh)
+        self.mesh_text = hosts.mesh_text(mesh)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.ckpts, self.log_handler, self._saving = None, None, False
         if self.is_writer:  # before anything in the directory is touched
@@ -181,7 +180,7 @@ class Run:
         mesh = self.mesh
         log.note(f"plait: {self.exp.name}: {self.task.num_params() / 1e6:.2f}M parameters, mesh "
                  f"{self.mesh_text} ({mesh.devices.size} {mesh.devices.flat[0].platform} "
-                 f"devices{mesh_lib.hosts_text(mesh)}), run dir {self.run_dir}")
+                 f"devices{hosts.hosts_text(mesh)}), run dir {self.run_dir}")
         if restored:
             log.note(f"plait: resumed from the checkpoint at step {start}")
         for line in self.task.describe(state):
