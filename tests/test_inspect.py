@@ -8,7 +8,7 @@ import jax
 import pytest
 from helpers import make_mesh, plait_cmd, tiny, write_experiment
 
-from plait import analysis
+from plait import analysis, hlo
 from plait.inspect import inspect_step
 from plait.models import build, gpt
 
@@ -92,7 +92,7 @@ backend_config={"known_trip_count":{"n":"5"}}
   ROOT %ag = f32[32]{0} all-gather(%a), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
 }
 """
-    mod = analysis.parse_hlo(text)
+    mod = hlo.parse_hlo(text)
     colls = analysis.collectives(mod, {"data": 2, "tensor": 4})
     ar = next(c for c in colls if c.kind == "all-reduce")
     ag = next(c for c in colls if c.kind == "all-gather")

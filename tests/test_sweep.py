@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import make_mesh, tiny, write_experiment
 
-from plait import analysis, sweep
+from plait import analysis, hlo, sweep
 from plait.errors import UserError
 from plait.hardware import load_hardware
 from plait.tasks.gpt import GPTTask as Job
@@ -181,10 +181,10 @@ def test_kernel_count_counts_loops_and_not_fusion_bodies():
 
     def kernels(trips: int) -> float:
         fn = jax.jit(lambda x: jax.lax.fori_loop(0, trips, body, x))
-        return analysis.kernel_count(analysis.parse_hlo(
+        return analysis.kernel_count(hlo.parse_hlo(
             fn.lower(jnp.ones((8, 8))).compile().as_text()))
 
-    once = analysis.kernel_count(analysis.parse_hlo(
+    once = analysis.kernel_count(hlo.parse_hlo(
         jax.jit(lambda x: body(0, x)).lower(jnp.ones((8, 8))).compile().as_text()))
     k10, k20, k30 = kernels(10), kernels(20), kernels(30)
     # Each iteration launches the same kernels (its body's and its condition's), and at

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import losses, make_mesh, run, tiny
 
-from plait import analysis, data, sharding
+from plait import analysis, data, hlo, sharding
 from plait.parallel import formulas
 from plait.parallel.formulas import tensor_wire_bytes
 from plait.tasks.gpt import GPTTask as Job
@@ -87,7 +87,7 @@ def _weight_gathers(spec: str, exp) -> list[str]:
         k = int(np.prod([shape[logical.index(n)] for n in fan_in]))
         for dims in (shape, (k, int(np.prod(shape)) // k)):
             whole.add(tuple(sorted(d for d in dims if d > 1)))
-    mod = analysis.parse_hlo(job.compile().as_text())
+    mod = hlo.parse_hlo(job.compile().as_text())
     found = []
     for c in analysis.collectives(mod, dict(job.mesh.shape)):
         if c.kind != "all-gather":

@@ -44,11 +44,9 @@ def inspect_step(exp: Experiment, mesh: Mesh, hw: Hardware | None = None) -> dic
                             "bytes_by_link", "wire_by_link", "collective_ops")}
             for name, weights in phases.items()}
     if hw is not None:
-        from plait.sweep.cost import link_times
+        from plait.sweep.cost import collective_width, link_times
 
-        # Collectives compiled on CPU run in fp32; an accelerator sends bf16 ones at 2 bytes.
-        width = 0.5 if (exp.precision.compute == "bfloat16" and report["platform"] == "cpu"
-                        and hw.extra.get("device") != "cpu") else 1.0
+        width = collective_width(exp, hw, compiled_on=report["platform"])
         report["hardware"] = hw.name
         for part in [report, *report.get("phases", {}).values()]:
             part["link_seconds"] = link_times(part["collective_ops"], hw, width)

@@ -22,13 +22,11 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expen
 
 def _figures(r: dict) -> dict:
     """What a prediction needs from an analysis report: FLOPs, collectives grouped by
-    (kind, mesh axes, group size) as [count, wire bytes], and memory."""
-    groups: dict[tuple, list[float]] = {}
-    for op in r["collective_ops"]:
-        key = (op["kind"], ",".join(op["axes"]), op["group_size"], op["crosses_hosts"])
-        acc = groups.setdefault(key, [0.0, 0.0])
-        acc[0] += op["count"]
-        acc[1] += op["wire_bytes"]
+    (kind, mesh axes, group size, crosses hosts) as [count, wire bytes] (cost.groups_of),
+    and memory."""
+    from plait.sweep.cost import groups_of
+
+    groups = groups_of(r["collective_ops"])
     m = r["memory"]
     return {"flops": r["flops_per_device"], "groups": groups, "memory_parts": m,
             "kernels": r["kernels"],

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import math
 
+from plait import analysis
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.hardware import Hardware
-from plait.sweep.shapes import Candidate, crosses_nodes
+from plait.sweep.shapes import Candidate
 
 
 def _log2(g: int) -> int:
@@ -59,52 +60,50 @@ def collective_time(kind: str, group: int, count: float, wire_bytes: float, cros
 FP32_AXES = frozenset({"data", "fsdp"})
 
 
-def width_over(axes: list[str], width: float) -> float:
-    """Bytes per compiled byte of a collective over `axes` (`width` for activations)."""
-    return 1.0 if axes and set(axes) <= FP32_AXES else width
+def collective_width(exp: Experiment, hw: Hardware, compiled_on: str = "cpu") -> float:
+    """Bytes on `hw` per compiled byte of an activation collective: a bf16 run's are 2
+    bytes an element on an accelerator, but a CPU compile runs them in fp32."""
+    accelerator = hw.extra.get("device") != "cpu" and not hw.shared_compute
+    return 0.5 if (exp.precision.compute == "bfloat16" and accelerator
+                   and compiled_on == "cpu") else 1.0
 
 
-def link_times(ops: list[dict], hw: Hardware, width: float = 1.0) -> dict[str, float]:
-    """Seconds per link class of an analysis's collective ops (`crosses_hosts` each)."""
-    out = {"within_host": 0.0, "across_hosts": 0.0}
+def groups_of(ops: list[dict]) -> dict[tuple, list[float]]:
+    """An analysis's collective ops as {(kind, mesh axes, group size, crosses hosts):
+    [count, wire bytes]}: what pricing needs, and what extrapolation interpolates."""
+    groups: dict[tuple, list[float]] = {}
     for op in ops:
-        link = "across_hosts" if op.get("crosses_hosts") else "within_host"
-        out[link] += collective_time(op["kind"], op["group_size"], op["count"],
-                                     op["wire_bytes"], bool(op.get("crosses_hosts")), hw,
-                                     width_over(op["axes"], width))
-    return out
+        key = (op["kind"], ",".join(op["axes"]), op["group_size"], op["crosses_hosts"])
+        acc = groups.setdefault(key, [0.0, 0.0])
+        acc[0] += op["count"]
+        acc[1] += op["wire_bytes"]
+    return groups
 
 
-def comm_by_link(c: Candidate, groups: dict, hw: Hardware, width: float
-                 ) -> dict[str, dict[str, float]]:
+def comm_by_link(groups: dict, hw: Hardware, width: float) -> dict[str, dict[str, float]]:
     """{"within_host" | "across_hosts": {"s": seconds, "wire": wire bytes}} of the
-    step's collectives on `hw`. A group key ends with whether it crosses nodes as
-    compiled; a key without it is placed by mesh order."""
-    out = {link: {"s": 0.0, "wire": 0.0} for link in ("within_host", "across_hosts")}
-    for key, (count, nbytes) in groups.items():
-        kind, axes, g, *crossed = key
+    step's collectives (`groups_of`) on `hw`, each at the link it crosses as compiled
+    (a sweep compiles every shape laid over the hardware's nodes)."""
+    out = {link: {"s": 0.0, "wire": 0.0} for link in analysis.LINKS}
+    for (kind, axes, g, cross), (count, nbytes) in groups.items():
         axis_list = [a for a in axes.split(",") if a]
-        cross = crossed[0] if crossed else (
-            crosses_nodes(c.sizes, axis_list, hw.devices_per_node) if axis_list else False)
-        link = out["across_hosts" if cross else "within_host"]
-        w = width_over(axis_list, width)
+        w = 1.0 if axis_list and set(axis_list) <= FP32_AXES else width
+        link = out[analysis.LINKS[cross]]
         link["s"] += collective_time(kind, g, count, nbytes, cross, hw, w)
         link["wire"] += nbytes * w
     return out
 
 
-def comm_time(c: Candidate, groups: dict, hw: Hardware, width: float) -> tuple[float, float]:
-    """(seconds, wire bytes) of the step's collectives on `hw`."""
-    links = comm_by_link(c, groups, hw, width).values()
-    return sum(v["s"] for v in links), sum(v["wire"] for v in links)
+def link_times(ops: list[dict], hw: Hardware, width: float = 1.0) -> dict[str, float]:
+    """Seconds per link class of an analysis's collective ops (plait inspect)."""
+    return {k: v["s"] for k, v in comm_by_link(groups_of(ops), hw, width).items()}
 
 
 def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int) -> dict:
     """One result row: the candidate, its predicted time, memory and whether it fits."""
-    accelerator = hw.extra.get("device") != "cpu" and not hw.shared_compute
-    width = 0.5 if exp.precision.compute == "bfloat16" and accelerator else 1.0
+    width = collective_width(exp, hw)
     compute = measured["flops"] / (hw.peak(exp.precision.compute, n) * hw.efficiency)
-    links = comm_by_link(c, measured["groups"], hw, width)
+    links = comm_by_link(measured["groups"], hw, width)
     comm = sum(v["s"] for v in links.values())
     wire = sum(v["wire"] for v in links.values())
     bubble = measured["figures"]["bubble_ratio"] if measured.get("figures") else 0.0

@@ -4,7 +4,6 @@ microbatches, embedding placements); and which of them compile to the same progr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,14 +108,3 @@ def program_key(exp: Experiment, c: Candidate) -> tuple:
     weights = tuple(round(w, 12) for ws in t.branch_weights().values() for w in ws)
     return (c.mesh, s.pipes, s.kind.split_backward, t.chunks, len(t.table), t.inbox_slots,
             t.stash_slots, t.keep_slots, weights)
-
-
-def crosses_nodes(sizes: dict[str, int], axes: list[str], per_node: int) -> bool:
-    """Whether a group over `axes` spans several nodes (innermost axes on neighbouring
-    devices, `per_node` devices a node)."""
-    import numpy as np
-
-    names = list(sizes)
-    ids = np.arange(math.prod(sizes.values())).reshape([sizes[a] for a in names])
-    index = tuple(slice(None) if a in axes else 0 for a in names)
-    return len(set((ids[index].ravel() // per_node).tolist())) > 1

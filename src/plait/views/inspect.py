@@ -114,7 +114,7 @@ def link_table(r: dict) -> Table:
         t.add_column(f"{name} wire", justify="right")
         if priced:
             t.add_column(f"{name} time", justify="right")
-    for link in ("within_host", "across_hosts"):
+    for link in analysis.LINKS:
         cells = []
         for p in parts.values():
             cells += [size_text(p["bytes_by_link"][link]), size_text(p["wire_by_link"][link])]

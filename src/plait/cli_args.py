@@ -1,0 +1,124 @@
+"""`plait`'s command line: every subcommand, its arguments and their help (the
+handlers live in plait.cli)."""
+
+from __future__ import annotations
+
+import argparse
+
+import plait
+
+
+def common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("experiment", help="experiment file, e.g. experiments/quickstart.toml")
+    p.add_argument("--mesh", help="mesh file (meshes/x.toml) or inline spec like data=2,tensor=4")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (value parsed as TOML); repeatable")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices the mesh uses (default: what the mesh needs; with a -1 axis, "
+                        "every accelerator or one simulated device per CPU core)")
+    p.add_argument("--coordinator", help="host:port of process 0, to join a multi-process run")
+    p.add_argument("--num-processes", type=int, help="processes in the multi-process run")
+    p.add_argument("--process-id", type=int, help="this process's index in the run")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="plait", description="Train one model over any device mesh.")
+    ap.add_argument("--version", action="version", version=f"plait {plait.version()}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train an experiment (resumes from --run-dir)")
+    common(t)
+    t.add_argument("--run-dir", help="run directory (default: runs/<experiment name>)")
+    t.add_argument("--steps", type=int, help="train to this many steps (sets train.steps; a "
+                   "resumed run keeps its learning-rate schedule unless "
+                   "optimizer.decay_steps is set)")
+    t.add_argument("--from-step", type=int, metavar="N",
+                   help="resume from the kept checkpoint of step N instead of the newest "
+                        "(the newer ones are kept, renamed N.superseded)")
+    t.add_argument("--profile", metavar="START:STOP",
+                   help="write a jax.profiler trace of steps START+1..STOP into "
+                        "RUN_DIR/profile (e.g. 10:15)")
+
+    i = sub.add_parser("inspect", help="compile the train step and report FLOPs, "
+                                       "collective bytes and memory per device")
+    common(i)
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    i.add_argument("--hardware", default=None,
+                   help="price the collectives, within a host and across hosts, with this "
+                        "hardware description's bandwidths and latencies (as plait sweep)")
+    i.add_argument("--compare-tensor-modes", action="store_true",
+                   help="compile the step under 1-D, 2-D, 2.5-D and 3-D tensor parallelism on "
+                        "the mesh's device count (or --devices) and compare bytes and memory")
+
+    sw = sub.add_parser("sweep", help="compile every mesh shape for N devices, predict step "
+                                      "time and memory on target hardware, and rank them")
+    sw.add_argument("experiment", help="experiment file")
+    sw.add_argument("--devices", type=int, required=True, help="devices to sweep over (N)")
+    sw.add_argument("--hardware", default=None,
+                    help="hardware description: a meshes/NAME.toml with a [hardware] table "
+                         "(default: cpu-2core)")
+    sw.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (value parsed as TOML); repeatable")
+    sw.add_argument("--top", type=int, default=None, help="rows to print (and to --run)")
+    sw.add_argument("--run", action="store_true",
+                    help="also train the top rows for a few steps here and add measured times")
+    sw.add_argument("--out", default=None, help="directory for sweep.csv, .json and .png "
+                                                "(default: sweeps/<experiment>-<N>)")
+    sw.add_argument("--workers", type=int, default=None,
+                    help="processes compiling in parallel (default: up to 4, by core count)")
+
+    pl = sub.add_parser("plan", help="print a DLRM's embedding plan (kind and place of each "
+                                      "table) and each device's memory")
+    common(pl)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    la = sub.add_parser("launch", help="start P local processes joined by jax.distributed, "
+                                       "e.g. plait launch --processes 2 -- train EXP --mesh data=8")
+    la.add_argument("--processes", type=int, required=True, help="processes to start (P)")
+    la.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    la.add_argument("command_args", nargs=argparse.REMAINDER,
+                    help="-- then a plait command (train or inspect) and its arguments")
+
+    sc = sub.add_parser("schedule", help="print a pipeline schedule's table and figures")
+    sc.add_argument("name", metavar="SCHEDULE",
+                    help="gpipe, 1f1b, interleaved, chimera or zb-h1 "
+                         "(plait.parallel.schedules.SCHEDULES)")
+    sc.add_argument("--stages", type=int, required=True, help="pipeline ranks D")
+    sc.add_argument("--microbatches", type=int, required=True, help="microbatches N")
+    sc.add_argument("--virtual-stages", type=int, default=None,
+                    help="stages per rank for schedules that interleave (default: the "
+                         "schedule's, 2 for interleaved)")
+    sc.add_argument("--recompute", action="store_true",
+                    help="count the executor's buffers as pipeline.recompute = true does "
+                         "(stage inputs stashed, the forward recomputed in the backward)")
+    sc.add_argument("--json", action="store_true", help="print one JSON object")
+    sc.add_argument("--png", help="also draw the table into this PNG file")
+    d = sub.add_parser(
+        "data", help="prepare data: a text file -> a token file (byte-level ids), or Criteo "
+        "TSV days -> a directory training memory-maps",
+        usage="plait data TEXT_FILE OUT.bin [--tokenizer tokenizer.json] [--dtype uint16|uint32]\n"
+              "       plait data criteo DAY.tsv[.gz] [DAY ...] --out DIR [--malformed skip|stop]")
+    d.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="TEXT_FILE OUT.bin, or the word criteo and Criteo TSV day files")
+    d.add_argument("--out", help="criteo: the output directory (rerun to convert only new days)")
+    d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16",
+                   help="element type of the token file (uint16 for vocabularies up to 65536)")
+    d.add_argument("--tokenizer", metavar="tokenizer.json",
+                   help="encode with this Hugging Face tokenizers file (kept beside OUT.bin "
+                   "and in the runs that train on it); default: byte-level ids 0-255")
+    d.add_argument("--malformed", choices=("skip", "stop"), default="skip",
+                   help="criteo: skip lines that do not parse (counted) or stop at the first")
+    sp = sub.add_parser(
+        "sample", help="generate text from a GPT run's checkpoint (KV cache, one device)",
+        usage="plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] "
+              "[--seed S] [--step N]")
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a plait train run")
+    sp.add_argument("--prompt", required=True, help="the text to continue")
+    sp.add_argument("--tokens", type=int, default=100, help="how many tokens to generate")
+    sp.add_argument("--temperature", type=float, default=1.0,
+                    help="softmax temperature; 0 takes the most likely token every time")
+    sp.add_argument("--top-k", type=int, default=0,
+                    help="draw only among the K most likely tokens (0: all)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    sp.add_argument("--step", type=int, help="a kept checkpoint's step (default: the newest)")
+    return ap
