@@ -136,7 +136,7 @@ def test_resume_on_another_replica_count_restarts_from_the_center(tmp_path, caps
     run(tiny(sync=sync, checkpoint=ckpt, train={"steps": 3}), "data=4,tensor=2", tmp_path)
     exp = tiny(sync=sync, checkpoint=ckpt, train={"steps": 3}, log=LINE_LOG)
     mesh = make_mesh("data=2,tensor=2,fsdp=2")
-    from plait.train.loop import Run
+    from plait.train.run import Run
 
     r = Run(exp, mesh, tmp_path)
     try:

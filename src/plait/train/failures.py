@@ -10,7 +10,7 @@ import jax
 from plait.errors import RunFailed
 
 if TYPE_CHECKING:
-    from plait.train.loop import Run
+    from plait.train.run import Run
 
 # What a collective says when the process at the other end is gone (Gloo on CPU).
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",

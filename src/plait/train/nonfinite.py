@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from plait.errors import RunFailed
 
 if TYPE_CHECKING:
-    from plait.train.loop import Run
+    from plait.train.run import Run
 
 
 @jax.jit

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from plait.train import rundir
 
 if TYPE_CHECKING:
-    from plait.train.loop import Run
+    from plait.train.run import Run
 
 
 class StopFlag:
