@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
     from plait.data.criteo import CriteoTSV
     from plait.data.criteo_bin import CriteoBinary, convert
 

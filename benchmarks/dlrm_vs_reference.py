@@ -70,7 +70,7 @@ class PlaitBench:
         import jax
 
         from plait import mesh as mesh_lib
-        from plait.config import load_experiment
+        from plait.config_files import load_experiment
         from plait.tasks.dlrm import DLRMTask
 
         spec = mesh_lib.load_spec(mesh_text)

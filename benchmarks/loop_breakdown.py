@@ -46,7 +46,7 @@ def main() -> int:
     import jax
 
     from plait import mesh as mesh_lib
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
     from plait.tasks import make_task
     from plait.train.loop import train
     from plait.train.nonfinite import NonFiniteGuard

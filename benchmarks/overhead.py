@@ -114,7 +114,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from plait import mesh as mesh_lib
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
     from plait.models import gpt
     from plait.tasks.gpt import GPTTask as Job
     from plait.train.loop import train

@@ -39,7 +39,7 @@ METHODS = [("allreduce", None, "flat"), ("allreduce", None, "hierarchical"),
 
 
 def _experiment(name: str, method: str, period: int | None, extra: list[str]):
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
 
     sets = [f'sync.method="{method}"'] + ([f"sync.period={period}"] if period else [])
     return load_experiment(ROOT / "experiments" / f"{name}.toml", sets + extra)

@@ -32,7 +32,7 @@ def main() -> int:
     import jax
 
     from plait import mesh as mesh_lib
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
     from plait.hardware import peak_flops
     from plait.models.gpt import flops_per_token
     from plait.train.loop import train

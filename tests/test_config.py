@@ -1,7 +1,8 @@
 import pytest
 from helpers import ROOT
 
-from plait.config import Experiment, apply_override, load_experiment, parse_value, validate
+from plait.config import Experiment
+from plait.config_files import apply_override, load_experiment, parse_value, validate
 from plait.errors import UserError
 
 
@@ -58,7 +59,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 
 
 def test_docs_list_every_key():
-    from plait.config import all_keys
+    from plait.config_files import all_keys
 
     text = (ROOT / "docs" / "config.md").read_text()
     missing = [k for k in all_keys() if f"`{k}`" not in text]

@@ -12,7 +12,7 @@ import pytest
 from helpers import ROOT, losses, make_mesh, plait_cmd, run
 
 from plait import analysis
-from plait.config import load_experiment
+from plait.config_files import load_experiment
 from plait.errors import UserError
 from plait.parallel import embedding as emb
 from plait.parallel.sparse_optim import OPTIMIZERS

@@ -123,7 +123,7 @@ def test_a_registered_kind_trains_and_resumes_bit_identically(tmp_path):
 
 
 def test_unknown_kind_and_its_keys_are_one_line_errors(tmp_path):
-    from plait.config import validate
+    from plait.config_files import validate
 
     with pytest.raises(UserError, match=r"unknown model.kind 'lineer'; known kinds: .*linear"):
         validate({"model": {"kind": "lineer"}}, "x.toml")

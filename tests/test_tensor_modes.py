@@ -133,7 +133,7 @@ def test_compiled_bytes_equal_the_formula(spec, model, micro):
 
 
 def test_formulas_rank_3d_below_2d_below_1d_at_64_devices():
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
 
     exp = load_experiment("experiments/gpt2-1.3b.toml", [])
     one = formulas.tensor_bytes(exp, {"tensor": 64})

@@ -65,7 +65,7 @@ def cmd_sample(args) -> int:
 def _setup(args):
     """Experiment, mesh spec, devices and Mesh: everything checked before any file is written."""
     from plait import mesh as mesh_lib
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
 
     sets = list(args.sets)
     if getattr(args, "steps", None) is not None:
@@ -142,7 +142,7 @@ def cmd_inspect(args) -> int:
 def cmd_sweep(args) -> int:
     from plait import mesh as mesh_lib
     from plait import sweep
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
     from plait.hardware import load_hardware
     from plait.tasks import task_class
     from plait.views.sweep import render, write_outputs

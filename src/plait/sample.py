@@ -73,7 +73,7 @@ def load(run_dir: Path, step: int | None):
     """(the run's experiment, the per-layer model, its parameters on one device, step)."""
     from plait import mesh as mesh_lib
     from plait.checkpoint import Checkpoints
-    from plait.config import load_experiment
+    from plait.config_files import load_experiment
     from plait.tasks.gpt import GPTTask
 
     if not run_dir.is_dir():

@@ -69,7 +69,7 @@ def _run_dir(argv: list[str]) -> Path | None:
     if (given := _flag(argv, "--run-dir")) is not None:
         return Path(given)
     try:
-        from plait.config import load_experiment
+        from plait.config_files import load_experiment
 
         sets = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--set"]
         return Path("runs") / load_experiment(argv[1], sets).name

@@ -19,7 +19,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from plait.config import Experiment, tomllib
+from plait.config import Experiment
+from plait.config_files import tomllib
 from plait.errors import UserError
 
 log = logging.getLogger("plait")

@@ -1,0 +1,169 @@
+"""Reading an experiment: TOML files, `--set` overrides, and validation against the
+schema (plait.config) with one-line errors: unknown keys get a "did you mean"
+suggestion and a wrong type names the key, the value and the expected type."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from plait.config import Experiment, ModelSection, model_class
+from plait.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _section_class(model: type[BaseModel], name: str, raw: Any = None) -> type[BaseModel] | None:
+    """The schema of a sub-table (`[model]` by its kind), or None for a plain value."""
+    if model is Experiment and name == "model":
+        kind = raw.get("kind", "gpt") if isinstance(raw, dict) else "gpt"
+        return model_class(kind) if isinstance(kind, str) else ModelSection
+    ann = model.model_fields[name].annotation
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def all_keys(model: type[BaseModel] = Experiment, prefix: str = "") -> list[str]:
+    """Every dotted key the schema accepts, every model kind's included (for suggestions)."""
+    from plait import tasks
+
+    keys = []
+    for name in model.model_fields:
+        if model is Experiment and name == "model":
+            for kind in tasks.kinds():
+                keys += [k for k in all_keys(model_class(kind), "model.") if k not in keys]
+            continue
+        section = _section_class(model, name)
+        keys += all_keys(section, f"{prefix}{name}.") if section else [f"{prefix}{name}"]
+    return keys
+
+
+def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: str) -> None:
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in model.model_fields:
+            siblings = [f"{prefix}{k}" for k in model.model_fields]
+            close = (difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.6)
+                     or difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6))
+            alias = ALIASES.get(key)
+            if alias:
+                close = [alias]
+            hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
+            kind = f" (a {raw['kind']} model)" if prefix == "model." and "kind" in raw else ""
+            raise UserError(f"unknown config key '{dotted}'{kind} in {source}{hint}")
+        section = _section_class(model, key, value)
+        if section is not None:
+            if not isinstance(value, dict):
+                raise UserError(
+                    f"config key '{dotted}' in {source} must be a table ([{dotted}]), "
+                    f"got {type(value).__name__}"
+                )
+            _check_unknown_keys(value, section, f"{dotted}.", source)
+
+
+def _type_name(value: Any) -> str:
+    return {str: "string", int: "integer", float: "float", bool: "boolean", list: "array",
+            dict: "table"}.get(type(value), type(value).__name__)
+
+
+def validate(raw: dict, source: str) -> Experiment:
+    """Build an Experiment from a raw dict, with one-line errors."""
+    _check_unknown_keys(raw, Experiment, "", source)
+    try:
+        return Experiment.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        value = err.get("input")
+        msg = err["msg"].removeprefix("Value error, ")
+        if not loc:  # a check across sections: the message names its keys
+            raise UserError(f"{msg} (in {source})") from None
+        raise UserError(
+            f"config key '{loc}' in {source}: {msg[:1].lower() + msg[1:]}, "
+            f"got {value!r} ({_type_name(value)})"
+        ) from None
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` value is TOML (`3`, `1e-3`, `true`, `"x"`, `[1, 2]`); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise UserError(f"--set expects key=value, got '{assignment}' (e.g. --set train.steps=50)")
+    key, text = assignment.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {key}: '{part}' is a value, not a table")
+        node = child
+    node[parts[-1]] = parse_value(text.strip())
+
+
+def read_toml(path: Path, what: str) -> dict:
+    if path.is_dir():
+        raise UserError(f"{what} '{path}' is a directory; pass a .toml file in it")
+    if not path.is_file():
+        raise UserError(f"{what} '{path}' not found; check the path")
+    try:
+        return tomllib.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise UserError(f"{what} '{path}' is not a text file (not UTF-8); pass a TOML "
+                        "file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{what} '{path}' is not valid TOML: {e}") from None
+
+
+# Names users bring from other trainers, for "did you mean" on --set and in files.
+ALIASES = {"learning_rate": "optimizer.lr", "lr": "optimizer.lr",
+           "batch_size": "train.global_batch", "global_batch_size": "train.global_batch",
+           "n_layer": "model.layers", "num_layers": "model.layers",
+           "n_head": "model.heads", "num_heads": "model.heads",
+           "n_embd": "model.d_model", "hidden_size": "model.d_model",
+           "block_size": "model.seq_len", "max_iters": "train.steps",
+           "vocab_size": "model.vocab", "weight_decay": "optimizer.weight_decay"}
+
+
+def _name_is_plain(raw: dict, source: str) -> None:
+    """The run name becomes runs/<name>: one plain directory name, nothing that climbs out."""
+    name = raw.get("name")
+    if isinstance(name, str) and (not name or name in (".", "..") or "/" in name
+                                  or "\\" in name or name.startswith("~")):
+        raise UserError(f"name = {name!r} in {source} must be a plain directory name (no '/', "
+                        "'..' or '~'); pick another name, or place the run with --run-dir")
+
+
+def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
+    path = Path(path)
+    raw = read_toml(path, "experiment file")
+    if not raw:
+        raise UserError(f"experiment file '{path}' is empty; start from "
+                        "experiments/quickstart.toml")
+    raw.setdefault("name", path.stem)
+    _check_unknown_keys(raw, Experiment, "", str(path))
+    for assignment in overrides:
+        apply_override(raw, assignment)
+        key = assignment.split("=", 1)[0].strip()
+        try:  # an error in a key or value given with --set names --set, not the file
+            _check_unknown_keys(raw, Experiment, "", f"--set {key}")
+            Experiment.model_validate(raw)
+        except UserError:
+            raise
+        except ValidationError as e:
+            if ".".join(str(p) for p in e.errors()[0]["loc"]) == key:
+                validate(raw, f"--set {key}")
+    _name_is_plain(raw, str(path))
+    return validate(raw, str(path))
