@@ -162,6 +162,9 @@ class EmbeddingConfig(Section):
     # Memory per device for tables and state (GiB); 0 = the device's (on CPU: the
     # host's memory shared by its simulated devices).
     memory_gib: NonNegFloat = 0.0
+    # On CPUs (Linux), keep the tables in 2 MiB pages: random row access over
+    # gigabytes is bound by TLB misses in 4 KiB pages (plait.hugepages).
+    huge_pages: bool = True
 
 
 class TrainConfig(Section):

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from plait.config import TABLE_PLACEMENTS as PLACEMENTS
-from plait.parallel.sparse_optim import OPTIMIZERS, ROW, SparseOptimizer, by_position
+from plait.parallel.sparse_optim import OPTIMIZERS, ROW, UNROLL, SparseOptimizer, by_position
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,9 @@ def _pool(buf, rows, valid, by_position: bool):
         return acc + jnp.where(v[..., None], got, 0.0), None
 
     zero = jnp.zeros((*rows.shape[:-1], buf.shape[1]), buf.dtype)
-    return jax.lax.scan(add, zero, (jnp.moveaxis(rows, -1, 0), jnp.moveaxis(valid, -1, 0)))[0]
+    # Unrolled, XLA fuses several positions' gathers into one pass over the accumulator.
+    return jax.lax.scan(add, zero, (jnp.moveaxis(rows, -1, 0), jnp.moveaxis(valid, -1, 0)),
+                        unroll=UNROLL)[0]
 
 
 def _table_maps(lay: TableLayout):

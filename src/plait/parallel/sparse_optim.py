@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 ROW, FULL = "row", "full"
+UNROLL = 10  # bag positions per loop turn of the CPU's per-position gathers and scatters
 
 
 def by_position(platform: str) -> bool:
@@ -37,7 +38,10 @@ def add_per_id(buf: jax.Array, rows: jax.Array, g: jax.Array, by_position: bool)
         def add(b, r):
             return b.at[r].add(g, mode="drop"), None
 
-        return jax.lax.scan(add, buf, jnp.moveaxis(rows, -1, 0))[0]
+        # The ids of each position made contiguous once (else XLA copies a strided slice
+        # of them per scatter), and positions unrolled (fewer loop turns): -25% on CPU.
+        by_pos = jax.lax.optimization_barrier(jnp.moveaxis(rows, -1, 0))
+        return jax.lax.scan(add, buf, by_pos, unroll=UNROLL)[0]
     every = jnp.broadcast_to(g[..., None, :], (*rows.shape, g.shape[-1]))
     return buf.at[rows.reshape(-1)].add(every.reshape(-1, g.shape[-1]), mode="drop")
 

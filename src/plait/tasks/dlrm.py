@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from plait import data, sharding
+from plait import data, hugepages, sharding
 from plait.config import Experiment
 from plait.data.clicks import SyntheticClicks
 from plait.errors import UserError
@@ -98,6 +98,7 @@ class DLRMTask(Task):
         self.plan = plan_tables(exp, self.devices, self.axes)
         self.tables: emb.TableLayout = self.plan.layout
         self.table_state = TableState(self.tables, exp.embedding.optimizer, mesh)
+        self.pages_note: str | None = None  # what _in_huge_pages did, for the header
         self.tx, self.lr_schedule = optimizer(exp)
         self.dense_layout: StateLayout = layout(
             self.model.shapes(), sharding.param_shardings(self.model.variables(), mesh,
@@ -137,8 +138,16 @@ class DLRMTask(Task):
                        out_shardings=self.canonical_layout.shardings)(state)
 
     def from_checkpoint(self, state: dict) -> dict:
-        return jax.jit(self.table_state.from_canonical,
-                       out_shardings=self.layout.shardings)(state)
+        return self._in_huge_pages(jax.jit(self.table_state.from_canonical,
+                                           out_shardings=self.layout.shardings)(state))
+
+    def _in_huge_pages(self, state: dict) -> dict:
+        """state, its tables (and their optimizer state) asked into 2 MiB pages on CPUs;
+        the donated step keeps updating these buffers, so once per made state is enough."""
+        if self.exp.embedding.huge_pages:
+            marked = hugepages.advise(jax.tree.leaves((state["tables"], state["table_opt"])))
+            self.pages_note = hugepages.note(marked, "embedding tables")
+        return state
 
     def init_state(self) -> dict:
         def init():
@@ -148,7 +157,7 @@ class DLRMTask(Task):
                          **self.table_state.init_canonical(self.exp.seed)}
             return self.table_state.from_canonical(canonical)
 
-        return jax.jit(init, out_shardings=self.layout.shardings)()
+        return self._in_huge_pages(jax.jit(init, out_shardings=self.layout.shardings)())
 
     # ------------------------------------------------------------------ step
     @property
@@ -272,7 +281,7 @@ class DLRMTask(Task):
         return self.model.num_params() + sum(m.table_rows) * m.embedding_dim
 
     def describe(self, state: dict) -> list[str]:
-        return [self.table_state.describe(state)]
+        return [self.table_state.describe(state), *([self.pages_note] if self.pages_note else [])]
 
     def report(self, analysis: dict) -> dict:
         lay = self.tables
