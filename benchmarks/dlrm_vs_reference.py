@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -43,7 +44,7 @@ BENCH = ROOT / "experiments" / "dlrm-bench.toml"
 
 
 def reference_ms(ref: Path, python: str, steps: int, warmup: int, rows: list[int],
-                 gpu: bool) -> list[float]:
+                 gpu: bool, env: dict | None = None) -> list[float]:
     """Per-iteration ms of the reference, iterations after `warmup`."""
     args = [python, "dlrm_s_pytorch.py", "--arch-sparse-feature-size=64",
             "--arch-mlp-bot=512-512-64", "--arch-mlp-top=1024-1024-1024-1",
@@ -54,7 +55,8 @@ def reference_ms(ref: Path, python: str, steps: int, warmup: int, rows: list[int
             "--numpy-rand-seed=727", "--print-freq=1", "--print-time", "--learning-rate=0.01"]
     if gpu:
         args.append("--use-gpu")
-    out = subprocess.run(args, cwd=ref, capture_output=True, text=True)
+    out = subprocess.run(args, cwd=ref, capture_output=True, text=True,
+                         env={**os.environ, **(env or {})})
     if out.returncode:
         sys.exit(f"reference failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     times = [float(m) for m in re.findall(r"([0-9.]+) ms/it", out.stdout)]
@@ -139,6 +141,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--gpu", action="store_true", help="run the reference with --use-gpu")
+    ap.add_argument("--reference-hugepages", action="store_true",
+                    help="also run the reference with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 "
+                    "(its tensors in 2 MiB pages, as plait puts its tables on CPUs)")
     ap.add_argument("--scaling", action="store_true", help="plait only: step time vs rows")
     ap.add_argument("--rows", type=int, nargs="+", default=[1_000_000, 10_000_000])
     ap.add_argument("--tables", type=int, default=8)
@@ -186,13 +191,21 @@ def main() -> None:
                 row.update(reference_ms=ref, speedup=ref / loop, step_speedup=ref / step)
                 text += (f"; reference {ref:.1f} ms ({2048e3 / ref:,.0f} samples/s): loop "
                          f"{ref / loop:.2f}x, step {ref / step:.2f}x")
+            if a.reference and a.reference_hugepages:
+                ref_h = statistics.median(reference_ms(
+                    Path(a.reference), a.torch_python, a.steps, a.warmup, rows, a.gpu,
+                    {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}))
+                row.update(reference_hugetlb_ms=ref_h, speedup_hugetlb=ref_h / loop)
+                text += f"; reference in 2 MiB pages {ref_h:.1f} ms: loop {ref_h / loop:.2f}x"
             rounds.append(row)
             print(text, flush=True)
         med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
         result.update(rounds=rounds, median=med, plait_compile_s=bench.compile_s)
         print(f"medians: plait loop / step {med['loop_over_step']:.3f}"
               + (f"; reference / plait loop {med['speedup']:.2f}x, reference / plait step "
-                 f"{med['step_speedup']:.2f}x" if a.reference else ""))
+                 f"{med['step_speedup']:.2f}x" if a.reference else "")
+              + (f"; reference in 2 MiB pages / plait loop {med['speedup_hugetlb']:.2f}x"
+                 if "speedup_hugetlb" in med else ""))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
 
