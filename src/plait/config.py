@@ -4,7 +4,6 @@ one-line errors: plait.config_files)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Any, ClassVar, Literal
 
 import tomli_w
@@ -16,11 +15,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover
-    pass
 
 PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]

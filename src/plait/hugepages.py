@@ -13,7 +13,7 @@ of whenever khugepaged gets to them. MADV_COLLAPSE refuses a 2 MiB block whose
 pages the kernel is still handling (EINVAL, EAGAIN) and takes it a moment
 later, so it runs block by block, a few passes, on a background thread: the
 contents never change, the step may already run, and startup does not wait
-(2 GiB took 2-8 s here). A kernel or machine that refuses costs nothing but
+(2 GiB took 2-25 s here, by free memory). A kernel or machine that refuses costs nothing but
 the speed.
 
 Only the 2 MiB-aligned inside of each buffer is advised; buffers on other
@@ -54,23 +54,6 @@ def _inside(ptr: int, nbytes: int) -> tuple[int, int]:
 
 def supported() -> bool:
     return sys.platform.startswith("linux")
-
-
-def huge_bytes(start: int, length: int) -> int:
-    """Bytes of [start, start + length) in huge pages now, from /proc/self/smaps."""
-    total, overlap = 0, 0
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=1)[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    overlap = max(0, min(hi, start + length) - max(lo, start))
-                elif head == "AnonHugePages:" and overlap:
-                    total += min(int(line.split()[1]) * 1024, overlap)
-    except OSError:
-        return 0
-    return total
 
 
 def _collapse(ranges: list[tuple[int, int]]) -> None:
