@@ -79,3 +79,18 @@ def barrier(name: str) -> None:
     if client is None:  # a multi-process backend joined some other way (TPU pods)
         return
     client.wait_at_barrier(f"plait-{name}", seconds("PLAIT_BARRIER_TIMEOUT_S", 1800) * 1000)
+
+
+def host_array(x):
+    """Every value of `x` on this host as a NumPy array: a replicated scalar from this
+    process's copy; a per-replica array gathered from every process when it spans
+    several (each process must call this at the same step)."""
+    import numpy as np
+
+    if x.ndim == 0:
+        return np.asarray(x.addressable_shards[0].data)
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)

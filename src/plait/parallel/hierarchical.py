@@ -86,7 +86,7 @@ def mean_over_data(stacked: dict, specs: dict, mesh: Mesh, split: tuple[int, int
         bucket = jnp.concatenate(parts)
         pad = -bucket.size % fast
         bucket = jnp.pad(bucket, (0, pad))
-        if fast > 1 and slow > 1:
+        if applies(split):
             shard = jax.lax.psum_scatter(bucket, AXIS, scatter_dimension=0, tiled=True,
                                          axis_index_groups=within)
             shard = jax.lax.psum(shard, AXIS, axis_index_groups=across)

@@ -44,13 +44,8 @@ def _local_values(tree):
 
 
 def host_value(x: jax.Array) -> np.ndarray:
-    if x.ndim == 0:  # replicated
-        return np.asarray(x.addressable_shards[0].data)
-    if not x.is_fully_addressable:  # every process calls this at the same step
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x).mean(0)
+    values = cluster.host_array(x)
+    return values if x.ndim == 0 else values.mean(0)
 
 
 def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: StopFlag,

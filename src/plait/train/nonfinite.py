@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from plait import cluster
 from plait.errors import RunFailed
 
 if TYPE_CHECKING:
@@ -38,13 +39,7 @@ def _count_skips(counts: jax.Array, skipped: jax.Array, step: jax.Array,
 
 def _first_step(first: jax.Array) -> int:
     """The earliest bad step over replicas (-1: none), read on the host."""
-    if first.ndim == 0:
-        return int(np.asarray(first.addressable_shards[0].data))
-    if not first.is_fully_addressable:  # every process checks at the same step
-        from jax.experimental import multihost_utils
-
-        first = multihost_utils.process_allgather(first, tiled=True)
-    seen = np.asarray(first)
+    seen = cluster.host_array(first)
     seen = seen[seen >= 0]
     return int(seen.min()) if seen.size else -1
 
