@@ -214,11 +214,11 @@ def test_pipeline_stages_hold_only_their_layers():
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
                                     ("chimera", 1), ("zb-h1", 1)])
 def test_executor_buffers_hold_the_schedule_peak(name, v):
-    from plait.parallel import pipeline
+    from plait.parallel.tick_table import tick_table
 
     for D, N in ((4, 4), (4, 8), (8, 16)):
         s = schedules.build(name, D, N, v)
-        p = pipeline.tick_table(s, 2 * D * v)
+        p = tick_table(s, 2 * D * v)
         assert p.stash_slots == max(s.figures["peak_inflight"])
         assert p.inbox_slots <= N + 1  # gpipe: N loss gradients + one arriving activation
 

@@ -130,7 +130,8 @@ def predict_group(exp: Experiment, group: list[Candidate], measured: dict, hw: H
                   n: int) -> list[dict]:
     """Rows of candidates that share one compiled program: a pipeline's microbatch counts
     differ only by their schedule's bubble."""
-    from plait.parallel import pipeline, schedules
+    from plait.parallel import schedules
+    from plait.parallel.tick_table import tick_table
 
     rows = []
     for c in group:
@@ -141,7 +142,7 @@ def predict_group(exp: Experiment, group: list[Candidate], measured: dict, hw: H
                                 p.get("virtual_stages", 0))
             m = dict(measured, figures=s.figures)
             # What the compiled executor holds, per rank (its memory is the largest).
-            t = pipeline.tick_table(s, exp.model.layers, exp.pipeline.recompute).held
+            t = tick_table(s, exp.model.layers, exp.pipeline.recompute).held
             held = {"stash_slots_per_rank": t["stash"], "keep_slots_per_rank": t["keep"]}
         rows.append({**predict(exp, c, m, hw, n), **held})
     return rows

@@ -100,11 +100,12 @@ def program_key(exp: Experiment, c: Candidate) -> tuple:
     pipe = c.pipeline
     if not pipe:
         return c.program_group()
-    from plait.parallel import pipeline, schedules
+    from plait.parallel import schedules
+    from plait.parallel.tick_table import tick_table
 
     s = schedules.build(pipe["schedule"], c.sizes["pipeline"], pipe["microbatches"],
                         pipe.get("virtual_stages", 0))
-    t = pipeline.tick_table(s, exp.model.layers, exp.pipeline.recompute)
+    t = tick_table(s, exp.model.layers, exp.pipeline.recompute)
     weights = tuple(round(w, 12) for ws in t.branch_weights().values() for w in ws)
     return (c.mesh, s.pipes, s.kind.split_backward, t.chunks, len(t.table), t.inbox_slots,
             t.stash_slots, t.keep_slots, weights)

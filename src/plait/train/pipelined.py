@@ -22,6 +22,7 @@ from plait.config import Experiment
 from plait.errors import UserError
 from plait.models import ModelDef, build, flat_to_pure, layer_stack
 from plait.parallel import pipeline, schedules
+from plait.parallel.tick_table import tick_table
 from plait.train.state import map_params
 
 
@@ -62,7 +63,7 @@ class Pipelined:
                 f"train.global_batch = {exp.train.global_batch} does not split into "
                 f"pipeline.microbatches = {N} of rows over data x fsdp = {replicas}; make it a "
                 f"multiple of {N * replicas}")
-        self.ticks = pipeline.tick_table(self.schedule, cfg.layers, pc.recompute)
+        self.ticks = tick_table(self.schedule, cfg.layers, pc.recompute)
         self.key = layer_key
         # The model without its repeated layers: what every rank keeps whole.
         self.shared_model = build(model.cls, cfg.model_copy(update={"layers": 0}))

@@ -77,9 +77,9 @@ def executor(s: schedules.Schedule, recompute: bool = False) -> dict:
     microbatch's forward residuals, or its stage input with recompute), of the keep
     (zero-bubble with recompute: what W needs, from Bx to W) and of the inbox; and
     the work per rank, a recomputed forward included, in one stage's forward."""
-    from plait.parallel import pipeline
+    from plait.parallel.tick_table import tick_table
 
-    t = pipeline.tick_table(s, s.num_stages, recompute)
+    t = tick_table(s, s.num_stages, recompute)
     work = s.figures["work_per_rank"]
     if recompute:
         backs = [sum(1 for a in prog if a.kind in (schedules.B, schedules.BX))
