@@ -45,10 +45,13 @@ def write_config(run_dir: Path, exp: Experiment, resumed_step: int) -> None:
 
 
 def _join_orbax_threads(timeout: float) -> None:
-    """Wait (up to `timeout` in all) for orbax's writer threads to end."""
+    """Wait (up to `timeout` in all) for orbax's writer threads to end: its own thread
+    classes and the plain thread an async save commits on ("async_save")."""
     deadline = time.monotonic() + timeout
     for t in threading.enumerate():
-        if type(t).__module__.startswith("orbax") and t is not threading.current_thread():
+        if t is threading.current_thread():
+            continue
+        if type(t).__module__.startswith("orbax") or t.name == "async_save":
             with contextlib.suppress(Exception):  # orbax's threads re-raise their error
                 t.join(max(0.0, deadline - time.monotonic()))
 
@@ -185,7 +188,8 @@ class Run:
                             logger.warning("closing the checkpoints after a failure: %s", e)
             _join_orbax_threads(timeout=30.0)
         if self.is_writer:
-            removed = rundir.remove_partial_checkpoints(self.ckpt_dir)
+            removed = rundir.remove_partial_checkpoints(self.ckpt_dir, quiet_s=1.0,
+                                                        limit_s=15.0)
             if removed:
                 logger.warning("removed the unfinished checkpoint(s) %s", ", ".join(removed))
             lock.release(self.run_dir)

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from plait.config import Experiment
@@ -105,16 +106,31 @@ def write_failure(err: BaseException) -> tuple[str, str | None] | None:
     return None
 
 
-def remove_partial_checkpoints(ckpt_dir: Path) -> list[str]:
+def remove_partial_checkpoints(ckpt_dir: Path, quiet_s: float = 0.0,
+                               limit_s: float = 0.0) -> list[str]:
     """Remove the temporary directories of checkpoints that never committed (orbax
-    renames a finished one to its step number); the caller holds the run's lock."""
-    removed = []
-    if ckpt_dir.is_dir():
-        for p in ckpt_dir.iterdir():
-            if p.is_dir() and ".orbax-checkpoint-tmp" in p.name:
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p.name)
-    return removed
+    renames a finished one to its step number); the caller holds the run's lock.
+
+    After a failed or abandoned save, TensorStore's writes of the other arrays run on
+    in its own threads and re-make the directories they write into. With `quiet_s`,
+    removal repeats until that long passes with none re-made (at most `limit_s`)."""
+    removed: list[str] = []
+    deadline = time.monotonic() + limit_s
+    quiet_since = time.monotonic()
+    while True:
+        found = []
+        if ckpt_dir.is_dir():
+            for p in ckpt_dir.iterdir():
+                if p.is_dir() and ".orbax-checkpoint-tmp" in p.name:
+                    shutil.rmtree(p, ignore_errors=True)
+                    found.append(p.name)
+        now = time.monotonic()
+        if found:
+            removed += [n for n in found if n not in removed]
+            quiet_since = now
+        if now - quiet_since >= quiet_s or now >= deadline:
+            return removed
+        time.sleep(0.05)
 
 
 def committed_steps(ckpt_dir: Path) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from typing import TYPE_CHECKING
 
 from plait.train import rundir
@@ -56,15 +55,10 @@ class StopFlag:
     def _abandon(self, name: str) -> None:
         kept = "no checkpoint was written"
         if self.run is not None and self.run.is_writer:
-            # orbax's writer threads run on while this handler does: a directory they are
-            # filling can survive one rmtree (a file made mid-removal), or be re-made.
-            # Remove until two looks 50 ms apart find none (at most ~2 s).
-            clean = 0
-            for _ in range(40):
-                clean = 0 if rundir.remove_partial_checkpoints(self.run.ckpt_dir) else clean + 1
-                if clean >= 2:
-                    break
-                time.sleep(0.05)
+            # orbax's and TensorStore's writer threads run on while this handler does: a
+            # directory they are filling can survive one rmtree (a file made
+            # mid-removal), or be re-made. Remove until 0.3 s pass with none re-made.
+            rundir.remove_partial_checkpoints(self.run.ckpt_dir, quiet_s=0.3, limit_s=3.0)
             steps = rundir.committed_steps(self.run.ckpt_dir)
             if steps:
                 kept = (f"the checkpoint at step {steps[0]} is intact: rerun the same command "
