@@ -87,7 +87,7 @@ class LinearTask(Task):
 def linear_kind():
     tasks.register("linear", LinearConfig, LinearTask)
     yield
-    tasks._KINDS.pop("linear")
+    tasks.unregister("linear")
 
 
 def _exp(steps: int) -> Experiment:

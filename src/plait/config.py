@@ -4,110 +4,27 @@ one-line errors: plait.config_files)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, Literal
 
 import tomli_w
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializeAsAny,
-    field_validator,
-    model_validator,
-)
+from pydantic import SerializeAsAny, field_validator, model_validator
 
-PosInt = Annotated[int, Field(gt=0)]
-NonNegInt = Annotated[int, Field(ge=0)]
-PosFloat = Annotated[float, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
+from plait import kinds
+from plait.model_schema import (  # noqa: F401 - the schema's names, re-exported
+    DLRMConfig,
+    GPTConfig,
+    LlamaConfig,
+    ModelSection,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    RopeScaling,
+    Section,
+)
 
 # How an embedding table can be laid over devices (plait.parallel.embedding runs each).
 TABLE_PLACEMENTS = ("table", "row", "column", "replicated")
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
-
-
-class ModelSection(Section):
-    """The `[model]` table. Each model kind has its own subclass, chosen by `kind`
-    through the task registry (`plait.tasks`); `shape_keys` are the keys that change
-    parameter shapes (a checkpoint of another shape is refused)."""
-
-    kind: str = "gpt"
-    shape_keys: ClassVar[tuple[str, ...]] = ()
-    data_sources: ClassVar[tuple[str, ...]] = ("synthetic",)
-
-
-class GPTConfig(ModelSection):
-    """A decoder-only transformer (`kind = "gpt"`)."""
-
-    kind: Literal["gpt"] = "gpt"
-    layers: PosInt = 2
-    d_model: PosInt = 64
-    heads: PosInt = 4
-    d_ff: PosInt = 256
-    vocab: PosInt = 256
-    seq_len: PosInt = 64
-    tie_embeddings: bool = True
-    # Embedding rows are padded to a multiple of this (GPT-2's 50257 -> 50304),
-    # so vocabulary-parallel sharding divides and matmuls stay aligned.
-    vocab_multiple: PosInt = 128
-    norm_eps: PosFloat = 1e-5
-    attention: Literal["auto", "xla", "cudnn"] = "auto"
-    # Recompute activations in the backward: none, full (keep each block's input only)
-    # or save_dots (keep the matmul outputs, recompute the rest); true/false read as
-    # full/none.
-    remat: Literal["none", "full", "save_dots"] = "none"
-    # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
-    # parameters, same results): compile time no longer grows with the number of
-    # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 24 layers).
-    scan_layers: bool | Literal["auto"] = False
-
-    data_sources: ClassVar[tuple[str, ...]] = ("synthetic", "tokens")
-    shape_keys: ClassVar[tuple[str, ...]] = (
-        "layers", "d_model", "heads", "d_ff", "vocab", "seq_len", "tie_embeddings",
-        "vocab_multiple")
-
-    @field_validator("remat", mode="before")
-    @classmethod
-    def _remat_from_bool(cls, value: Any) -> Any:
-        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) \
-            else value
-
-    @property
-    def padded_vocab(self) -> int:
-        m = self.vocab_multiple
-        return (self.vocab + m - 1) // m * m
-
-
-class DLRMConfig(ModelSection):
-    """A DLRM recommender (`kind = "dlrm"`): one entry per embedding table (its rows),
-    their common dimension, the MLP widths (the bottom MLP's last width is
-    embedding_dim), the number of dense features, the pooling of each bag, and DCNv2
-    cross layers (0 = the original dot interaction)."""
-
-    kind: Literal["dlrm"] = "dlrm"
-    embedding_rows: list[PosInt] = [1000, 1000]
-    embedding_dim: PosInt = 16
-    bottom_mlp: list[PosInt] = [64, 16]
-    top_mlp: list[PosInt] = [64, 1]
-    dense_features: PosInt = 13
-    pooling: Literal["sum", "mean"] = "sum"
-    cross_layers: NonNegInt = 0
-    # Cap every table at this many rows (ids are taken modulo the capped size), so a
-    # large benchmark shape fits a given memory; 0 = no cap.
-    max_embedding_rows: NonNegInt = 0
-
-    data_sources: ClassVar[tuple[str, ...]] = ("clicks", "criteo", "criteo_bin")
-    shape_keys: ClassVar[tuple[str, ...]] = (
-        "embedding_rows", "embedding_dim", "bottom_mlp", "top_mlp", "dense_features",
-        "cross_layers", "max_embedding_rows")
-
-    @property
-    def table_rows(self) -> list[int]:
-        cap = self.max_embedding_rows
-        return [min(r, cap) if cap else r for r in self.embedding_rows]
 
 
 class DataConfig(Section):
@@ -282,7 +199,5 @@ class Experiment(Section):
 
 
 def model_class(kind: str) -> type[ModelSection]:
-    """The `[model]` schema of a model kind, from the task registry."""
-    from plait import tasks
-
-    return tasks.config_class(kind)
+    """The `[model]` schema of a model kind, from the kind registry."""
+    return kinds.config_class(kind)

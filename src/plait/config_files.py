@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from plait import kinds
 from plait.config import Experiment, ModelSection, model_class
 from plait.errors import UserError
 
@@ -31,12 +32,10 @@ def _section_class(model: type[BaseModel], name: str, raw: Any = None) -> type[B
 
 def all_keys(model: type[BaseModel] = Experiment, prefix: str = "") -> list[str]:
     """Every dotted key the schema accepts, every model kind's included (for suggestions)."""
-    from plait import tasks
-
     keys = []
     for name in model.model_fields:
         if model is Experiment and name == "model":
-            for kind in tasks.kinds():
+            for kind in kinds.kinds():
                 keys += [k for k in all_keys(model_class(kind), "model.") if k not in keys]
             continue
         section = _section_class(model, name)

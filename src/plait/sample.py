@@ -36,7 +36,7 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) ->
 def generator(mdef, dtype, n: int, temperature: float, top_k: int):
     """jit(params, prompt [P], key) -> `n` new token ids (P + n <= the model's seq_len)."""
     cfg = mdef.cfg
-    heads, head_dim = cfg.heads, cfg.d_model // cfg.heads
+    heads, head_dim = cfg.n_kv_heads, cfg.head_size  # the cache holds the key/value heads
 
     def generate(params: dict, prompt: jax.Array, key: jax.Array) -> jax.Array:
         model = mdef.module(params, dtype)
@@ -74,6 +74,7 @@ def load(run_dir: Path, step: int | None):
     from plait import mesh as mesh_lib
     from plait.checkpoint import Checkpoints
     from plait.config_files import load_experiment
+    from plait.kinds import is_decoder
     from plait.tasks.gpt import GPTTask
 
     if not run_dir.is_dir():
@@ -84,9 +85,9 @@ def load(run_dir: Path, step: int | None):
         raise UserError(f"'{run_dir}' has no config.toml; pass the directory of a plait "
                         "train run")
     exp = load_experiment(config)
-    if exp.model.kind != "gpt":
-        raise UserError(f"plait sample generates text from GPT runs; '{run_dir}' trained a "
-                        f"{exp.model.kind} model")
+    if not is_decoder(exp.model):
+        raise UserError(f"plait sample generates text from language-model runs (gpt, "
+                        f"llama); '{run_dir}' trained a {exp.model.kind} model")
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
         raise UserError(f"'{run_dir}' has no checkpoints yet; train with checkpoints enabled "

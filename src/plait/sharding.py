@@ -46,7 +46,7 @@ class Rules:
         return self.names.get(name)
 
 
-_PARAM_NONE = {"head_dim": None, "qkv": None, "seq": None}
+_PARAM_NONE = {"head_dim": None, "qkv": None, "gate_up": None, "seq": None}
 _ACT_NONE = {"act_seq": None, "act_head_dim": None}
 
 # Data parallel over `data`, ZeRO-3 over `fsdp` (parameters and optimizer state
@@ -56,9 +56,11 @@ _ACT_NONE = {"act_seq": None, "act_head_dim": None}
 # collectives: one all-reduce per block each way, as in Megatron.
 RULES_1D = Rules("1d", {
     **_PARAM_NONE, **_ACT_NONE,
-    "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "mlp": "tensor", "norm": None,
+    "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+    "mlp": "tensor", "norm": None,
     "act_batch": ("data", "fsdp"), "act_embed": None,
-    "act_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor",
+    "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor",
+    "act_vocab": "tensor",
 })
 
 
@@ -73,9 +75,9 @@ def _rules_2d(mode: str) -> Rules:
     c = "tensor_col"
     return Rules(mode, {
         **_PARAM_NONE, **_ACT_NONE,
-        "vocab": c, "embed": c, "heads": c, "mlp": c, "norm": c,
+        "vocab": c, "embed": c, "heads": c, "kv_heads": c, "mlp": c, "norm": c,
         "act_batch": ("data", "fsdp", "tensor_depth", "tensor_row"),
-        "act_embed": c, "act_heads": c, "act_mlp": c, "act_vocab": c,
+        "act_embed": c, "act_heads": c, "act_kv_heads": c, "act_mlp": c, "act_vocab": c,
     }, inputs={
         "embed": ("tensor_row", "fsdp"), "heads": ("tensor_row", "fsdp"),
         "mlp": ("tensor_row", "fsdp"), "head_dim": None,
@@ -91,10 +93,11 @@ def _rules_2d(mode: str) -> Rules:
 # the product over the third: every collective moves O(1/q^3) of the matrices.
 RULES_3D = Rules("3d", {
     **_PARAM_NONE, **_ACT_NONE,
-    "vocab": "tensor_y", "heads": "tensor_y", "mlp": "tensor_y",
+    "vocab": "tensor_y", "heads": "tensor_y", "kv_heads": "tensor_y", "mlp": "tensor_y",
     "embed": "tensor_z", "norm": "tensor_z",
     "act_batch": ("data", "fsdp", "tensor_x", "tensor_y", "tensor_z"),
-    "act_embed": "tensor_z", "act_heads": "tensor_y", "act_mlp": "tensor_y",
+    "act_embed": "tensor_z", "act_heads": "tensor_y", "act_kv_heads": "tensor_y",
+    "act_mlp": "tensor_y",
     "act_vocab": "tensor_y",
 }, inputs={
     "embed": ("tensor_z", "tensor_x", "fsdp"), "heads": "tensor_y",
@@ -115,6 +118,12 @@ def without_axis(rules: Rules, axis: str) -> Rules:
 
     return Rules(rules.mode, {k: drop(v) for k, v in rules.names.items()},
                  {k: drop(v) for k, v in rules.inputs.items()})
+
+
+def with_names(rules: Rules, names: Mapping[str, MeshAxes]) -> Rules:
+    """The rules with some logical names mapped anew (for parameters and inputs alike)."""
+    return Rules(rules.mode, {**rules.names, **names},
+                 {k: names.get(k, v) for k, v in rules.inputs.items()})
 
 
 def rules_for(mesh: Mesh) -> Rules:

@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from plait.config import GPTConfig
@@ -43,11 +44,13 @@ def _param(rngs: ParamKeys, shape, logical, std: float | None, fan_in=(),
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with statistics in float32 whatever the compute dtype."""
+    """LayerNorm with statistics in float32 whatever the compute dtype (a bias unless the
+    model has none)."""
 
-    def __init__(self, d: int, eps: float, rngs: ParamKeys):
+    def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = True):
         self.scale = _param(rngs, (d,), ("norm",), None)
-        self.bias = _param(rngs, (d,), ("norm",), 0.0)
+        if bias:
+            self.bias = _param(rngs, (d,), ("norm",), 0.0)
         self.eps = eps
 
     def __call__(self, x):
@@ -55,72 +58,190 @@ class LayerNorm(nnx.Module):
         x = x.astype(jnp.float32)
         mean = x.mean(-1, keepdims=True)
         var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+        if hasattr(self, "bias"):
+            y = y + self.bias[...].astype(jnp.float32)
         return y.astype(dtype)
 
 
-class Attention(nnx.Module):
-    """Causal self-attention; QKV column-split and output row-split by head."""
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm (Llama): statistics in float32, the scale applied in the
+    compute dtype after the cast back, as Llama's reference code does."""
 
-    def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
-        d, h = cfg.d_model, cfg.heads
-        hd = d // h
-        resid_std = 0.02 / math.sqrt(2 * cfg.layers)
-        self.wqkv = _param(rngs, (d, 3, h, hd), ("embed", "qkv", "heads", "head_dim"), 0.02,
-                           fan_in=("embed",))
-        self.bqkv = _param(rngs, (3, h, hd), ("qkv", "heads", "head_dim"), 0.0)
-        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), resid_std,
-                         fan_in=("heads", "head_dim"))
-        self.bo = _param(rngs, (d,), ("norm",), 0.0)
-        # "auto" is resolved by the task for the device (tasks.gpt_runtime.attention_for).
-        self.implementation = None if cfg.attention == "auto" else cfg.attention
+    def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = False):
+        del bias  # an RMS norm has none
+        self.scale = _param(rngs, (d,), ("norm",), None)
+        self.eps = eps
 
     def __call__(self, x):
-        qkv = dense(x, self.wqkv) + self.bqkv[...]
-        q, k, v = (constrain(qkv[:, :, i], ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-                   for i in range(3))
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        return y.astype(dtype) * self.scale[...].astype(dtype)
+
+
+def norm(cfg: GPTConfig, rngs: ParamKeys) -> LayerNorm | RMSNorm:
+    cls = RMSNorm if cfg.norm == "rmsnorm" else LayerNorm
+    return cls(cfg.d_model, cfg.norm_eps, rngs, bias=cfg.bias)
+
+
+Rope = tuple[int, float, tuple[float, float, float, int] | None]  # head, theta, scaling
+
+
+def rope_of(cfg: GPTConfig) -> Rope | None:
+    """What rotary positions need of the config (hashable: it lives in the module graph)."""
+    if cfg.position != "rope":
+        return None
+    sc = cfg.rope_scaling
+    scaling = None if sc is None else (sc.factor, sc.low_freq_factor, sc.high_freq_factor,
+                                       sc.original_context)
+    return cfg.head_size, cfg.rope_theta, scaling
+
+
+@functools.lru_cache(maxsize=16)
+def rope_frequencies(rope: Rope) -> np.ndarray:
+    """The rotary angle per position step of each pair of a head's features [head/2]
+    (float32, as Llama's reference computes it), with Llama 3.1's scaling of the long
+    wavelengths when the model has it."""
+    hd, theta, scaling = rope
+    inv = (1.0 / (np.float32(theta) ** (np.arange(0, hd, 2).astype(np.float32) / hd))
+           ).astype(np.float32)
+    if scaling is None:
+        return inv
+    factor, low_f, high_f, context = scaling
+    wavelength = 2 * math.pi / inv
+    low, high = context / low_f, context / high_f
+    scaled = np.where(wavelength > low, inv / factor, inv)
+    smooth = (context / wavelength - low_f) / (high_f - low_f)
+    between = (1 - smooth) * scaled / factor + smooth * scaled
+    middle = (wavelength >= high) & (wavelength <= low)
+    return np.where(middle, between, scaled).astype(np.float32)
+
+
+def rotate(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
+    """Rotary position embedding of x [batch, T, heads, head] at positions [T]: the two
+    halves of each head rotated as pairs (Hugging Face's layout of Llama weights)."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(rope_frequencies(rope))[None]
+    cos, sin = (f(angles)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+
+
+class Attention(nnx.Module):
+    """Causal self-attention; query/key/value column-split and output row-split by head.
+
+    Every head with its own keys and values: one fused projection [d, 3, heads, head].
+    Grouped-query attention (kv_heads < heads): queries [d, heads, head] and keys and
+    values [d, 2, kv_heads, head] apart, each group of heads / kv_heads query heads
+    attending over one key/value head.
+    """
+
+    def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
+        d, h, kv, hd = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.head_size
+        resid_std = 0.02 / math.sqrt(2 * cfg.layers)
+        biased = cfg.bias or cfg.qkv_bias
+        if cfg.fused_qkv:
+            self.wqkv = _param(rngs, (d, 3, h, hd), ("embed", "qkv", "heads", "head_dim"), 0.02,
+                               fan_in=("embed",))
+            if biased:
+                self.bqkv = _param(rngs, (3, h, hd), ("qkv", "heads", "head_dim"), 0.0)
+        else:
+            self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), 0.02,
+                             fan_in=("embed",))
+            self.wkv = _param(rngs, (d, 2, kv, hd), ("embed", "qkv", "kv_heads", "head_dim"),
+                              0.02, fan_in=("embed",))
+            if biased:
+                self.bq = _param(rngs, (h, hd), ("heads", "head_dim"), 0.0)
+                self.bkv = _param(rngs, (2, kv, hd), ("qkv", "kv_heads", "head_dim"), 0.0)
+        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), resid_std,
+                         fan_in=("heads", "head_dim"))
+        if cfg.bias:
+            self.bo = _param(rngs, (d,), ("norm",), 0.0)
+        # "auto" is resolved by the task for the device (tasks.gpt_runtime.attention_for).
+        self.implementation = None if cfg.attention == "auto" else cfg.attention
+        self.fused = cfg.fused_qkv
+        self.rope = rope_of(cfg)
+
+    def _bias(self, name: str) -> jax.Array | float:
+        return getattr(self, name)[...] if hasattr(self, name) else 0.0
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        """x [batch, T, d] at positions [T] -> q [batch, T, heads, head], k, v [batch, T,
+        kv_heads, head], rotated when the model has rotary positions."""
+        if self.fused:
+            qkv = dense(x, self.wqkv) + self._bias("bqkv")
+            q, k, v = (qkv[:, :, i] for i in range(3))
+        else:
+            q = dense(x, self.wq) + self._bias("bq")
+            kv = dense(x, self.wkv) + self._bias("bkv")
+            k, v = kv[:, :, 0], kv[:, :, 1]
+        if self.rope is not None:
+            q, k = rotate(q, positions, self.rope), rotate(k, positions, self.rope)
+        kv_names = HEADS if self.fused else KV_HEADS
+        return constrain(q, HEADS), constrain(k, kv_names), constrain(v, kv_names)
+
+    def out(self, o: jax.Array) -> jax.Array:
+        return dense(constrain(o, HEADS), self.wo) + self._bias("bo")
+
+    def __call__(self, x):
+        q, k, v = self.qkv(x, jnp.arange(x.shape[1]))
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                          implementation=self.implementation)
-        o = constrain(o, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-        y = dense(o, self.wo) + self.bo[...]
-        return constrain(y, BATCH_SEQ_EMBED)
+        return constrain(self.out(o), BATCH_SEQ_EMBED)
 
     def decode(self, x: jax.Array, cache: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
         """Attention of x [batch, T, d] at positions pos .. pos + T - 1 over themselves and
-        the cached keys and values of earlier positions (k, v [batch, max_len, heads,
-        head_dim]); returns the output and the cache with these positions added."""
-        qkv = dense(x, self.wqkv) + self.bqkv[...]
-        q, k, v = (qkv[:, :, i] for i in range(3))
+        the cached keys and values of earlier positions (k, v [batch, max_len, kv_heads,
+        head]); returns the output and the cache with these positions added."""
+        q, k, v = self.qkv(x, pos + jnp.arange(x.shape[1]))
         keys, values = (jax.lax.dynamic_update_slice(c, new.astype(c.dtype), (0, pos, 0, 0))
                         for c, new in zip(cache, (k, v), strict=True))
         seen = jnp.arange(keys.shape[1])[None, :] <= pos + jnp.arange(x.shape[1])[:, None]
         o = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
                                          mask=seen[None, None], implementation="xla")
-        return dense(o, self.wo) + self.bo[...], (keys, values)
+        return self.out(o), (keys, values)
 
 
 class MLP(nnx.Module):
+    """GPT-2's GELU MLP, or Llama's SwiGLU: silu(x W_gate) * (x W_up), one fused
+    [d, 2, d_ff] projection for the gate and the up matrix, then W_down."""
+
     def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
         d, f = cfg.d_model, cfg.d_ff
-        self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02, fan_in=("embed",))
-        self.b1 = _param(rngs, (f,), ("mlp",), 0.0)
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.w13 = _param(rngs, (d, 2, f), ("embed", "gate_up", "mlp"), 0.02,
+                              fan_in=("embed",))
+        else:
+            self.w1 = _param(rngs, (d, f), ("embed", "mlp"), 0.02, fan_in=("embed",))
+            if cfg.bias:
+                self.b1 = _param(rngs, (f,), ("mlp",), 0.0)
         self.w2 = _param(rngs, (f, d), ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.layers),
                          fan_in=("mlp",))
-        self.b2 = _param(rngs, (d,), ("norm",), 0.0)
+        if cfg.bias:
+            self.b2 = _param(rngs, (d,), ("norm",), 0.0)
 
     def __call__(self, x):
-        h = dense(x, self.w1) + self.b1[...]
-        h = constrain(jax.nn.gelu(h, approximate=True), ("act_batch", "act_seq", "act_mlp"))
-        y = dense(h, self.w2) + self.b2[...]
+        if self.swiglu:
+            gu = dense(x, self.w13)
+            h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
+        else:
+            h = dense(x, self.w1) + (self.b1[...] if hasattr(self, "b1") else 0.0)
+            h = jax.nn.gelu(h, approximate=True)
+        h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
+        y = dense(h, self.w2) + (self.b2[...] if hasattr(self, "b2") else 0.0)
         return constrain(y, BATCH_SEQ_EMBED)
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
-        self.ln1 = LayerNorm(cfg.d_model, cfg.norm_eps, rngs)
+        self.ln1 = norm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
-        self.ln2 = LayerNorm(cfg.d_model, cfg.norm_eps, rngs)
+        self.ln2 = norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x):
@@ -150,14 +271,16 @@ class GPT(nnx.Module):
         # loss ignores their logits (train.step.cross_entropy's `vocab`).
         self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",),
                                 used=(cfg.vocab, d))
-        self.pos_embed = _param(rngs, (cfg.seq_len, d), ("seq", "embed"), 0.01)
+        self.learned_positions = cfg.position == "learned"
+        if self.learned_positions:
+            self.pos_embed = _param(rngs, (cfg.seq_len, d), ("seq", "embed"), 0.01)
         self.scan_layers = cfg.scan_layers is True and cfg.layers > 0
         if self.scan_layers:  # one Block whose parameters are stacked [layers, ...]
             self.blocks = stacked_layers(Block, cfg, rngs, cfg.layers)
             self.config_json = cfg.model_dump_json()  # for the scan body's one-layer graph
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
-        self.ln_f = LayerNorm(d, cfg.norm_eps, rngs)
+        self.ln_f = norm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02, fan_in=("embed",),
                                used=(d, cfg.vocab))
@@ -178,6 +301,8 @@ class GPT(nnx.Module):
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> the residual stream entering the first block."""
         x = constrain(lookup(self.tok_embed, tokens), BATCH_SEQ_EMBED)
+        if not self.learned_positions:  # rotary: positions enter each attention
+            return x
         return constrain(x + self.pos_embed[...][: tokens.shape[1]], BATCH_SEQ_EMBED)
 
     def logits(self, x: jax.Array) -> jax.Array:
@@ -199,7 +324,8 @@ class GPT(nnx.Module):
         if self.scan_layers:
             raise ValueError("decode runs the per-layer model (scan_layers = false)")
         x = lookup(self.tok_embed, tokens)
-        x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], pos, tokens.shape[1])
+        if self.learned_positions:
+            x = x + jax.lax.dynamic_slice_in_dim(self.pos_embed[...], pos, tokens.shape[1])
         out = []
         for block, cache in zip(self.blocks, caches, strict=True):
             x, cache = block.decode(x, cache, pos)
@@ -207,21 +333,35 @@ class GPT(nnx.Module):
         return self.logits(x), out
 
 
+def _matmul_params(cfg: GPTConfig) -> tuple[int, int]:
+    """(attention, MLP) weights of one block: queries, keys and values (kv_heads of
+    them), the output projection; two or three (SwiGLU) d_model x d_ff matrices."""
+    d, f, hd = cfg.d_model, cfg.d_ff, cfg.head_size
+    attn = d * (cfg.heads + 2 * cfg.n_kv_heads) * hd + cfg.heads * hd * d
+    return attn, (3 if cfg.mlp == "swiglu" else 2) * d * f
+
+
 def param_count(cfg: GPTConfig) -> int:
     """Parameters of the model, counted from the config without building anything."""
-    d, f, L, v = cfg.d_model, cfg.d_ff, cfg.layers, cfg.padded_vocab
-    block = 4 * d * d + 2 * d * f + 9 * d + f  # qkv, out, mlp; their biases; two norms
+    d, f, L, v, hd = cfg.d_model, cfg.d_ff, cfg.layers, cfg.padded_vocab, cfg.head_size
+    attn, mlp = _matmul_params(cfg)
+    norm_params = d * (2 if cfg.bias and cfg.norm == "layernorm" else 1)
+    qkv_bias = (cfg.heads + 2 * cfg.n_kv_heads) * hd if cfg.bias or cfg.qkv_bias else 0
+    biases = (2 * d + (0 if cfg.mlp == "swiglu" else f)) if cfg.bias else 0  # out, mlp
+    block = attn + mlp + qkv_bias + biases + 2 * norm_params
     head = 0 if cfg.tie_embeddings else d * v
-    return L * block + v * d + cfg.seq_len * d + 2 * d + head
+    positions = cfg.seq_len * d if cfg.position == "learned" else 0
+    return L * block + v * d + positions + norm_params + head
 
 
 def flops_per_token(cfg: GPTConfig) -> float:
     """Model FLOPs per trained token (forward + backward), PaLM-style.
 
-    6 x (parameters in matrix multiplies, head included) + 12 x layers x seq x d_model
-    for attention scores and values. Recomputation (remat) is not counted: this is
-    model FLOPs, the numerator of MFU.
+    6 x (parameters in matrix multiplies, head included) + 12 x layers x seq x
+    (heads x head size) for attention scores and values. Recomputation (remat) is not
+    counted: this is model FLOPs, the numerator of MFU. Grouped-query attention counts
+    its smaller key/value projections; the scores cost the same as with every head.
     """
-    d, f, L = cfg.d_model, cfg.d_ff, cfg.layers
-    matmul_params = L * (4 * d * d + 2 * d * f) + d * cfg.padded_vocab
-    return 6.0 * matmul_params + 12.0 * L * cfg.seq_len * d
+    attn, mlp = _matmul_params(cfg)
+    matmul_params = cfg.layers * (attn + mlp) + cfg.d_model * cfg.padded_vocab
+    return 6.0 * matmul_params + 12.0 * cfg.layers * cfg.seq_len * cfg.heads * cfg.head_size

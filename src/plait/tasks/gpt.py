@@ -27,7 +27,7 @@ from plait.errors import UserError
 from plait.models import ModelDef, build, gpt
 from plait.parallel import formulas, hierarchical, local_sgd, schedules
 from plait.tasks.base import Evaluator, Source, Task
-from plait.tasks.gpt_checks import check_fits
+from plait.tasks.gpt_checks import check_fits, decoder_rules
 from plait.tasks.gpt_runtime import attention_for, scan_for
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
@@ -42,9 +42,14 @@ from plait.train.step import (
 )
 
 
+def abstract_model(cfg: GPTConfig) -> ModelDef:
+    """The decoder of `cfg` (GPT-2 or Llama layout), structure only."""
+    return _abstract_model(type(cfg), cfg.model_dump_json())
+
+
 @functools.lru_cache(maxsize=8)
-def abstract_model(cfg_json: str) -> ModelDef:
-    return build(gpt.GPT, GPTConfig.model_validate_json(cfg_json))
+def _abstract_model(cls: type[GPTConfig], cfg_json: str) -> ModelDef:
+    return build(gpt.GPT, cls.model_validate_json(cfg_json))
 
 
 class HeldOutLoss:
@@ -65,7 +70,7 @@ class GPTTask(Task):
 
     def __init__(self, exp: Experiment, mesh: Mesh):
         super().__init__(exp, mesh)
-        self.rules = sharding.rules_for(mesh)
+        self.rules = decoder_rules(dict(mesh.shape), exp.model)
         device = mesh.devices.flat[0]
         self.attention, self.attention_why = attention_for(
             exp.model, exp.precision.compute, device.platform, device.device_kind)
@@ -75,7 +80,7 @@ class GPTTask(Task):
             # The model runs the resolved kernel and layout.
             exp = exp.model_copy(update={"model": exp.model.model_copy(update=resolved)})
             self.exp = exp
-        self.model = abstract_model(exp.model.model_dump_json())
+        self.model = abstract_model(exp.model)
         check_fits(exp, dict(mesh.shape), self.rules, self.model)
         self.pipeline: Pipelined | None = None
         if mesh.shape.get("pipeline", 1) > 1:
@@ -124,20 +129,24 @@ class GPTTask(Task):
     @functools.cached_property
     def _per_layer_params(self) -> tuple[dict, dict]:
         """(shapes, shardings) of the parameters with one entry per layer (on disk)."""
-        per_layer = abstract_model(self.exp.model.model_copy(
-            update={"scan_layers": False}).model_dump_json())
+        per_layer = abstract_model(self.exp.model.model_copy(update={"scan_layers": False}))
         return (per_layer.shapes(),
                 sharding.param_shardings(per_layer.variables(), self.mesh, self.rules))
 
-    def init_state(self) -> dict:
-        def params():
-            p = self.model.init(self.exp.seed)
+    def init_state(self, params: dict | None = None) -> dict:
+        """A fresh state: new parameters, or `params` (canonical, one entry per layer:
+        imported weights) with a fresh optimizer state."""
+        def make(given=None):
+            if given is None:
+                p = self.model.init(self.exp.seed)
+            else:
+                p = models.stack(given, "blocks") if self.stacked else given
             return self.pipeline.from_canonical(p) if self.pipeline else p
 
         if self.local:
-            return jax.jit(lambda: self.local.init(params(), self.tx),
-                           out_shardings=self.layout.shardings)()
-        return init_state(params, self.tx, self.layout)
+            return jax.jit(lambda g: self.local.init(make(g), self.tx),
+                           out_shardings=self.layout.shardings)(params)
+        return init_state(make, self.tx, self.layout, params)
 
     def restore_plan(self, saved_config: dict):
         plan = local_sgd.restore_plan(saved_config, self.exp.sync, self.local,
@@ -360,8 +369,8 @@ class GPTTask(Task):
         """Every shape the model divides; a pipeline axis adds each schedule x microbatch
         count (D, 2D, 4D) the layers and the batch split into."""
         mesh_lib.tensor_mode(sizes)  # one-line errors for shapes no mode runs
-        check_fits(exp, sizes, sharding.rules_for_sizes(sizes),
-                   abstract_model(exp.model.model_dump_json()))
+        check_fits(exp, sizes, decoder_rules(sizes, exp.model),
+                   abstract_model(exp.model))
         D = sizes.get("pipeline", 1)
         if D == 1:
             return [{}]

@@ -8,7 +8,7 @@ import math
 import jax
 
 from plait import sharding
-from plait.config import Experiment
+from plait.config import Experiment, GPTConfig
 from plait.errors import UserError
 from plait.models import ModelDef
 
@@ -16,12 +16,25 @@ from plait.models import ModelDef
 # this order so the most actionable key is named first.
 _DIM_KEYS = {
     "heads": ("model.heads", lambda m: m.heads),
+    "kv_heads": ("model.kv_heads", lambda m: m.n_kv_heads),
     "embed": ("model.d_model", lambda m: m.d_model),
     "mlp": ("model.d_ff", lambda m: m.d_ff),
-    "head_dim": ("the head size model.d_model / model.heads", lambda m: m.d_model // m.heads),
+    "head_dim": ("the head size (model.head_dim, or d_model / heads)", lambda m: m.head_size),
     "seq": ("model.seq_len", lambda m: m.seq_len),
     "vocab": ("the padded vocabulary", lambda m: m.padded_vocab),
 }
+
+
+def decoder_rules(sizes: dict[str, int], model: GPTConfig) -> sharding.Rules:
+    """The mesh's rule set for this decoder: key/value heads split over the axes that
+    split the query heads where they divide kv_heads, and replicated per rank
+    otherwise (each rank then projects every key/value head itself; with fewer key/value
+    heads than tensor ranks there is nothing else to do, as in Megatron)."""
+    rules = sharding.rules_for_sizes(sizes)
+    split = [a for a in sharding.axes_tuple(rules.get("kv_heads")) if sizes.get(a, 1) > 1]
+    if model.n_kv_heads % math.prod(sizes[a] for a in split):
+        return sharding.with_names(rules, {"kv_heads": None, "act_kv_heads": None})
+    return rules
 
 
 def _axes_text(axes: tuple[str, ...], n: int) -> str:
@@ -54,9 +67,6 @@ def check_fits(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules,
     it over, so a new tensor mode needs no new checks here.
     """
     m = exp.model
-    if m.d_model % m.heads:
-        raise UserError(f"model.d_model = {m.d_model} is not divisible by model.heads = "
-                        f"{m.heads}; pick sizes with d_model a multiple of heads")
     failures: dict[str, tuple[tuple[str, ...], int]] = {}
     for var in jax.tree.leaves(model.variables(), is_leaf=lambda v: hasattr(v, "get_metadata")):
         logical, fan_in = sharding.param_meta(var)

@@ -102,12 +102,14 @@ def map_params(state: dict, is_params: Callable[[object], bool], fn: Callable[[d
     return {k: walk(v) if k in ("params", "opt_state") else v for k, v in state.items()}
 
 
-def init_state(init_params: Callable[[], dict], tx: optax.GradientTransformation,
-               lay: StateLayout) -> dict:
-    """A fresh state, created directly in its shards (never whole on one device)."""
+def init_state(init_params: Callable[..., dict], tx: optax.GradientTransformation,
+               lay: StateLayout, given: dict | None = None) -> dict:
+    """A fresh state, created directly in its shards (never whole on one device). With
+    `given` (parameters from elsewhere: imported weights), `init_params(given)` lays them
+    out and the optimizer state starts fresh."""
 
-    def init():
-        params = init_params()
+    def init(given):
+        params = init_params() if given is None else init_params(given)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
-    return jax.jit(init, out_shardings=lay.shardings)()
+    return jax.jit(init, out_shardings=lay.shardings)(given)

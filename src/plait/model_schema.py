@@ -1,0 +1,170 @@
+"""The `[model]` tables of the model kinds, and the base every config section shares.
+
+This is the bottom floor of the configuration: it imports no other plait module,
+so the kind registry (`plait.kinds`) can sit on top of it and `plait.config`
+(the whole experiment) on top of that.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelSection(Section):
+    """The `[model]` table. Each model kind has its own subclass, chosen by `kind`
+    through the task registry (`plait.tasks`); `shape_keys` are the keys that change
+    parameter shapes (a checkpoint of another shape is refused)."""
+
+    kind: str = "gpt"
+    shape_keys: ClassVar[tuple[str, ...]] = ()
+    data_sources: ClassVar[tuple[str, ...]] = ("synthetic",)
+
+
+class RopeScaling(Section):
+    """Llama 3.1's rotary frequency scaling: wavelengths longer than
+    original_context / low_freq_factor are stretched by `factor`, those shorter than
+    original_context / high_freq_factor kept, the band between interpolated."""
+
+    factor: PosFloat = 8.0
+    low_freq_factor: PosFloat = 1.0
+    high_freq_factor: PosFloat = 4.0
+    original_context: PosInt = 8192
+
+
+class GPTConfig(ModelSection):
+    """A decoder-only transformer (`kind = "gpt"`, GPT-2's layout by default). The same
+    decoder is a Llama-family model (`kind = "llama"`: RMSNorm, rotary positions, a
+    SwiGLU MLP, grouped-query attention, no biases) and any mix of the two: every
+    choice is a key here, and there is one decoder (plait.models.gpt)."""
+
+    kind: Literal["gpt"] = "gpt"
+    layers: PosInt = 2
+    d_model: PosInt = 64
+    heads: PosInt = 4
+    # Key/value heads (grouped-query attention): a divisor of heads; 1 = multi-query;
+    # unset = heads (every query head has its own).
+    kv_heads: PosInt | None = None
+    # Size of one head; unset = d_model / heads.
+    head_dim: PosInt | None = None
+    d_ff: PosInt = 256
+    vocab: PosInt = 256
+    seq_len: PosInt = 64
+    tie_embeddings: bool = True
+    # Embedding rows are padded to a multiple of this (GPT-2's 50257 -> 50304),
+    # so vocabulary-parallel sharding divides and matmuls stay aligned.
+    vocab_multiple: PosInt = 128
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: PosFloat = 1e-5
+    # Positions: a learned table of seq_len rows (GPT-2) or rotary embeddings of q, k.
+    position: Literal["learned", "rope"] = "learned"
+    rope_theta: PosFloat = 10000.0
+    rope_scaling: RopeScaling | None = None
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    # Biases of every linear layer and norm (GPT-2); without them, qkv_bias still
+    # gives the query/key/value projections theirs (Qwen2).
+    bias: bool = True
+    qkv_bias: bool = False
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # Recompute activations in the backward: none, full (keep each block's input only)
+    # or save_dots (keep the matmul outputs, recompute the rest); true/false read as
+    # full/none.
+    remat: Literal["none", "full", "save_dots"] = "none"
+    # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
+    # parameters, same results): compile time no longer grows with the number of
+    # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 24 layers).
+    scan_layers: bool | Literal["auto"] = False
+
+    data_sources: ClassVar[tuple[str, ...]] = ("synthetic", "tokens")
+    shape_keys: ClassVar[tuple[str, ...]] = (
+        "layers", "d_model", "heads", "kv_heads", "head_dim", "d_ff", "vocab", "seq_len",
+        "tie_embeddings", "vocab_multiple", "norm", "position", "mlp", "bias", "qkv_bias")
+
+    @field_validator("remat", mode="before")
+    @classmethod
+    def _remat_from_bool(cls, value: Any) -> Any:
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) \
+            else value
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> GPTConfig:
+        if self.heads % self.n_kv_heads:
+            raise ValueError(f"model.kv_heads = {self.kv_heads} does not divide model.heads = "
+                             f"{self.heads}; use a divisor of heads (1 = multi-query)")
+        if self.head_dim is None and self.d_model % self.heads:
+            raise ValueError(f"model.d_model = {self.d_model} is not divisible by model.heads "
+                             f"= {self.heads}; pick d_model a multiple of heads, or set "
+                             "model.head_dim")
+        if self.position == "rope" and self.head_size % 2:
+            raise ValueError(f"rotary positions need an even head size, not {self.head_size}")
+        return self
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab + m - 1) // m * m
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.heads
+
+    @property
+    def fused_qkv(self) -> bool:
+        """One [d, 3, heads, head] projection (every head has its own keys and values);
+        grouped-query attention projects queries and keys/values apart."""
+        return self.n_kv_heads == self.heads
+
+
+class LlamaConfig(GPTConfig):
+    """The Llama family (`kind = "llama"`): Llama 2/3/3.1/3.2, Mistral, Qwen2 (with
+    qkv_bias), SmolLM. The same decoder as `gpt` with Llama's choices as defaults."""
+
+    kind: Literal["llama"] = "llama"  # type: ignore[assignment]
+    tie_embeddings: bool = False
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    position: Literal["learned", "rope"] = "rope"
+    rope_theta: PosFloat = 500000.0
+    mlp: Literal["gelu", "swiglu"] = "swiglu"
+    bias: bool = False
+
+
+class DLRMConfig(ModelSection):
+    """A DLRM recommender (`kind = "dlrm"`): one entry per embedding table (its rows),
+    their common dimension, the MLP widths (the bottom MLP's last width is
+    embedding_dim), the number of dense features, the pooling of each bag, and DCNv2
+    cross layers (0 = the original dot interaction)."""
+
+    kind: Literal["dlrm"] = "dlrm"
+    embedding_rows: list[PosInt] = [1000, 1000]
+    embedding_dim: PosInt = 16
+    bottom_mlp: list[PosInt] = [64, 16]
+    top_mlp: list[PosInt] = [64, 1]
+    dense_features: PosInt = 13
+    pooling: Literal["sum", "mean"] = "sum"
+    cross_layers: NonNegInt = 0
+    # Cap every table at this many rows (ids are taken modulo the capped size), so a
+    # large benchmark shape fits a given memory; 0 = no cap.
+    max_embedding_rows: NonNegInt = 0
+
+    data_sources: ClassVar[tuple[str, ...]] = ("clicks", "criteo", "criteo_bin")
+    shape_keys: ClassVar[tuple[str, ...]] = (
+        "embedding_rows", "embedding_dim", "bottom_mlp", "top_mlp", "dense_features",
+        "cross_layers", "max_embedding_rows")
+
+    @property
+    def table_rows(self) -> list[int]:
+        cap = self.max_embedding_rows
+        return [min(r, cap) if cap else r for r in self.embedding_rows]
