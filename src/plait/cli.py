@@ -1,4 +1,4 @@
-"""`plait train | inspect | sweep | schedule | plan | launch | data`.
+"""`plait train | inspect | sweep | schedule | plan | launch | data | sample | import | export`.
 
 Any mistake in the user's input ends in one line on stderr naming the problem
 and the fix, with exit status 2 and no traceback.
@@ -59,6 +59,30 @@ def cmd_sample(args) -> int:
     print(args.prompt + text)
     print(f"plait: {len(info['tokens'])} tokens from the checkpoint at step {info['step']} "
           f"(tokenizer: {info['tokenizer']})", file=sys.stderr)
+    return 0
+
+
+def cmd_import(args) -> int:
+    from plait.hf.convert import import_model
+
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UserError(f"--seq-len must be at least 1, got {args.seq_len}")
+    got = import_model(args.hf_dir, args.run_dir, args.seq_len)
+    m = got["model"]
+    tok = "its tokenizer" if got["tokenizer"] else "no tokenizer.json (byte-level ids)"
+    print(f"plait: imported {got['architecture']} ({m['layers']} layers, d_model "
+          f"{m['d_model']}, {', '.join(got['dtypes'])}) into {args.run_dir} with {tok}")
+    print(f"plait: fine-tune with: plait train {args.run_dir}/config.toml --run-dir "
+          f"{args.run_dir} --set data.path=TOKENS.bin")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from plait.hf.convert import export_run
+
+    got = export_run(args.run_dir, args.out, args.step, args.dtype)
+    print(f"plait: exported step {got['step']} as {got['architecture']} ({got['tensors']} "
+          f"tensors, {got['bytes'] / 2**20:,.1f} MiB {args.dtype}) to {args.out}")
     return 0
 
 
@@ -257,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
                 "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,
-                "launch": cmd_launch, "sample": cmd_sample}[args.command](args)
+                "launch": cmd_launch, "sample": cmd_sample, "import": cmd_import,
+                "export": cmd_export}[args.command](args)
     except UserError as e:
         print(f"plait: error: {e}", file=sys.stderr)
         return 2

@@ -121,4 +121,23 @@ def parser() -> argparse.ArgumentParser:
                     help="draw only among the K most likely tokens (0: all)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the draws")
     sp.add_argument("--step", type=int, help="a kept checkpoint's step (default: the newest)")
+    im = sub.add_parser(
+        "import", help="a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2) -> a run "
+        "directory whose step-0 checkpoint plait train continues",
+        usage="plait import HF_DIR --run-dir RUN [--seq-len N]")
+    im.add_argument("hf_dir", metavar="HF_DIR",
+                    help="local directory with config.json and *.safetensors")
+    im.add_argument("--run-dir", required=True, help="the run directory to create")
+    im.add_argument("--seq-len", type=int,
+                    help="training sequence length of a rotary model (default: the model's "
+                         "context, at most 2048)")
+    ex = sub.add_parser(
+        "export", help="a decoder run's checkpoint -> a directory transformers loads "
+        "(config.json, model.safetensors, tokenizer.json)",
+        usage="plait export RUN_DIR --out DIR [--step N] [--dtype float32|bfloat16]")
+    ex.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a plait train run")
+    ex.add_argument("--out", required=True, help="the directory to create")
+    ex.add_argument("--step", type=int, help="a kept checkpoint's step (default: the newest)")
+    ex.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the written weights")
     return ap

@@ -21,6 +21,7 @@ from plait import hosts
 from plait.checkpoint import Checkpoints
 from plait.config import Experiment
 from plait.errors import RunFailed, UserError
+from plait.kinds import is_decoder
 from plait.tasks import check_memory, make_task
 from plait.train import lock, rundir
 from plait.train.metrics import MetricsLog
@@ -115,6 +116,8 @@ class Run:
         state, meta = restored
         start = int(meta["step"])
         self.last_saved = start
+        if meta.get("params_only"):  # imported weights: the optimizer starts fresh
+            return self.task.init_state(state["params"]), start, True
         return self.task.from_checkpoint(adapt(state)), start, True
 
     def _restore_plan(self, from_step: int | None):
@@ -122,13 +125,21 @@ class Run:
         checkpoint of another number of data replicas, say)."""
         steps = self.ckpts.steps() if self.ckpts else []
         step = from_step if from_step is not None else (steps[0] if steps else None)
-        saved = None
+        meta = {}
         if step is not None and step in steps:
             with contextlib.suppress(Exception):  # unreadable: judged when restoring
-                saved = self.ckpts.read_meta(step).get("config")
-        if saved is None:
-            return self.task.canonical_layout.abstract(), lambda state: state, None
-        return self.task.restore_plan(saved)
+                meta = self.ckpts.read_meta(step)
+        abstract = self.task.canonical_layout.abstract()
+        if meta.get("params_only"):
+            if self.exp.sync.method != "allreduce" or not is_decoder(self.exp.model):
+                raise UserError("imported weights start with sync.method = \"allreduce\" on "
+                                "a decoder; train a first checkpoint that way, then switch")
+            return ({"params": abstract["params"]}, lambda state: state,
+                    f"parameters imported from {meta.get('imported_from', 'elsewhere')}, "
+                    "optimizer state fresh")
+        if meta.get("config") is None:
+            return abstract, lambda state: state, None
+        return self.task.restore_plan(meta["config"])
 
     def meta_for(self, step: int) -> dict:
         exp = self.exp

@@ -1,0 +1,1 @@
+"""Hugging Face model directories in and out of plait runs (`plait import`, `plait export`)."""

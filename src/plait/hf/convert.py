@@ -1,0 +1,217 @@
+"""`plait import HF_DIR --run-dir RUN` and `plait export RUN --out DIR`.
+
+Import reads a local Hugging Face model directory (config.json, model.safetensors
+or shards listed in model.safetensors.index.json, tokenizer.json when present)
+and writes a run directory: the experiment (config.toml), the tokenizer, and a
+step-0 checkpoint holding only the parameters, in the dtype they were stored in,
+which `plait train` restores (cast to float32 master weights on load) with a
+fresh optimizer state. Tensors are read one at a time through `safetensors` and
+each lands in the checkpoint's dict as it is converted, so the host holds the
+model once. The run directory is written under a temporary name and renamed
+when complete: an interrupted import leaves nothing that looks like a run.
+
+Export writes what `transformers.AutoModelForCausalLM.from_pretrained` loads:
+config.json, model.safetensors (float32 or bfloat16) and the run's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plait.errors import UserError
+from plait.hf import layout
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+
+
+class Tensors:
+    """The tensors of a model directory by name, read one at a time (safetensors)."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        index = hf_dir / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise UserError(f"{index} is not a safetensors index ({e}); re-download the "
+                                "model") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (hf_dir / f).is_file()]
+            if missing:
+                raise UserError(f"{hf_dir} lacks the shard {missing[0]} listed in {INDEX} "
+                                f"({len(missing)} of {len(files)} missing); download every "
+                                "shard")
+        elif (hf_dir / SINGLE).is_file():
+            weight_map, files = None, [SINGLE]
+        else:
+            raise UserError(f"{hf_dir} has neither {SINGLE} nor {INDEX}; plait reads "
+                            "safetensors checkpoints")
+        self.handles = {}
+        for f in files:
+            try:
+                self.handles[f] = safe_open(str(hf_dir / f), framework="numpy")
+            except Exception as e:  # noqa: BLE001 - the library's own error, on one line
+                raise UserError(f"{hf_dir / f} is not a readable safetensors file "
+                                f"({str(e).splitlines()[0]}); re-download it") from None
+        if weight_map is None:
+            weight_map = {k: SINGLE for k in self.handles[SINGLE].keys()}  # noqa: SIM118
+        self.weight_map = weight_map
+        self.dir = hf_dir
+        self.last = ""
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def dtypes(self) -> set[str]:
+        return {self.handles[f].get_slice(n).get_dtype() for n, f in self.weight_map.items()}
+
+    def __call__(self, name: str) -> np.ndarray:
+        self.last = name
+        if name not in self.weight_map:
+            raise UserError(f"{self.dir} has no tensor '{name}', which its config.json's "
+                            "architecture needs; the checkpoint is incomplete or of another "
+                            "model")
+        return self.handles[self.weight_map[name]].get_tensor(name)
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def _fresh_dir(path: Path, flag: str) -> Path:
+    """A temporary sibling of `path`, which must not hold anything yet."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"{flag} {path} already exists and is not empty; choose a new "
+                        "directory (nothing there was touched)")
+    tmp = path.parent / f".{path.name}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _experiment(hf: dict, table: dict, name: str, hf_dir: Path):
+    from plait.config import Experiment
+
+    bf16 = str(hf.get("torch_dtype") or hf.get("dtype") or "").endswith("bfloat16")
+    return Experiment.model_validate({
+        "name": name, "model": table,
+        "data": {"source": "tokens"},
+        "train": {"steps": 1000, "global_batch": 8},
+        "optimizer": {"lr": 2e-5, "warmup_steps": 20, "weight_decay": 0.0, "min_lr_ratio": 0.1},
+        "precision": {"compute": "bfloat16" if bf16 else "float32"},
+        "checkpoint": {"every_steps": 200, "keep": 2},
+    })
+
+
+def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = None
+                 ) -> dict[str, Any]:
+    """Write RUN (config.toml, tokenizer.json, checkpoints/0) from a Hugging Face model
+    directory; returns what was imported."""
+    from plait.checkpoint import Checkpoints
+    from plait.tasks.gpt import abstract_model
+
+    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    config = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise UserError(f"model directory '{hf_dir}' not found; pass a local Hugging Face "
+                        "model directory")
+    if not config.is_file():
+        raise UserError(f"'{hf_dir}' has no config.json; pass a Hugging Face model directory")
+    try:
+        hf = json.loads(config.read_text())
+    except ValueError as e:
+        raise UserError(f"{config} is not JSON ({e})") from None
+    where = str(config)
+    arch = layout.architecture(hf, where)
+    try:
+        table = layout.model_table(hf, where, seq_len)
+    except KeyError as e:
+        raise UserError(f"{where} lacks {e.args[0]}, which {arch} needs") from None
+    exp = _experiment(hf, table, run_dir.name or "imported", hf_dir)
+    tensors = Tensors(hf_dir)
+    expected = abstract_model(exp.model).shapes()
+    tmp = _fresh_dir(run_dir, "--run-dir")
+    try:
+        params: dict = {}
+        prefix = layout.gpt2_prefix(tensors.names())
+        for path, value in layout.to_plait(exp.model, arch, tensors, prefix):
+            want = expected
+            for k in path:
+                want = want[k]
+            if tuple(value.shape) != tuple(want.shape):
+                raise UserError(f"{hf_dir}: tensor '{tensors.last}' gives {'/'.join(path)} the "
+                                f"shape {tuple(value.shape)}, but config.json's sizes make it "
+                                f"{tuple(want.shape)}; the weights and config.json disagree")
+            _set(params, path, np.ascontiguousarray(value))
+        (tmp / "config.toml").write_text(exp.to_toml())
+        if (hf_dir / TOKENIZER).is_file():
+            shutil.copyfile(hf_dir / TOKENIZER, tmp / TOKENIZER)
+        meta = {"step": 0, "params_only": True, "imported_from": str(hf_dir.absolute()),
+                "architecture": arch, "mesh": "-",
+                "data": {"source": exp.data.source, "seed": exp.seed, "next_step": 0,
+                         "samples_seen": 0},
+                "config": json.loads(exp.model_dump_json())}
+        ckpts = Checkpoints(tmp / "checkpoints", keep=exp.checkpoint.keep, async_save=False)
+        ckpts.save(0, {"params": params}, meta)
+        ckpts.wait()
+        ckpts.close()
+        del params
+        if run_dir.exists():
+            run_dir.rmdir()  # empty (checked above)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"architecture": arch, "model": table, "dtypes": sorted(tensors.dtypes()),
+            "tokenizer": (run_dir / TOKENIZER).is_file(), "experiment": exp}
+
+
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
+               dtype: str = "float32") -> dict[str, Any]:
+    """Write OUT (config.json, model.safetensors, tokenizer.json) from a decoder run's
+    checkpoint (the newest, or `step`)."""
+    import jax
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from plait.sample import load
+
+    if dtype not in ("float32", "bfloat16"):
+        raise UserError(f"--dtype {dtype}: export writes float32 or bfloat16")
+    run_dir, out = Path(run_dir), Path(out)
+    exp, _, params, at = load(run_dir, step)
+    cfg = exp.model
+    config = layout.hf_config(cfg, dtype)  # refuses layouts no architecture holds
+    tmp = _fresh_dir(out, "--out")
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    try:
+        host = jax.tree.map(np.asarray, params)
+        del params
+        tensors = {name: np.ascontiguousarray(a.astype(np_dtype))
+                   for name, a in layout.to_hf(cfg, host)}
+        save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if (run_dir / TOKENIZER).is_file():
+            shutil.copyfile(run_dir / TOKENIZER, tmp / TOKENIZER)
+        if out.exists():
+            out.rmdir()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"step": at, "architecture": config["architectures"][0], "tensors": len(tensors),
+            "bytes": sum(t.nbytes for t in tensors.values())}

@@ -1,0 +1,82 @@
+"""Regenerate the Hugging Face fixtures of tests/test_hf.py (run by hand; needs torch and
+transformers, which CI does not install):
+
+    pip install torch transformers safetensors
+    python tests/data/hf/make_fixtures.py
+
+For each architecture plait imports it writes a tiny random-weight model into
+tests/data/hf/<name>/ (config.json + model.safetensors, a few tens of KB) and
+expected.npz: input ids, the float32 logits `transformers` computes for them, a
+prompt and the greedy continuation `generate` makes. Every weight is drawn at
+random (biases and norm scales included, which transformers would otherwise
+initialise to 0 and 1), so a wrong bias or norm shows in the logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers as tf
+
+HERE = Path(__file__).parent
+VOCAB = 300  # not a multiple of 128: plait pads the vocabulary, the logits must not see it
+
+MODELS = {
+    "gpt2": tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64),
+    # GQA (2 kv heads for 4), Llama 3.1's rotary scaling with a short original context so
+    # every band of the scaling (kept, interpolated, stretched) is used at head size 16.
+    "llama3": tf.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=64,
+        rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    # multi-query attention (one kv head), no sliding window
+    "mistral": tf.MistralConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+        sliding_window=None, tie_word_embeddings=False, rope_theta=10000.0),
+    # q/k/v biases, tied embeddings
+    "qwen2": tf.Qwen2Config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
+        tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False),
+}
+
+
+def randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.1
+            is_norm = "norm" in name or "ln_" in name
+            p.copy_(1.0 + noise if is_norm and name.endswith("weight") else noise * 2)
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for name, config in MODELS.items():
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        randomise(model, gen)
+        out = HERE / name
+        out.mkdir(exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
+        with torch.no_grad():
+            logits = model(ids).logits.float().numpy()
+            prompt = ids[:1, :5]
+            cont = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                  max_new_tokens=8, do_sample=False, pad_token_id=0)
+        np.savez(out / "expected.npz", ids=ids.numpy(), logits=logits,
+                 prompt=prompt.numpy()[0], continuation=cont.numpy()[0, 5:])
+        for extra in ("generation_config.json",):
+            (out / extra).unlink(missing_ok=True)
+        print(name, json.loads((out / "config.json").read_text())["architectures"],
+              logits.shape, cont.numpy()[0, 5:])
+
+
+if __name__ == "__main__":
+    main()
