@@ -68,7 +68,7 @@ class Checkpoints:
             except Exception:
                 continue  # judged (and skipped) when restoring
             saved = meta.get("config", {}).get("model", {})
-            keys = ("kind", *model.shape_keys)
+            keys = ("kind", *model.shape_keys_now())
             diff = [k for k in keys if k in saved and saved[k] != model_cfg.get(k)]
             if diff:
                 k = diff[0]

@@ -29,6 +29,10 @@ class ModelSection(Section):
     shape_keys: ClassVar[tuple[str, ...]] = ()
     data_sources: ClassVar[tuple[str, ...]] = ("synthetic",)
 
+    def shape_keys_now(self) -> tuple[str, ...]:
+        """The keys that change parameter shapes for this config's choices."""
+        return self.shape_keys
+
 
 class RopeScaling(Section):
     """Llama 3.1's rotary frequency scaling: wavelengths longer than
@@ -112,6 +116,12 @@ class GPTConfig(ModelSection):
     def padded_vocab(self) -> int:
         m = self.vocab_multiple
         return (self.vocab + m - 1) // m * m
+
+    def shape_keys_now(self) -> tuple[str, ...]:
+        """seq_len sizes the learned position table; rotary positions have none, so a
+        RoPE model moves to another sequence length (fine-tuning a longer context)."""
+        keys = self.shape_keys
+        return keys if self.position == "learned" else tuple(k for k in keys if k != "seq_len")
 
     @property
     def n_kv_heads(self) -> int:
