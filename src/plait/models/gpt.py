@@ -259,8 +259,8 @@ def _run_block(block: Block, x: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=8)
-def _block_stack(config_json: str):
-    return layer_stack(Block, GPTConfig.model_validate_json(config_json))
+def _block_stack(config_cls: type[GPTConfig], config_json: str):
+    return layer_stack(Block, config_cls.model_validate_json(config_json))
 
 
 class GPT(nnx.Module):
@@ -277,7 +277,8 @@ class GPT(nnx.Module):
         self.scan_layers = cfg.scan_layers is True and cfg.layers > 0
         if self.scan_layers:  # one Block whose parameters are stacked [layers, ...]
             self.blocks = stacked_layers(Block, cfg, rngs, cfg.layers)
-            self.config_json = cfg.model_dump_json()  # for the scan body's one-layer graph
+            # for the scan body's one-layer graph
+            self.config_cls, self.config_json = type(cfg), cfg.model_dump_json()
         else:
             self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
         self.ln_f = norm(cfg, rngs)
@@ -296,7 +297,7 @@ class GPT(nnx.Module):
     def _scan_blocks(self, x: jax.Array) -> jax.Array:
         """One compiled block body under lax.scan over the stacked parameters: no copy
         of them per step, and compile time does not grow with depth."""
-        return _block_stack(self.config_json).apply(module_values(self.blocks), x)
+        return _block_stack(self.config_cls, self.config_json).apply(module_values(self.blocks), x)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> the residual stream entering the first block."""
