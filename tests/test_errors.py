@@ -65,7 +65,8 @@ def snapshot(run_dir: Path) -> dict:
      r"model.d_ff = 99 is not divisible by the tensor_col axis \(2\)"),
     (["--mesh", "tensor_x=2,tensor_y=2,tensor_z=2", "--set", "model.d_model=72",
       "--set", "model.heads=8"],
-     r"the head size \(model.head_dim, or d_model / heads\) = 9 is not divisible by the tensor_x axis"),
+     r"the head size \(model.head_dim, or d_model / heads\) = 9 is not divisible by the "
+     r"tensor_x axis"),
     (["--mesh", "tensor_x=2,tensor_y=2,tensor_z=2", "--set", "train.global_batch=6"],
      r"global_batch = 6 does not split over tensor_x x tensor_y = 4"),
     (["--mesh", "data=8", "--set", "train.global_batch=12"],

@@ -256,11 +256,21 @@ def cmd_data(args) -> int:
         print(f"plait: {args.out} holds {rows:,} rows in {len(manifest['parts'])} part(s); use "
               f"data.source = \"criteo_bin\", data.path = \"{args.out}\"")
         return 0
+    from plait.data.documents import encode_corpus, is_corpus
     from plait.data.tokens import encode_text_file
 
+    if len(args.inputs) >= 2 and is_corpus(args.inputs[:-1]) and not args.out:
+        *inputs, out = args.inputs
+        got = encode_corpus(inputs, out, args.field, args.dtype, args.tokenizer, args.eos)
+        end = (f", each ended by id {got['eos']}" if got["eos"] is not None
+               else " (byte-level: no end-of-text id)")
+        print(f"plait: wrote {got['tokens']:,} tokens of {got['documents']:,} documents from "
+              f"{got['files']} file(s){end} ({args.dtype}) to {out}; use data.source = "
+              f"\"tokens\", data.path = \"{out}\", model.vocab >= {got['vocab']}")
+        return 0
     if len(args.inputs) != 2 or args.out:
-        raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), or criteo DAY.tsv "
-                        "... --out DIR")
+        raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), documents "
+                        "(*.jsonl / *.parquet ...) OUT.bin, or criteo DAY.tsv ... --out DIR")
     text, out = args.inputs
     n = encode_text_file(text, out, args.dtype, args.tokenizer)
     if args.tokenizer:

@@ -97,9 +97,17 @@ def parser() -> argparse.ArgumentParser:
         "data", help="prepare data: a text file -> a token file (byte-level ids), or Criteo "
         "TSV days -> a directory training memory-maps",
         usage="plait data TEXT_FILE OUT.bin [--tokenizer tokenizer.json] [--dtype uint16|uint32]\n"
+              "       plait data DOCS.jsonl|DOCS.parquet|'GLOB' [...] OUT.bin [--field text] "
+              "[--tokenizer tokenizer.json] [--eos TOKEN]\n"
               "       plait data criteo DAY.tsv[.gz] [DAY ...] --out DIR [--malformed skip|stop]")
     d.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="TEXT_FILE OUT.bin, or the word criteo and Criteo TSV day files")
+                   help="TEXT_FILE OUT.bin; JSON Lines / Parquet files or quoted globs then "
+                        "OUT.bin; or the word criteo and Criteo TSV day files")
+    d.add_argument("--field", default="text",
+                   help="documents: the text field of each JSON record / Parquet column")
+    d.add_argument("--eos", metavar="TOKEN",
+                   help="documents: the token that ends each one (default: the tokenizer's "
+                        "end-of-text token)")
     d.add_argument("--out", help="criteo: the output directory (rerun to convert only new days)")
     d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16",
                    help="element type of the token file (uint16 for vocabularies up to 65536)")

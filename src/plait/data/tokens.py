@@ -33,13 +33,13 @@ class TokenFile:
                 f"data file '{path}' is {size} bytes, not a whole number of {dtype} tokens; "
                 "check data.dtype"
             )
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
-        self.seq_len, self.seed = seq_len, seed
-        if len(self.tokens) < seq_len + 2:
+        if size // itemsize < seq_len + 2:  # an empty file cannot even be mapped
             raise UserError(
-                f"data file '{path}' holds {len(self.tokens)} tokens, fewer than "
+                f"data file '{path}' ({key}) holds {size // itemsize} tokens, fewer than "
                 f"model.seq_len + 2 = {seq_len + 2}; use a longer file or shorter sequences"
             )
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.seq_len, self.seed = seq_len, seed
         # The tokenizer the file was made with (None: byte-level), kept by the run.
         self.tokenizer: Path | None = sidecar(path) if sidecar(path).is_file() else None
         if self.tokenizer is not None:
@@ -78,7 +78,7 @@ def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "
         raise UserError(f"text file '{text_path}' not found; check the path")
     if tokenizer is None:
         ids = np.frombuffer(text_path.read_bytes(), dtype=np.uint8)
-        n = write_tokens(ids, out_path, dtype)
+        n = write_tokens(ids, out_path, dtype, f"text file '{text_path}'")
         drop_sidecar(Path(out_path))
         return n
     tok = HFTokenizer(tokenizer)
@@ -97,13 +97,19 @@ def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "
              for b in track(batches, description=f"tokenizing with {tok.name}",
                             transient=True, disable=len(batches) < 8)]
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    n = write_tokens(ids, out_path, dtype)
+    n = write_tokens(ids, out_path, dtype, f"text file '{text_path}'")
     keep_beside(tok, Path(out_path))
     return n
 
 
-def write_tokens(ids: np.ndarray, out_path: str | Path, dtype: str = "uint16") -> int:
+def write_tokens(ids: np.ndarray, out_path: str | Path, dtype: str = "uint16",
+                 source: str = "the input") -> int:
+    """Write ids as a flat binary (atomically); no tokens at all is a user's mistake (an
+    empty corpus) and nothing is written."""
     ids = np.asarray(ids)
+    if ids.size == 0:
+        raise UserError(f"{source} gives no tokens (it is empty); nothing was written to "
+                        f"{out_path}; pass a file with text in it")
     if ids.size and int(ids.max()) > np.iinfo(dtype).max:
         raise UserError(f"token id {int(ids.max())} does not fit in {dtype}; use uint32")
     out_path = Path(out_path)

@@ -1,0 +1,160 @@
+"""Corpora of documents -> one token file: JSON Lines and Parquet (a text field of each
+record), several files or globs, each document ended by the tokenizer's end-of-text
+token so a model fine-tuned on it learns where documents stop.
+
+Parquet is streamed a record batch at a time through pyarrow (a row group never
+has to fit whole with the rest), JSON Lines a line at a time; documents are
+encoded in batches by the `tokenizers` library, whose `encode_batch` runs on
+every core. A progress line shows documents, tokens and their rates.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from plait.data.tokenizer import Bytes, HFTokenizer, drop_sidecar, keep_beside
+from plait.errors import UserError
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+# End-of-text tokens by the names the common tokenizers give them, in order of preference.
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+BATCH = 1024
+
+
+def is_corpus(paths: list[str]) -> bool:
+    """Whether the inputs are documents (JSON Lines / Parquet) rather than plain text."""
+    return any(p.endswith(SUFFIXES) for p in paths)
+
+
+def expand(patterns: list[str]) -> list[Path]:
+    """Files in the order given, each glob sorted; a pattern that matches nothing is an
+    error."""
+    out: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches or not Path(matches[0]).is_file():
+            raise UserError(f"input '{pattern}' matches no file; check the path")
+        bad = [m for m in matches if not m.endswith(SUFFIXES)]
+        if bad:
+            raise UserError(f"'{bad[0]}' is not a JSON Lines (.jsonl) or Parquet (.parquet) "
+                            "file; plain text goes alone: plait data TEXT_FILE OUT.bin")
+        out += [Path(m) for m in matches]
+    return out
+
+
+def _jsonl(path: Path, field: str) -> Iterator[str]:
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path}:{n} is not JSON ({e}); fix or drop that line") from None
+            if not isinstance(record, dict) or field not in record:
+                raise UserError(f"{path}:{n} has no field '{field}'; pass the text field's "
+                                "name with --field")
+            yield str(record[field])
+
+
+def _parquet(path: Path, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError("reading Parquet needs pyarrow: pip install pyarrow (or "
+                        "pip install 'plait[corpus]')") from None
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - the library's error, on one line
+        raise UserError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]})"
+                        ) from None
+    if field not in f.schema_arrow.names:
+        raise UserError(f"{path} has no column '{field}' (it has "
+                        f"{', '.join(f.schema_arrow.names)}); pass the text column with --field")
+    for batch in f.iter_batches(columns=[field], batch_size=BATCH):
+        yield from (t for t in batch.column(0).to_pylist() if t is not None)
+
+
+def documents(paths: list[Path], field: str) -> Iterator[str]:
+    for path in paths:
+        yield from (_parquet if path.suffix == ".parquet" else _jsonl)(path, field)
+
+
+def end_of_text(tok: HFTokenizer, name: str | None) -> int | None:
+    """The id that ends each document: --eos NAME, or the first of END_OF_TEXT the
+    tokenizer knows (None for byte-level ids, which have no room for one)."""
+    if isinstance(tok, Bytes):
+        return None
+    vocab = tok.tok.get_vocab(with_added_tokens=True)
+    if name is not None:
+        if name not in vocab:
+            raise UserError(f"--eos '{name}' is not a token of {tok.name}")
+        return vocab[name]
+    for candidate in END_OF_TEXT:
+        if candidate in vocab:
+            return vocab[candidate]
+    raise UserError(f"{tok.name} has none of the usual end-of-text tokens "
+                    f"({', '.join(END_OF_TEXT)}); name one with --eos")
+
+
+def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: str,
+                  tokenizer: str | Path | None, eos: str | None = None) -> dict:
+    """Tokenize every document of the inputs into OUT (a flat binary of ids); returns
+    counts. The tokenizer is kept beside OUT, as for text files."""
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    from plait.data.tokens import write_tokens
+
+    paths = expand(patterns)
+    tok = HFTokenizer(tokenizer) if tokenizer else Bytes()
+    if tok.vocab_size - 1 > np.iinfo(dtype).max:
+        raise UserError(f"{tok.name} has {tok.vocab_size:,} ids, more than {dtype} holds; "
+                        "use --dtype uint32")
+    end = end_of_text(tok, eos)
+    tail = [] if end is None else [end]
+    parts: list[np.ndarray] = []
+    docs = tokens = 0
+
+    def flush(batch: list[str]) -> None:
+        nonlocal tokens
+        if isinstance(tok, Bytes):
+            encoded = [list(t.encode("utf-8")) for t in batch]
+        else:
+            encoded = tok.encode_lines(batch)
+        ids = np.fromiter((i for e in encoded for i in (*e, *tail)), np.int64)
+        parts.append(ids)
+        tokens += ids.size
+
+    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), transient=True,
+                  console=Console(stderr=True)) as progress:
+        task = progress.add_task("")
+        t0 = time.monotonic()
+        batch: list[str] = []
+        for text in documents(paths, field):
+            batch.append(text)
+            docs += 1
+            if len(batch) == BATCH:
+                flush(batch)
+                batch = []
+                rate = docs / max(time.monotonic() - t0, 1e-9)
+                progress.update(task, description=(
+                    f"tokenizing with {tok.name}: {docs:,} documents, {tokens:,} tokens "
+                    f"({rate:,.0f} docs/s, {tokens / max(time.monotonic() - t0, 1e-9):,.0f} "
+                    "tokens/s)"))
+        if batch:
+            flush(batch)
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    n = write_tokens(ids, out_path, dtype, ", ".join(patterns))
+    if isinstance(tok, HFTokenizer):
+        keep_beside(tok, Path(out_path))
+    else:
+        drop_sidecar(Path(out_path))
+    return {"documents": docs, "tokens": n, "files": len(paths), "eos": end,
+            "tokenizer": tok.name, "vocab": tok.vocab_size}

@@ -1,0 +1,96 @@
+"""plait data on corpora of documents (JSON Lines, Parquet, globs; an end-of-text id after
+every document) and the token files a user can get wrong: empty, or shorter than one
+sequence, as data.path or data.eval_path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import tiny, write_experiment
+
+from plait.cli import main
+
+DOCS = [f"document {i}: the cat sat on the mat {i % 7} times." for i in range(600)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("corpus")
+    for part in range(2):
+        with (root / f"part{part}.jsonl").open("w") as f:
+            for d in DOCS[part * 200:(part + 1) * 200]:
+                f.write(json.dumps({"text": d, "id": 0}) + "\n")
+    pq.write_table(pa.table({"body": DOCS[400:]}), root / "rest.parquet", row_group_size=64)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(DOCS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.save(str(root / "tok.json"))
+    return root
+
+
+def test_documents_each_end_with_the_end_of_text_id(corpus, tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    out = tmp_path / "docs.bin"
+    assert main(["data", str(corpus / "part*.jsonl"), str(out),
+                 "--tokenizer", str(corpus / "tok.json")]) == 0
+    assert "400 documents from 2 file(s), each ended by id 1" in capsys.readouterr().out
+    tok = Tokenizer.from_file(str(corpus / "tok.json"))
+    want = [i for d in DOCS[:400] for i in (*tok.encode(d).ids, 1)]
+    np.testing.assert_array_equal(np.fromfile(out, np.uint16), want)
+    assert (tmp_path / "docs.bin.tokenizer.json").is_file()
+    # Parquet (its column named), after JSON Lines: the same ids as one stream
+    both = tmp_path / "both.bin"
+    assert main(["data", str(corpus / "part0.jsonl"), str(corpus / "rest.parquet"), str(both),
+                 "--field", "body", "--tokenizer", str(corpus / "tok.json")]) == 2
+    assert "has no field 'body'" in capsys.readouterr().err
+    assert main(["data", str(corpus / "rest.parquet"), str(both), "--field", "body",
+                 "--tokenizer", str(corpus / "tok.json")]) == 0
+    want = [i for d in DOCS[400:] for i in (*tok.encode(d).ids, 1)]
+    np.testing.assert_array_equal(np.fromfile(both, np.uint16), want)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["missing*.jsonl"], "matches no file"),
+    (["rest.parquet"], "has no column 'text' (it has body)"),
+    (["rest.parquet", "--field", "body", "--eos", "<nope>"], "--eos '<nope>' is not a token"),
+])
+def test_corpus_mistakes_are_one_line(corpus, tmp_path, capsys, args, message, monkeypatch):
+    monkeypatch.chdir(corpus)
+    out = tmp_path / "x.bin"
+    assert main(["data", *args[:1], str(out), *args[1:], "--tokenizer", "tok.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_an_empty_corpus_is_refused_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty.jsonl").write_text("")
+    for src in ("empty.txt", "empty.jsonl"):
+        assert main(["data", str(tmp_path / src), str(tmp_path / "out.bin")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "gives no tokens (it is empty)" in err
+        assert not (tmp_path / "out.bin").exists()
+
+
+@pytest.mark.parametrize("key", ["data.path", "data.eval_path"])
+@pytest.mark.parametrize("tokens", [0, 33])  # seq_len 32 needs 34
+def test_token_files_too_short_for_a_sequence(tmp_path, capsys, key, tokens):
+    good, short = tmp_path / "good.bin", tmp_path / "short.bin"
+    np.arange(1000, dtype=np.uint16).astype(np.uint16).__mod__(200).tofile(good)
+    np.zeros(tokens, np.uint16).tofile(short)
+    paths = {"path": str(good), "eval_path": str(good)}
+    paths[key.split(".")[1]] = str(short)
+    exp = write_experiment(tmp_path / "e.toml", tiny(data={"source": "tokens", **paths}))
+    assert main(["train", str(exp), "--mesh", "data=1", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"({key}) holds {tokens} tokens, fewer than model.seq_len + 2 = 34" in err
