@@ -68,7 +68,7 @@ RUNNABLE = [(name, i) for name in DOCS for i, (marked, _) in enumerate(blocks(na
 def test_marked_blocks_run_as_written(tmp_path, name, index):
     """In a fresh directory holding the repository's experiments and docs, as a reader
     who cloned it would have them; `plait` is the installed console script."""
-    for entry in ("experiments", "docs", "README.md", "BUILD.md", "meshes"):
+    for entry in ("experiments", "docs", "README.md", "BUILD.md", "meshes", "tests"):
         os.symlink(ROOT / entry, tmp_path / entry)
     env = subprocess_env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -55,6 +55,23 @@ def randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
             p.copy_(1.0 + noise if is_norm and name.endswith("weight") else noise * 2)
 
 
+def tokenizer(path: Path) -> None:
+    """A byte-level BPE of VOCAB ids (Llama 3's end-of-text token among them), trained on a
+    fixed text, so the README's fine-tuning workflow runs with the model's own tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    words = ("the mesh model layer device train step data token batch pipeline tensor "
+             "parallel checkpoint resume plait shard axis").split()
+    text = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for name, config in MODELS.items():
@@ -74,6 +91,8 @@ def main() -> None:
                  prompt=prompt.numpy()[0], continuation=cont.numpy()[0, 5:])
         for extra in ("generation_config.json",):
             (out / extra).unlink(missing_ok=True)
+        if name == "llama3":
+            tokenizer(out / "tokenizer.json")
         print(name, json.loads((out / "config.json").read_text())["architectures"],
               logits.shape, cont.numpy()[0, 5:])
 
