@@ -71,3 +71,17 @@ def test_formulas_count_gqa_and_swiglu():
         got = inspect_step(exp, mesh)["flops_per_device"]
         want = gpt.flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len
         assert got == pytest.approx(want, rel=1e-9), model
+
+
+@pytest.mark.parametrize("spec,kv", [("tensor=2", 2), ("tensor=4", 2), ("tensor=4", 1),
+                                     ("tensor_row=2,tensor_col=2", 2)],
+                         ids=["1d-split", "1d-replicated", "1d-mqa", "2d"])
+def test_tensor_bytes_equal_the_formula_with_gqa(spec, kv):
+    """Compiled tensor-axis wire bytes against parallel.formulas: key/value heads split
+    (the q and k/v projections' input gradients reduced apart) and replicated (their
+    heads gathered forward, their gradients summed over the ranks sharing one)."""
+    from plait.inspect import inspect_step
+
+    exp = llama(model={"kv_heads": kv, "qkv_bias": False})
+    r = inspect_step(exp, make_mesh(spec))
+    assert r["tensor_wire_bytes"] == pytest.approx(r["tensor_formula_bytes"], rel=0.015)

@@ -65,7 +65,12 @@ def tensor_elements(exp: Experiment, sizes: dict[str, int]) -> Counts:
     h, f, V, L = m.d_model, m.d_ff, m.padded_vocab, m.layers
     M = exp.train.microbatches
     T = exp.train.global_batch * m.seq_len / (sizes.get("data", 1) * sizes.get("fsdp", 1))
-    linears = [(h, 3 * h), (h, h), (h, f), (f, h)]
+    H, KV = m.heads * m.head_size, 2 * m.n_kv_heads * m.head_size
+    up = f * (2 if m.mlp == "swiglu" else 1)  # SwiGLU's gate and up: one [h, 2f] matmul
+    # (k, n, whether its input's forward gather is another linear's: grouped-query
+    # attention's key/value projection reads the gathered input of the query projection)
+    qkv = [(h, H + KV, False)] if m.fused_qkv else [(h, H, False), (h, KV, True)]
+    linears = [*qkv, (H, h, False), (h, up, False), (f, h, False)]
     remat = m.remat != "none"  # save_dots counted as full: an upper bound
     # Sets of weight gathers per step (see the module docstring).
     w_sets = M * (2 if remat else 1) if m.scan_layers is True else 1 + (M if remat and M > 1 else 0)
@@ -76,15 +81,15 @@ def tensor_elements(exp: Experiment, sizes: dict[str, int]) -> Counts:
     if mode == "1d":
         p = sizes["tensor"]
         ar = 2 * _gs(p) * T * h
-        return Counts(L * (4 + (1 if remat else 0)) * ar, 2 * ar)
+        return Counts(L * ((4 + (1 if remat else 0)) * ar + _gqa_1d(m, p, T, remat)), 2 * ar)
     if mode in ("2d", "2.5d"):
         q, d = sizes["tensor_row"], sizes.get("tensor_depth", 1)
         g = _gs(q) / q
         depth = 2 * _gs(d) / q**2 if d > 1 else 0.0
         layer = 0.0
-        for k, n in linears:
+        for k, n, shared in linears:
             x_term, w_term = g * T * k / d, g * k * n
-            layer += x_term * (3 if remat else 2) + w_term * (M + w_sets)
+            layer += x_term * ((3 if remat else 2) - shared) + w_term * (M + w_sets)
             layer += M * depth * k * n
         # Lookup scatter + head input gather, forward and backward; table gathers
         # (one shared by lookup and head when tied) and gradient reductions.
@@ -96,13 +101,31 @@ def tensor_elements(exp: Experiment, sizes: dict[str, int]) -> Counts:
     q = sizes["tensor_x"]
     g = _gs(q) / q**2
     layer = 0.0
-    for i, (k, n) in enumerate(linears):
+    for i, (k, n, shared) in enumerate(linears):
         x_term, w_term, y_term = g * T * k, g * k * n, g * T * n
-        layer += 2 * (x_term + y_term) + w_term * (M + w_sets)
+        layer += (2 - shared) * x_term + 2 * y_term + w_term * (M + w_sets)
         if remat:
-            layer += x_term + (y_term if i != len(linears) - 1 else 0.0)
+            layer += x_term * (not shared) + (y_term if i != len(linears) - 1 else 0.0)
     emb = 4 * g * T * h + 2 * g * T * V + g * V * h * (2 * M + tables - 2)
     return Counts(L * layer, emb)
+
+
+def _gqa_1d(m, p: int, T: float, remat: bool) -> float:
+    """Elements per layer that grouped-query attention adds under 1-D tensor parallelism
+    (measured from the compiled step, jax 0.10.2, CPU). Key/value heads split over the
+    ranks: the query and the key/value projections' input gradients are all-reduced
+    apart, one more [T, h] all-reduce backward. Replicated (fewer key/value heads than
+    ranks, each head shared by g = p / kv_heads ranks): the ranks' key/value heads are
+    gathered forward, (kv - 1) T hd each for k and v, and each head's gradient summed
+    over its g ranks backward, 2(g-1)/g T hd each."""
+    if m.fused_qkv:
+        return 0.0
+    kv, hd = m.n_kv_heads, m.head_size
+    if kv % p == 0:
+        return 2 * _gs(p) * T * m.d_model
+    g = max(p // kv, 1)
+    gather = 2 * (kv - 1) * T * hd
+    return gather * (2 if remat else 1) + 2 * 2 * _gs(g) * T * hd
 
 
 def collective_width(exp: Experiment, platform: str = "gpu") -> int:

@@ -60,8 +60,9 @@ def tokenizer(path: Path) -> None:
     fixed text, so the README's fine-tuning workflow runs with the model's own tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    words = ("the mesh model layer device train step data token batch pipeline tensor "
-             "parallel checkpoint resume plait shard axis").split()
+    words = ["the", "mesh", "model", "layer", "device", "train", "step", "data", "token",
+             "batch", "pipeline", "tensor", "parallel", "checkpoint", "resume", "plait",
+             "shard", "axis"]
     text = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(400)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
