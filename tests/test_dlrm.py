@@ -295,3 +295,41 @@ def test_shipped_experiments_plan_over_8_devices(name):
     if name == "dlrm-bench":
         assert plan.layout.kinds == ("table",) * 8
         assert sorted(plan.layout.owners) == list(range(8))
+
+
+def test_bce_gradient_is_sigmoid_minus_label_everywhere():
+    """At a logit of exactly 0 too (a zero-initialised output sits there): d/dx = 0.5 - y."""
+    import jax
+    import jax.numpy as jnp
+
+    from plait.models.dlrm import bce_with_logits
+
+    x = jnp.asarray([0.0, 0.0, 3.0, -40.0, 40.0])
+    y = jnp.asarray([1.0, 0.0, 1.0, 1.0, 0.0])
+    grad = jax.grad(lambda x: bce_with_logits(x, y) * x.size)(x)
+    np.testing.assert_allclose(grad, jax.nn.sigmoid(x) - y, rtol=1e-6, atol=1e-7)
+    loss = bce_with_logits(x, y) * x.size
+    want = np.sum(np.logaddexp(0, np.asarray(x)) - np.asarray(x) * np.asarray(y))
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("initial", [0.0, 0.1])
+def test_dense_adagrad_step_equals_the_formula(initial):
+    """One Adagrad step from the accumulator's starting value (0: torch's and the
+    reference DLRM's): w - lr g / sqrt(initial + g^2 + eps)."""
+    import jax.numpy as jnp
+
+    from plait.config import Experiment
+    from plait.train.state import optimizer
+
+    exp = Experiment.model_validate({"optimizer": {
+        "name": "adagrad", "lr": 0.05, "adagrad_initial": initial, "eps": 1e-10,
+        "min_lr_ratio": 1.0}})
+    tx, _ = optimizer(exp)
+    w = {"w": jnp.asarray([0.5, -1.0, 2.0])}
+    g = {"w": jnp.asarray([0.2, -3.0, 1e-3])}
+    updates, _ = tx.update(g, tx.init(w), w)
+    want = -0.05 * np.asarray(g["w"]) / np.sqrt(initial + np.asarray(g["w"]) ** 2 + 1e-10)
+    np.testing.assert_allclose(updates["w"], want, rtol=1e-5)
+    if initial == 0.0:  # the first step is lr x sign(g), as torch.optim.Adagrad's
+        np.testing.assert_allclose(np.abs(updates["w"]), 0.05, rtol=1e-3)

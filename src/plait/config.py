@@ -122,6 +122,9 @@ class OptimizerConfig(Section):
     b1: NonNegFloat = 0.9
     b2: NonNegFloat = 0.95
     eps: PosFloat = 1e-8
+    # Adagrad's accumulator of squared gradients starts here: optax's 0.1, or 0 as
+    # torch.optim.Adagrad and the reference DLRM do (the DLRM experiments).
+    adagrad_initial: NonNegFloat = 0.1
     grad_clip: NonNegFloat = 1.0
 
 

@@ -4,7 +4,7 @@ These are the GPU flags MaxText's H100 recipes use: the latency-hiding
 scheduler (overlaps collectives and copies with compute), double-buffered
 while loops (the scanned layers prefetch the next layer's weights), cuBLAS
 rather than Triton for matmuls, and collectives on the highest-priority
-stream. Measured on one H100 (shared/gpu-findings) they were worth ~3% on
+stream. Measured on one H100 (docs/benchmarks.md, "GPU facts") they were worth ~3% on
 GPT-2 124M. They only touch the GPU compiler, so a CPU or TPU run ignores
 them; they are known to jaxlib 0.10.2 (CPU) and 0.11.2 (CUDA).
 

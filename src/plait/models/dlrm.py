@@ -91,6 +91,8 @@ def _lower_pairs(n: int):
 
 
 def bce_with_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean binary cross-entropy, computed from logits (stable for large |logit|)."""
+    """Mean binary cross-entropy from logits: softplus(x) - x y, stable for large |x|, and
+    its derivative sigmoid(x) - y is right everywhere (the max(x, 0) + log1p(exp(-|x|))
+    form gives -1 instead of -0.5 at x = 0, from JAX's subgradients of max and abs)."""
     labels = labels.astype(jnp.float32)
-    return jnp.mean(jnp.maximum(logits, 0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits))))
+    return jnp.mean(jax.nn.softplus(logits) - logits * labels)

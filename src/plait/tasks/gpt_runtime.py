@@ -12,7 +12,7 @@ def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str
     """(implementation, why) for `model.attention`: "auto" takes the fused cuDNN flash
     kernel of `jax.nn.dot_product_attention` where it applies (an NVIDIA GPU, bf16 compute,
     a head size cuDNN takes), XLA's attention otherwise. (JAX's own default chose XLA's
-    unfused attention on an H100, 2.2x slower: shared/gpu-findings.)"""
+    unfused attention on an H100, 2.2x slower: docs/benchmarks.md, "GPU facts".)"""
     if cfg.attention != "auto":
         return cfg.attention, "model.attention"
     head = cfg.d_model // cfg.heads
@@ -33,7 +33,7 @@ def scan_for(cfg: GPTConfig, platform: str) -> tuple[bool, str]:
     """(scan?, why) for `model.scan_layers`. "auto" unrolls on a GPU up to
     UNROLL_MAX_LAYERS blocks: there XLA schedules and fuses across blocks, and the
     unrolled GPT-2 124M ran 20-30% faster than the scanned one on an H100
-    (shared/gpu-findings), while the unrolled step's compile time, which grows with
+    (docs/benchmarks.md, "GPU facts"), while the unrolled step's compile time, which grows with
     depth, stays short. Deeper models, CPUs (no speed gap measured, compile several
     times faster) and TPUs (where scanning is the norm, as in MaxText) scan."""
     if cfg.scan_layers != "auto":

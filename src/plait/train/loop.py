@@ -59,7 +59,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-data")
     # The first step runs alone on the device: its batch is ready before it starts and
     # the next one is made after it ends (a transfer during the first execution broke
-    # cuDNN's graph capture on an H100: shared/gpu-findings).
+    # cuDNN's graph capture on an H100: docs/benchmarks.md, "GPU facts").
     next_batch = prefetch.submit(lambda: jax.block_until_ready(task.batch(run.source, start)))
     step = start
     guard = NonFiniteGuard(run.mesh, exp.train.on_nonfinite, exp.train.max_skipped)

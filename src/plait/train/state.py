@@ -41,7 +41,8 @@ def optimizer(exp: Experiment, decay_mask=None) -> tuple[optax.GradientTransform
     if opt.name == "sgd":
         return optax.sgd(lr), lr
     if opt.name == "adagrad":
-        return optax.adagrad(lr, eps=opt.eps), lr
+        return optax.adagrad(lr, initial_accumulator_value=opt.adagrad_initial,
+                             eps=opt.eps), lr
     adamw = optax.adamw(
         lr, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
         mask=decay_mask or (lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)),
