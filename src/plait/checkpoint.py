@@ -25,9 +25,11 @@ log = logging.getLogger("plait")
 
 class Checkpoints:
     def __init__(self, directory: Path, keep: int, async_save: bool = True,
-                 read_only: bool = False):
+                 read_only: bool = False, save_concurrent_gb: int | None = None):
         """read_only: for readers beside a run that may be training (plait sample): nothing
-        is created, renamed or cleaned up."""
+        is created, renamed or cleaned up. save_concurrent_gb: at most this many GB of
+        arrays copied out for writing at once (orbax copies every array at once by
+        default: twice the state in memory at the peak of a save)."""
         self.directory = Path(directory).absolute()
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
@@ -40,8 +42,12 @@ class Checkpoints:
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            handlers = ({} if save_concurrent_gb is None else {"item_handlers": {
+                "state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb),
+                "meta": ocp.JsonCheckpointHandler()}})
             self.manager = ocp.CheckpointManager(
-                self.directory, options=options, item_names=("state", "meta"))
+                self.directory, options=options,
+                **(handlers or {"item_names": ("state", "meta")}))
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps(), reverse=True)

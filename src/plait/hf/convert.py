@@ -17,6 +17,7 @@ config.json, model.safetensors (float32 or bfloat16) and the run's tokenizer.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,15 @@ class Tensors:
         else:
             raise UserError(f"{hf_dir} has neither {SINGLE} nor {INDEX}; plait reads "
                             "safetensors checkpoints")
-        self.handles = {}
-        for f in files:
+        for f in files:  # every file readable before anything is written
             try:
-                self.handles[f] = safe_open(str(hf_dir / f), framework="numpy")
+                with safe_open(str(hf_dir / f), framework="numpy") as handle:
+                    keys = list(handle.keys())
             except Exception as e:  # noqa: BLE001 - the library's own error, on one line
                 raise UserError(f"{hf_dir / f} is not a readable safetensors file "
                                 f"({str(e).splitlines()[0]}); re-download it") from None
-        if weight_map is None:
-            weight_map = {k: SINGLE for k in self.handles[SINGLE].keys()}  # noqa: SIM118
+            if weight_map is None:
+                weight_map = dict.fromkeys(keys, SINGLE)
         self.weight_map = weight_map
         self.dir = hf_dir
         self.last = ""
@@ -72,15 +73,26 @@ class Tensors:
         return set(self.weight_map)
 
     def dtypes(self) -> set[str]:
-        return {self.handles[f].get_slice(n).get_dtype() for n, f in self.weight_map.items()}
+        from safetensors import safe_open
+
+        out = set()
+        for f in set(self.weight_map.values()):
+            with safe_open(str(self.dir / f), framework="numpy") as handle:
+                out |= {handle.get_slice(n).get_dtype() for n in handle.keys()}  # noqa: SIM118
+        return out
 
     def __call__(self, name: str) -> np.ndarray:
+        """One tensor, copied out of its file, whose mapping is closed at once: the pages
+        read stay out of this process (safetensors maps the whole file)."""
+        from safetensors import safe_open
+
         self.last = name
         if name not in self.weight_map:
             raise UserError(f"{self.dir} has no tensor '{name}', which its config.json's "
                             "architecture needs; the checkpoint is incomplete or of another "
                             "model")
-        return self.handles[self.weight_map[name]].get_tensor(name)
+        with safe_open(str(self.dir / self.weight_map[name]), framework="numpy") as handle:
+            return handle.get_tensor(name)
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -119,6 +131,8 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
                  ) -> dict[str, Any]:
     """Write RUN (config.toml, tokenizer.json, checkpoints/0) from a Hugging Face model
     directory; returns what was imported."""
+    import jax
+
     from plait.checkpoint import Checkpoints
     from plait.tasks.gpt import abstract_model
 
@@ -154,7 +168,8 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
                 raise UserError(f"{hf_dir}: tensor '{tensors.last}' gives {'/'.join(path)} the "
                                 f"shape {tuple(value.shape)}, but config.json's sizes make it "
                                 f"{tuple(want.shape)}; the weights and config.json disagree")
-            _set(params, path, np.ascontiguousarray(value))
+            _set(params, path, jax.device_put(value))  # the host copy goes with `value`
+            del value
         (tmp / "config.toml").write_text(exp.to_toml())
         if (hf_dir / TOKENIZER).is_file():
             shutil.copyfile(hf_dir / TOKENIZER, tmp / TOKENIZER)
@@ -163,7 +178,11 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
                 "data": {"source": exp.data.source, "seed": exp.seed, "next_step": 0,
                          "samples_seen": 0},
                 "config": json.loads(exp.model_dump_json())}
-        ckpts = Checkpoints(tmp / "checkpoints", keep=exp.checkpoint.keep, async_save=False)
+        # orbax copies arrays out to write them: a cap keeps the host near one copy of
+        # the model (it must hold the largest array).
+        largest = max(a.nbytes for a in jax.tree.leaves(params))
+        ckpts = Checkpoints(tmp / "checkpoints", keep=exp.checkpoint.keep, async_save=False,
+                            save_concurrent_gb=max(1, math.ceil(largest / 1e9)))
         ckpts.save(0, {"params": params}, meta)
         ckpts.wait()
         ckpts.close()
