@@ -128,7 +128,7 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     assert "--mesh auto: the ranking of 2-device shapes" in said and str(tmp_path / "cache") \
         in said and f"--mesh auto chose {best}" in said
     from plait import mesh as M
-    from plait.config_files import read_toml
+    from plait.toml_files import read_toml
 
     resolved = read_toml(tmp_path / "run" / "config.toml", "run config")["mesh"]
     assert M.inline(resolved) == best

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from plait import kinds
 from plait.config import Experiment, ModelSection, model_class
 from plait.errors import UserError
+from plait.toml_files import read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -110,20 +111,6 @@ def apply_override(raw: dict, assignment: str) -> None:
             raise UserError(f"--set {key}: '{part}' is a value, not a table")
         node = child
     node[parts[-1]] = parse_value(text.strip())
-
-
-def read_toml(path: Path, what: str) -> dict:
-    if path.is_dir():
-        raise UserError(f"{what} '{path}' is a directory; pass a .toml file in it")
-    if not path.is_file():
-        raise UserError(f"{what} '{path}' not found; check the path")
-    try:
-        return tomllib.loads(path.read_text())
-    except UnicodeDecodeError:
-        raise UserError(f"{what} '{path}' is not a text file (not UTF-8); pass a TOML "
-                        "file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{what} '{path}' is not valid TOML: {e}") from None
 
 
 # Names users bring from other trainers, for "did you mean" on --set and in files.

@@ -106,7 +106,7 @@ def search_path() -> list[Path]:
 
 
 def known_hardware() -> list[str]:
-    from plait.config_files import read_toml
+    from plait.toml_files import read_toml
 
     names = {p.stem for d in search_path() if d.is_dir() for p in d.glob("*.toml")
              if "hardware" in read_toml(p, "mesh file")}
@@ -115,7 +115,7 @@ def known_hardware() -> list[str]:
 
 def load_hardware(name: str) -> Hardware:
     """A hardware description: a path to a TOML file with a [hardware] table, or a name."""
-    from plait.config_files import read_toml
+    from plait.toml_files import read_toml
 
     path = Path(name)
     if not path.is_file():

@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from plait.errors import UserError
 from plait.model_schema import DLRMConfig, GPTConfig, LlamaConfig, ModelSection
-
-if TYPE_CHECKING:  # pragma: no cover
-    from plait.tasks.base import Task
 
 
 @dataclass
@@ -63,7 +59,8 @@ def config_class(name: str) -> type[ModelSection]:
     return _kind(name).config
 
 
-def task_class(name: str) -> type[Task]:
+def task_class(name: str) -> type:
+    """The kind's `plait.tasks.base.Task` subclass (imported on first use)."""
     kind = _kind(name)
     if isinstance(kind.task, str):
         module, attr = kind.task.split(":")

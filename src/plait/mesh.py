@@ -94,7 +94,7 @@ def load_spec(arg: str) -> MeshSpec:
     """`arg` is a mesh file (meshes/x.toml) or an inline spec."""
     path = Path(arg)
     if path.suffix == ".toml" or path.is_file():
-        from plait.config_files import read_toml
+        from plait.toml_files import read_toml
 
         raw = read_toml(path, "mesh file")
         if "mesh" not in raw or not isinstance(raw["mesh"], dict):

@@ -134,7 +134,7 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
     import jax
 
     from plait.checkpoint import Checkpoints
-    from plait.tasks.gpt import abstract_model
+    from plait.models.gpt import abstract_model
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     config = hf_dir / "config.json"

@@ -19,7 +19,14 @@ import numpy as np
 from flax import nnx
 
 from plait.config import GPTConfig
-from plait.models import layer_stack, module_values, remat_policy, stacked_layers
+from plait.models import (
+    ModelDef,
+    build,
+    layer_stack,
+    module_values,
+    remat_policy,
+    stacked_layers,
+)
 from plait.models.keys import ParamKeys
 from plait.parallel.ops import dense, lookup
 from plait.sharding import constrain
@@ -332,6 +339,16 @@ class GPT(nnx.Module):
             x, cache = block.decode(x, cache, pos)
             out.append(cache)
         return self.logits(x), out
+
+
+def abstract_model(cfg: GPTConfig) -> ModelDef:
+    """The decoder of `cfg` (GPT-2 or Llama layout), structure only (cached per config)."""
+    return _abstract_model(type(cfg), cfg.model_dump_json())
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_model(cls: type[GPTConfig], cfg_json: str) -> ModelDef:
+    return build(GPT, cls.model_validate_json(cfg_json))
 
 
 def _matmul_params(cfg: GPTConfig) -> tuple[int, int]:

@@ -22,9 +22,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from plait import data, models, sharding
 from plait import mesh as mesh_lib
-from plait.config import Experiment, GPTConfig
+from plait.config import Experiment
 from plait.errors import UserError
-from plait.models import ModelDef, build, gpt
+from plait.models import gpt
+from plait.models.gpt import abstract_model
 from plait.parallel import formulas, hierarchical, local_sgd, schedules
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checks import check_fits, decoder_rules
@@ -40,16 +41,6 @@ from plait.train.step import (
     jit_step,
     make_train_step,
 )
-
-
-def abstract_model(cfg: GPTConfig) -> ModelDef:
-    """The decoder of `cfg` (GPT-2 or Llama layout), structure only."""
-    return _abstract_model(type(cfg), cfg.model_dump_json())
-
-
-@functools.lru_cache(maxsize=8)
-def _abstract_model(cls: type[GPTConfig], cfg_json: str) -> ModelDef:
-    return build(gpt.GPT, cls.model_validate_json(cfg_json))
 
 
 class HeldOutLoss:

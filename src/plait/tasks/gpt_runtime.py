@@ -15,7 +15,7 @@ def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str
     unfused attention on an H100, 2.2x slower: docs/benchmarks.md, "GPU facts".)"""
     if cfg.attention != "auto":
         return cfg.attention, "model.attention"
-    head = cfg.d_model // cfg.heads
+    head = cfg.head_size
     if platform != "gpu" or "nvidia" not in device_kind.lower():
         return "xla", f"auto: no fused kernel on {platform}"
     if compute != "bfloat16":
