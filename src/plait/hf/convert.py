@@ -5,10 +5,12 @@ or shards listed in model.safetensors.index.json, tokenizer.json when present)
 and writes a run directory: the experiment (config.toml), the tokenizer, and a
 step-0 checkpoint holding only the parameters, in the dtype they were stored in,
 which `plait train` restores (cast to float32 master weights on load) with a
-fresh optimizer state. Tensors are read one at a time through `safetensors` and
-each lands in the checkpoint's dict as it is converted, so the host holds the
-model once. The run directory is written under a temporary name and renamed
-when complete: an interrupted import leaves nothing that looks like a run.
+fresh optimizer state. Tensors are read one at a time through `safetensors`
+(each file's mapping closed after the read) and each is converted into the
+checkpoint's tree at once, so the host holds the model about once
+(docs/benchmarks.md has the measured peak). The run directory is written under
+a temporary name and renamed when complete: an interrupted import leaves
+nothing that looks like a run.
 
 Export writes what `transformers.AutoModelForCausalLM.from_pretrained` loads:
 config.json, model.safetensors (float32 or bfloat16) and the run's tokenizer.
@@ -113,7 +115,15 @@ def _fresh_dir(path: Path, flag: str) -> Path:
     return tmp
 
 
-def _experiment(hf: dict, table: dict, name: str, hf_dir: Path):
+def _publish(tmp: Path, final: Path) -> None:
+    """The finished temporary directory takes its final name (empty or absent)."""
+    if final.exists():
+        final.rmdir()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(final)
+
+
+def _experiment(hf: dict, table: dict, name: str):
     from plait.config import Experiment
 
     bf16 = str(hf.get("torch_dtype") or hf.get("dtype") or "").endswith("bfloat16")
@@ -153,7 +163,7 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
         table = layout.model_table(hf, where, seq_len)
     except KeyError as e:
         raise UserError(f"{where} lacks {e.args[0]}, which {arch} needs") from None
-    exp = _experiment(hf, table, run_dir.name or "imported", hf_dir)
+    exp = _experiment(hf, table, run_dir.name or "imported")
     tensors = Tensors(hf_dir)
     expected = abstract_model(exp.model).shapes()
     tmp = _fresh_dir(run_dir, "--run-dir")
@@ -187,10 +197,7 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
         ckpts.wait()
         ckpts.close()
         del params
-        if run_dir.exists():
-            run_dir.rmdir()  # empty (checked above)
-        run_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(run_dir)
+        _publish(tmp, run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -225,10 +232,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if (run_dir / TOKENIZER).is_file():
             shutil.copyfile(run_dir / TOKENIZER, tmp / TOKENIZER)
-        if out.exists():
-            out.rmdir()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(out)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -134,6 +134,11 @@ def rotate(x: jax.Array, positions: jax.Array, rope: Rope) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
+def _bias(module: nnx.Module, name: str) -> jax.Array | float:
+    """The module's bias `name`, or 0 where the model has none (model.bias, qkv_bias)."""
+    return getattr(module, name)[...] if hasattr(module, name) else 0.0
+
+
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
@@ -173,18 +178,15 @@ class Attention(nnx.Module):
         self.fused = cfg.fused_qkv
         self.rope = rope_of(cfg)
 
-    def _bias(self, name: str) -> jax.Array | float:
-        return getattr(self, name)[...] if hasattr(self, name) else 0.0
-
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [batch, T, d] at positions [T] -> q [batch, T, heads, head], k, v [batch, T,
         kv_heads, head], rotated when the model has rotary positions."""
         if self.fused:
-            qkv = dense(x, self.wqkv) + self._bias("bqkv")
+            qkv = dense(x, self.wqkv) + _bias(self, "bqkv")
             q, k, v = (qkv[:, :, i] for i in range(3))
         else:
-            q = dense(x, self.wq) + self._bias("bq")
-            kv = dense(x, self.wkv) + self._bias("bkv")
+            q = dense(x, self.wq) + _bias(self, "bq")
+            kv = dense(x, self.wkv) + _bias(self, "bkv")
             k, v = kv[:, :, 0], kv[:, :, 1]
         if self.rope is not None:
             q, k = rotate(q, positions, self.rope), rotate(k, positions, self.rope)
@@ -192,7 +194,7 @@ class Attention(nnx.Module):
         return constrain(q, HEADS), constrain(k, kv_names), constrain(v, kv_names)
 
     def out(self, o: jax.Array) -> jax.Array:
-        return dense(constrain(o, HEADS), self.wo) + self._bias("bo")
+        return dense(constrain(o, HEADS), self.wo) + _bias(self, "bo")
 
     def __call__(self, x):
         q, k, v = self.qkv(x, jnp.arange(x.shape[1]))
@@ -237,10 +239,10 @@ class MLP(nnx.Module):
             gu = dense(x, self.w13)
             h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
         else:
-            h = dense(x, self.w1) + (self.b1[...] if hasattr(self, "b1") else 0.0)
+            h = dense(x, self.w1) + _bias(self, "b1")
             h = jax.nn.gelu(h, approximate=True)
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
-        y = dense(h, self.w2) + (self.b2[...] if hasattr(self, "b2") else 0.0)
+        y = dense(h, self.w2) + _bias(self, "b2")
         return constrain(y, BATCH_SEQ_EMBED)
 
 
