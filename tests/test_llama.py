@@ -37,10 +37,19 @@ def test_reference_learns(reference):
     ("tensor=2", {}, {}),  # 2 kv heads on 2 ranks: one each
     ("data=2,tensor_row=2,tensor_col=2", {}, {}),
     ("data=2,pipeline=2", {}, {"pipeline": {"schedule": "zb-h1", "microbatches": 4}}),
-], ids=["dp-fsdp-tp-stacked-remat", "tp4-kv-replicated", "tp2-kv-split", "2d", "zb-h1"])
+    ("data=2@dcn,data=2,tensor=2", {}, {}),  # reduced within each host first
+], ids=["dp-fsdp-tp-stacked-remat", "tp4-kv-replicated", "tp2-kv-split", "2d", "zb-h1",
+        "dcn-hierarchical"])
 def test_losses_equal_one_device(reference, tmp_path, spec, model, extra):
     got = losses(run(llama(model=model, **extra), spec, tmp_path))
     np.testing.assert_allclose(got, reference, rtol=1e-4)
+
+
+def test_easgd_replicas_train_a_llama(tmp_path):
+    """Sync EASGD over data with the kv heads split over tensor inside each replica."""
+    got = losses(run(llama(sync={"method": "easgd", "period": 2}), "data=2,tensor=2",
+                     tmp_path))
+    assert np.all(np.isfinite(got)) and got[-1] < got[0] - 0.2
 
 
 def test_kv_heads_split_where_they_divide_replicated_where_not():
