@@ -64,6 +64,18 @@ class Checkpoints:
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
 
+    def record(self, step: int | None = None) -> dict:
+        """The JSON record of `step` (default: the newest), which a restore is about to
+        read; {} when there is none or it does not read (judged when restoring)."""
+        steps = self.steps()
+        step = steps[0] if step is None and steps else step
+        if step not in steps:
+            return {}
+        try:
+            return self.read_meta(step)
+        except Exception:  # noqa: BLE001 - unreadable: the restore skips or refuses it
+            return {}
+
     def check_model(self, model: ModelSection, run_dir: Path) -> None:
         """Refuse a run directory whose checkpoints come from another model kind or shape
         (the kind's `shape_keys`)."""

@@ -102,9 +102,7 @@ def load(run_dir: Path, step: int | None):
     ckpts = Checkpoints(ckpt_dir, keep=max(1, exp.checkpoint.keep), async_save=False,
                         read_only=True)
     abstract = task.canonical_layout.abstract()
-    steps = ckpts.steps()
-    at = step if step is not None else (steps[0] if steps else None)
-    if at in steps and ckpts.read_meta(at).get("params_only"):  # imported, not yet trained
+    if ckpts.record(step).get("params_only"):  # imported, not yet trained
         abstract = {"params": abstract["params"]}
     if step is not None:
         state, meta = ckpts.restore_step(abstract, step, flag="--step")

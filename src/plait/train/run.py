@@ -123,12 +123,7 @@ class Run:
     def _restore_plan(self, from_step: int | None):
         """The task's plan for the checkpoint about to be read, judged on its config (a
         checkpoint of another number of data replicas, say)."""
-        steps = self.ckpts.steps() if self.ckpts else []
-        step = from_step if from_step is not None else (steps[0] if steps else None)
-        meta = {}
-        if step is not None and step in steps:
-            with contextlib.suppress(Exception):  # unreadable: judged when restoring
-                meta = self.ckpts.read_meta(step)
+        meta = self.ckpts.record(from_step) if self.ckpts else {}
         abstract = self.task.canonical_layout.abstract()
         if meta.get("params_only"):
             if self.exp.sync.method != "allreduce" or not is_decoder(self.exp.model):
