@@ -25,11 +25,12 @@ log = logging.getLogger("plait")
 
 class Checkpoints:
     def __init__(self, directory: Path, keep: int, async_save: bool = True,
-                 read_only: bool = False, save_concurrent_gb: int | None = None):
+                 read_only: bool = False, save_concurrent_gb: float | None = None):
         """read_only: for readers beside a run that may be training (plait sample): nothing
         is created, renamed or cleaned up. save_concurrent_gb: at most this many GB of
-        arrays copied out for writing at once (orbax copies every array at once by
-        default: twice the state in memory at the peak of a save)."""
+        arrays copied out of jax and being written at once (orbax copies every array at
+        once by default: twice the state in memory at the peak of a save); it must exceed
+        the largest array. The format on disk is the same either way."""
         self.directory = Path(directory).absolute()
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
@@ -42,8 +43,13 @@ class Checkpoints:
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            handlers = ({} if save_concurrent_gb is None else {"item_handlers": {
-                "state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_concurrent_gb),
+            # StandardCheckpointHandler caps only the bytes being written; the PyTree
+            # handler under it also caps the copies out of jax that wait to be written.
+            self._limited = save_concurrent_gb is not None
+            handlers = ({} if not self._limited else {"item_handlers": {
+                "state": ocp.PyTreeCheckpointHandler(
+                    save_concurrent_gb=save_concurrent_gb,
+                    save_device_host_concurrent_gb=save_concurrent_gb),
                 "meta": ocp.JsonCheckpointHandler()}})
             self.manager = ocp.CheckpointManager(
                 self.directory, options=options,
@@ -55,7 +61,8 @@ class Checkpoints:
     def save(self, step: int, state: dict, meta: dict) -> None:
         self.manager.save(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+            args=ocp.args.Composite(state=(ocp.args.PyTreeSave(state) if self._limited
+                                           else ocp.args.StandardSave(state)),
                                     meta=ocp.args.JsonSave(meta)),
             force=True,
         )

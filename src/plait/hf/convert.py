@@ -19,7 +19,6 @@ config.json, model.safetensors (float32 or bfloat16) and the run's tokenizer.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -188,11 +187,11 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
                 "data": {"source": exp.data.source, "seed": exp.seed, "next_step": 0,
                          "samples_seen": 0},
                 "config": json.loads(exp.model_dump_json())}
-        # orbax copies arrays out to write them: a cap keeps the host near one copy of
-        # the model (it must hold the largest array).
+        # orbax copies arrays out to write them: a cap just above the largest array keeps
+        # the host near one copy of the model (docs/benchmarks.md, import memory).
         largest = max(a.nbytes for a in jax.tree.leaves(params))
         ckpts = Checkpoints(tmp / "checkpoints", keep=exp.checkpoint.keep, async_save=False,
-                            save_concurrent_gb=max(1, math.ceil(largest / 1e9)))
+                            save_concurrent_gb=(largest + 2**20) / 1e9)
         ckpts.save(0, {"params": params}, meta)
         ckpts.wait()
         ckpts.close()
