@@ -112,6 +112,15 @@ class PipelineConfig(Section):
         return name
 
 
+class ContextConfig(Section):
+    """Used when the mesh has a `context` axis larger than 1 (plait.parallel.context)."""
+
+    # How attention reaches the keys and values of the other ranks' tokens: "ring"
+    # passes each rank's block around the axis (ppermute, online softmax, blocks the
+    # causal mask hides skipped); "allgather" gathers every key and value per layer.
+    attention: Literal["ring", "allgather"] = "ring"
+
+
 class OptimizerConfig(Section):
     name: Literal["adamw", "sgd", "adagrad"] = "adamw"
     lr: PosFloat = 3e-4
@@ -170,6 +179,7 @@ class Experiment(Section):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    context: ContextConfig = ContextConfig()
     embedding: EmbeddingConfig = EmbeddingConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     precision: PrecisionConfig = PrecisionConfig()

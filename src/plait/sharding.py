@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 from flax import nnx
@@ -37,6 +37,8 @@ class Rules:
     mode: str | None
     names: Mapping[str, MeshAxes]
     inputs: Mapping[str, MeshAxes] = field(default_factory=dict)
+    # How attention spans the `context` axis ([context] attention: ring | allgather).
+    context_attention: str = "ring"
 
     def param_axes(self, logical: Sequence[str], fan_in: Sequence[str] = ()) -> list:
         return [self.inputs.get(n, self.names.get(n)) if n in fan_in else self.names.get(n)
@@ -48,6 +50,8 @@ class Rules:
 
 _PARAM_NONE = {"head_dim": None, "qkv": None, "gate_up": None, "seq": None}
 _ACT_NONE = {"act_seq": None, "act_head_dim": None}
+# Context parallelism: every token-wise activation split along the sequence.
+_ACT_SEQ = {"act_seq": "context"}
 
 # Data parallel over `data`, ZeRO-3 over `fsdp` (parameters and optimizer state
 # sharded along d_model, batch split over data x fsdp), Megatron 1-D over
@@ -55,7 +59,7 @@ _ACT_NONE = {"act_seq": None, "act_head_dim": None}
 # projections, heads / MLP hidden / vocabulary sharded). GSPMD inserts the
 # collectives: one all-reduce per block each way, as in Megatron.
 RULES_1D = Rules("1d", {
-    **_PARAM_NONE, **_ACT_NONE,
+    **_PARAM_NONE, **_ACT_NONE, **_ACT_SEQ,
     "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
     "mlp": "tensor", "norm": None,
     "act_batch": ("data", "fsdp"), "act_embed": None,
@@ -116,14 +120,14 @@ def without_axis(rules: Rules, axis: str) -> Rules:
         kept = tuple(a for a in axes_tuple(axes) if a != axis)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
-    return Rules(rules.mode, {k: drop(v) for k, v in rules.names.items()},
-                 {k: drop(v) for k, v in rules.inputs.items()})
+    return replace(rules, names={k: drop(v) for k, v in rules.names.items()},
+                   inputs={k: drop(v) for k, v in rules.inputs.items()})
 
 
 def with_names(rules: Rules, names: Mapping[str, MeshAxes]) -> Rules:
     """The rules with some logical names mapped anew (for parameters and inputs alike)."""
-    return Rules(rules.mode, {**rules.names, **names},
-                 {k: names.get(k, v) for k, v in rules.inputs.items()})
+    return replace(rules, names={**rules.names, **names},
+                   inputs={k: names.get(k, v) for k, v in rules.inputs.items()})
 
 
 def rules_for(mesh: Mesh) -> Rules:

@@ -28,7 +28,7 @@ from plait.models import (
     stacked_layers,
 )
 from plait.models.keys import ParamKeys
-from plait.parallel.ops import dense, lookup
+from plait.parallel.ops import attend, dense, lookup, sequence_positions
 from plait.sharding import constrain
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
@@ -197,9 +197,11 @@ class Attention(nnx.Module):
         return dense(constrain(o, HEADS), self.wo) + _bias(self, "bo")
 
     def __call__(self, x):
-        q, k, v = self.qkv(x, jnp.arange(x.shape[1]))
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                         implementation=self.implementation)
+        # The position of each stored token: the natural order, or the balanced order of
+        # a context axis (parallel.context), which the causal mask then follows.
+        pos = sequence_positions(x.shape[1])
+        q, k, v = self.qkv(x, jnp.arange(x.shape[1]) if pos is None else jnp.asarray(pos))
+        o = attend(q, k, v, pos, self.implementation)
         return constrain(self.out(o), BATCH_SEQ_EMBED)
 
     def decode(self, x: jax.Array, cache: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
@@ -309,11 +311,15 @@ class GPT(nnx.Module):
         return _block_stack(self.config_cls, self.config_json).apply(module_values(self.blocks), x)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """tokens [batch, seq] -> the residual stream entering the first block."""
+        """tokens [batch, seq] (in the order `sequence_positions` gives) -> the residual
+        stream entering the first block."""
         x = constrain(lookup(self.tok_embed, tokens), BATCH_SEQ_EMBED)
         if not self.learned_positions:  # rotary: positions enter each attention
             return x
-        return constrain(x + self.pos_embed[...][: tokens.shape[1]], BATCH_SEQ_EMBED)
+        pos = sequence_positions(tokens.shape[1])
+        table = self.pos_embed[...]
+        rows = table[: tokens.shape[1]] if pos is None else table[jnp.asarray(pos)]
+        return constrain(x + rows, BATCH_SEQ_EMBED)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """The residual stream after the last block -> logits [batch, seq, padded_vocab]."""

@@ -1,4 +1,5 @@
-"""The compute ops models call: `dense` and `lookup`, by the active tensor mode.
+"""The compute ops models call: `dense` and `lookup`, by the active tensor mode;
+`attend` and `sequence_positions`, by the active context axis (parallel.context).
 
 Under 1-D (or no) tensor parallelism they are an einsum and a take that GSPMD
 partitions; under 2-D / 2.5-D / 3-D they are the explicit shard_map layers of
@@ -12,7 +13,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from plait.parallel import tensor
+from plait.parallel.context import attend
+from plait.parallel.context import positions as sequence_positions
 from plait.sharding import MeshAxes, active, axes_spec, axes_tuple, constrain, param_meta, spec
+
+__all__ = ["attend", "dense", "lookup", "sequence_positions"]
 
 
 def _letters(n: int, skip: str = "") -> list[str]:

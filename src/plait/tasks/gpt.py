@@ -26,7 +26,7 @@ from plait.config import Experiment
 from plait.errors import UserError
 from plait.models import gpt
 from plait.models.gpt import abstract_model
-from plait.parallel import formulas, hierarchical, local_sgd, schedules
+from plait.parallel import context, formulas, hierarchical, local_sgd, schedules
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checks import check_fits, decoder_rules
 from plait.tasks.gpt_runtime import attention_for, scan_for
@@ -61,7 +61,7 @@ class GPTTask(Task):
 
     def __init__(self, exp: Experiment, mesh: Mesh):
         super().__init__(exp, mesh)
-        self.rules = decoder_rules(dict(mesh.shape), exp.model)
+        self.rules = decoder_rules(dict(mesh.shape), exp.model, exp.context.attention)
         device = mesh.devices.flat[0]
         self.attention, self.attention_why = attention_for(
             exp.model, exp.precision.compute, device.platform, device.device_kind)
@@ -191,8 +191,9 @@ class GPTTask(Task):
         """Mean next-token loss of tokens [rows, seq + 1] (under the task's rules, or
         `rules`)."""
         with sharding.use(self.mesh, rules or self.rules):
-            logits = self.model.apply(params, tokens[:, :-1], compute_dtype(self.exp))
-        return cross_entropy(logits, tokens[:, 1:], self.exp.model.vocab)
+            inputs, targets = context.inputs_targets(tokens)
+            logits = self.model.apply(params, inputs, compute_dtype(self.exp))
+        return cross_entropy(logits, targets, self.exp.model.vocab)
 
     def _pipeline_loss_and_grads(self, params: dict, batch: jax.Array):
         with sharding.use(self.mesh, self.rules):
@@ -360,7 +361,7 @@ class GPTTask(Task):
         """Every shape the model divides; a pipeline axis adds each schedule x microbatch
         count (D, 2D, 4D) the layers and the batch split into."""
         mesh_lib.tensor_mode(sizes)  # one-line errors for shapes no mode runs
-        check_fits(exp, sizes, decoder_rules(sizes, exp.model),
+        check_fits(exp, sizes, decoder_rules(sizes, exp.model, exp.context.attention),
                    abstract_model(exp.model))
         D = sizes.get("pipeline", 1)
         if D == 1:

@@ -4,9 +4,11 @@ checked before anything is built, as one-line errors naming the key to change.""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import jax
 
+from plait import mesh as mesh_lib
 from plait import sharding
 from plait.config import Experiment, GPTConfig
 from plait.errors import UserError
@@ -25,12 +27,13 @@ _DIM_KEYS = {
 }
 
 
-def decoder_rules(sizes: dict[str, int], model: GPTConfig) -> sharding.Rules:
+def decoder_rules(sizes: dict[str, int], model: GPTConfig,
+                  context_attention: str = "ring") -> sharding.Rules:
     """The mesh's rule set for this decoder: key/value heads split over the axes that
     split the query heads where they divide kv_heads, and replicated per rank
     otherwise (each rank then projects every key/value head itself; with fewer key/value
     heads than tensor ranks there is nothing else to do, as in Megatron)."""
-    rules = sharding.rules_for_sizes(sizes)
+    rules = replace(sharding.rules_for_sizes(sizes), context_attention=context_attention)
     split = [a for a in sharding.axes_tuple(rules.get("kv_heads")) if sizes.get(a, 1) > 1]
     if model.n_kv_heads % math.prod(sizes[a] for a in split):
         return sharding.with_names(rules, {"kv_heads": None, "act_kv_heads": None})
@@ -82,4 +85,20 @@ def check_fits(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules,
             hint = (f"set model.vocab_multiple to a multiple of {n}" if name == "vocab"
                     else f"make it a multiple of {n}, or split it over fewer devices")
             raise UserError(f"{key} = {get(m)} is not divisible by {_axes_text(axes, n)}; {hint}")
+    _check_context(exp, sizes, rules)
     _check_batch(exp, sizes, rules)
+
+
+def _check_context(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules) -> None:
+    C = sizes.get("context", 1)
+    if C == 1:
+        return
+    if rules.mode not in (None, "1d"):
+        raise UserError(f"the context axis ({C}) runs with 1-D tensor parallelism or none, "
+                        f"not {mesh_lib.MODE_NAMES[rules.mode]}; use tensor= instead of "
+                        "the 2-D / 3-D axes, or drop context")
+    seq = exp.model.seq_len
+    if seq % (2 * C):
+        raise UserError(f"model.seq_len = {seq} does not split into 2 x context = {2 * C} "
+                        f"equal chunks (the balanced causal layout); make it a multiple of "
+                        f"{2 * C}")

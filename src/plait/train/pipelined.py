@@ -21,7 +21,7 @@ from plait import sharding
 from plait.config import Experiment
 from plait.errors import UserError
 from plait.models import ModelDef, build, flat_to_pure, layer_stack
-from plait.parallel import pipeline, schedules
+from plait.parallel import context, pipeline, schedules
 from plait.parallel.tick_table import tick_table
 from plait.train.state import map_params
 
@@ -145,11 +145,11 @@ class Pipelined:
         shared_model, layers = self.shared_model, self.layers
 
         def embed(shared, toks):
-            return shared_model.module(shared, dtype).embed(toks[:, :-1])
-
+            return shared_model.module(shared, dtype).embed(context.inputs_targets(toks)[0])
 
         def head_loss(shared, x, toks):
-            return loss_fn(shared_model.module(shared, dtype).logits(x), toks[:, 1:])
+            return loss_fn(shared_model.module(shared, dtype).logits(x),
+                           context.inputs_targets(toks)[1])
 
         b, seq = batch.shape[1], batch.shape[2] - 1
         act_dtype = dtype or jnp.float32
