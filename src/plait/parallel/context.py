@@ -6,9 +6,12 @@ token-wise and never communicate (the rule set maps `act_seq` to the axis).
 Only attention needs the other ranks' keys and values, by one of two methods:
 
 - ring: a `shard_map` over the axis; each rank's key/value block travels round
-  the ring (C - 1 `ppermute`s forward, and their transposes backward) while
-  every rank attends to the block it holds, the partial results merged with an
-  online softmax (running max and sum, float32).
+  the ring (C - 1 `ppermute`s) while every rank attends to the block it holds,
+  the partial results merged with an online softmax (running max and sum,
+  float32). The backward is its own ring (a custom VJP, as flash attention's):
+  it keeps only q, k, v, the output and each query's log-sum-exp, recomputes
+  each block's probabilities, and sends every key/value block round again with
+  its gradient accumulators (float32), which take one more step home.
 - allgather: keys and values gathered over the axis per layer (GSPMD inserts the
   all-gather, and a reduce-scatter of their gradients), queries kept local.
 
@@ -24,6 +27,7 @@ does not care.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -99,16 +103,34 @@ def _gathered(q, k, v, pos: np.ndarray) -> jax.Array:
                                         implementation="xla")
 
 
-def _block(q, k, v, qpos, kpos, scale):
-    """One block's unnormalised attention: (max, sum, weighted values) per query, the
-    scores in float32. q [b, t, kv, g, d], k, v [b, s, kv, d]."""
+def _scores(q, k, qpos, kpos, scale):
+    """Scaled scores [b, kv, g, t, s] in float32, hidden where the causal mask hides
+    them. q [b, t, kv, g, d], k [b, s, kv, d]."""
     s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(qpos[:, None] >= kpos[None, :], s, _HIDDEN)
+    return jnp.where(qpos[:, None] >= kpos[None, :], s, _HIDDEN)
+
+
+def _block(q, k, v, qpos, kpos, scale):
+    """One block's unnormalised attention: (max, sum, weighted values) per query."""
+    s = _scores(q, k, qpos, kpos, scale)
     m = s.max(-1)
     p = jnp.exp(s - m[..., None])
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
     return m, p.sum(-1), o
+
+
+def _block_grads(q, k, v, do, delta, lse, qpos, kpos, scale):
+    """One block's gradients (dq [b, t, kv, g, d], dk, dv [b, s, kv, d], float32) from
+    the forward's log-sum-exp per query: the probabilities are recomputed, not kept."""
+    p = jnp.exp(_scores(q, k, qpos, kpos, scale) - lse[..., None])
+    f32 = jnp.float32
+    dv = jnp.einsum("bkgts,btkgd->bskd", p, do, preferred_element_type=f32)
+    dp = jnp.einsum("btkgd,bskd->bkgts", do, v, preferred_element_type=f32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bkgts,bskd->btkgd", ds, k, preferred_element_type=f32)
+    dk = jnp.einsum("bkgts,btkgd->bskd", ds, q, preferred_element_type=f32)
+    return dq, dk, dv
 
 
 def _merge(acc, part):
@@ -117,63 +139,126 @@ def _merge(acc, part):
     m1, l1, o1 = part
     m = jnp.maximum(m0, m1)
     a0, a1 = jnp.exp(m0 - m), jnp.exp(m1 - m)
-    t = lambda a: jnp.moveaxis(a, -1, 1)[..., None]  # [b, kv, g, t] -> [b, t, kv, g, 1]
-    return m, l0 * a0 + l1 * a1, o0 * t(a0) + o1 * t(a1)
+    return m, l0 * a0 + l1 * a1, o0 * _per_query(a0) + o1 * _per_query(a1)
 
 
-def _front_padded(part, half: int):
-    """A result for the back half of the queries, with the front half empty."""
-    m, l_, o = part
-
-    def pad(x, axis, fill):
-        shape = x.shape[:axis] + (half,) + x.shape[axis + 1:]
-        return jnp.concatenate([jnp.full(shape, fill, x.dtype), x], axis)
-
-    return pad(m, 3, _HIDDEN), pad(l_, 3, 0.0), pad(o, 1, 0.0)
+def _per_query(a):
+    """[b, kv, g, t] -> [b, t, kv, g, 1], to scale per-query rows of values."""
+    return jnp.moveaxis(a, -1, 1)[..., None]
 
 
-def _visible_half(src, r, qg, k, v, qpos, kpos, scale, half: int):
-    """Block `src` seen from rank r (src != r) in the balanced order. An earlier rank's
-    front chunk precedes both of ours and its back chunk follows both: every query sees
-    the front half of the block. A later rank's two chunks lie between ours: our back
-    half sees all of the block. Either way half the pairs, so every rank does equal work."""
-    def earlier():
-        return _block(qg, k[:, :half], v[:, :half], qpos, kpos[:half], scale)
+def _pad_front(x, axis: int, half: int, fill=0.0):
+    """x for the back half of the queries (or keys) along `axis`, the front half filled."""
+    shape = x.shape[:axis] + (half,) + x.shape[axis + 1:]
+    return jnp.concatenate([jnp.full(shape, fill, x.dtype), x], axis)
 
-    def later():
-        return _front_padded(_block(qg[:, half:], k, v, qpos[half:], kpos, scale), half)
 
-    return jax.lax.cond(src < r, earlier, later)
+def _pad_back(x, axis: int, half: int):
+    shape = x.shape[:axis] + (half,) + x.shape[axis + 1:]
+    return jnp.concatenate([x, jnp.zeros(shape, x.dtype)], axis)
+
+
+class _Ring:
+    """Ring attention on one rank of the context axis (inside the shard_map).
+
+    In the balanced order, block `src` seen from rank r (src != r): an earlier rank's
+    front chunk precedes both of ours and its back chunk follows both, so every query
+    sees the front half of the block; a later rank's two chunks lie between ours, so our
+    back half of the queries sees all of it. Either way half the pairs: every rank does
+    the same work at every step, and `lax.cond` picks the half.
+    """
+
+    def __init__(self, C: int, t: int, kvh: int, g: int, d: int, by_rank: np.ndarray):
+        self.C, self.t, self.kvh, self.g, self.half = C, t, kvh, g, t // 2
+        self.scale = 1.0 / math.sqrt(d)
+        self.ring = [(i, (i + 1) % C) for i in range(C)]
+        self.by_rank = by_rank  # every rank's positions: the layout is fixed
+
+    def grouped(self, x):
+        return x.reshape(x.shape[0], self.t, self.kvh, self.g, x.shape[-1])
+
+    def send(self, *xs):
+        return tuple(jax.lax.ppermute(x, AXIS, self.ring) for x in xs)
+
+    def forward(self, q, k, v):
+        """-> (o [b, t, h, d] in q's dtype, log-sum-exp [b, kv, g, t] float32)."""
+        r = jax.lax.axis_index(AXIS)
+        pos = jnp.asarray(self.by_rank)
+        qg, qpos, h, sc = self.grouped(q), pos[r], self.half, self.scale
+        acc = _block(qg, k, v, qpos, qpos, sc)  # the diagonal: causal inside
+        for step in range(1, self.C):
+            k, v = self.send(k, v)
+            src = (r - step) % self.C
+            kpos = pos[src]
+
+            def earlier(k=k, v=v, kpos=kpos):
+                return _block(qg, k[:, :h], v[:, :h], qpos, kpos[:h], sc)
+
+            def later(k=k, v=v, kpos=kpos):
+                m, l_, o = _block(qg[:, h:], k, v, qpos[h:], kpos, sc)
+                return (_pad_front(m, 3, h, _HIDDEN), _pad_front(l_, 3, h),
+                        _pad_front(o, 1, h))
+
+            acc = _merge(acc, jax.lax.cond(src < r, earlier, later))
+        m, l_, o = acc
+        o = o / _per_query(l_)
+        return o.reshape(q.shape).astype(q.dtype), m + jnp.log(l_)
+
+    def backward(self, q, k, v, o, lse, do):
+        """The ring again: each block's key/value gradients travel with it and come home
+        after the last step."""
+        r = jax.lax.axis_index(AXIS)
+        pos = jnp.asarray(self.by_rank)
+        qg, og, dog = self.grouped(q), self.grouped(o), self.grouped(do)
+        delta = jnp.moveaxis(jnp.sum(og.astype(jnp.float32) * dog.astype(jnp.float32), -1),
+                             1, -1)  # [b, kv, g, t]
+        qpos, h, sc = pos[r], self.half, self.scale
+        dq, dk, dv = _block_grads(qg, k, v, dog, delta, lse, qpos, qpos, sc)
+        for step in range(1, self.C):
+            k, v, dk, dv = self.send(k, v, dk, dv)
+            src = (r - step) % self.C
+            kpos = pos[src]
+
+            def earlier(k=k, v=v, kpos=kpos):
+                gq, gk, gv = _block_grads(qg, k[:, :h], v[:, :h], dog, delta, lse, qpos,
+                                          kpos[:h], sc)
+                return gq, _pad_back(gk, 1, h), _pad_back(gv, 1, h)
+
+            def later(k=k, v=v, kpos=kpos):
+                gq, gk, gv = _block_grads(qg[:, h:], k, v, dog[:, h:], delta[..., h:],
+                                          lse[..., h:], qpos[h:], kpos, sc)
+                return _pad_front(gq, 1, h), gk, gv
+
+            gq, gk, gv = jax.lax.cond(src < r, earlier, later)
+            dq, dk, dv = dq + gq, dk + gk, dv + gv
+        dk, dv = self.send(dk, dv)  # block r - (C - 1) = r + 1's gradients go home
+        return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
 
 
 def _ring(q, k, v, pos: np.ndarray, mesh) -> jax.Array:
     C = mesh.shape[AXIS]
-    seq, h, d = q.shape[1], q.shape[2], q.shape[3]
+    seq, heads, d = q.shape[1], q.shape[2], q.shape[3]
     kvh = k.shape[2]
-    scale = 1.0 / math.sqrt(d)
-    ring = [(i, (i + 1) % C) for i in range(C)]
-    t = seq // C
-    # Every rank's positions (the layout is fixed): no positions travel.
-    by_rank = np.asarray(pos).reshape(C, t)
+    ring = _Ring(C, seq // C, kvh, heads // kvh, d, np.asarray(pos).reshape(C, -1))
+    seq_spec, lse_spec = P(None, AXIS), P(None, None, None, AXIS)
+    on = functools.partial(jax.shard_map, mesh=_context_mesh(mesh), axis_names={AXIS})
+    forward = on(ring.forward, in_specs=(seq_spec,) * 3, out_specs=(seq_spec, lse_spec))
+    backward = on(ring.backward, in_specs=(seq_spec,) * 4 + (lse_spec, seq_spec),
+                  out_specs=(seq_spec,) * 3)
 
-    def body(q, k, v):
-        r = jax.lax.axis_index(AXIS)
-        qg = q.reshape(q.shape[0], t, kvh, h // kvh, d)
-        local = jnp.asarray(by_rank)
-        qpos = local[r]
-        acc = _block(qg, k, v, qpos, qpos, scale)  # the diagonal: causal inside
-        for step in range(1, C):
-            k, v = (jax.lax.ppermute(x, AXIS, ring) for x in (k, v))
-            src = (r - step) % C
-            acc = _merge(acc, _visible_half(src, r, qg, k, v, qpos, local[src], scale,
-                                            t // 2))
-        _, l_, o = acc
-        o = o / jnp.moveaxis(l_, -1, 1)[..., None]
-        return o.reshape(q.shape).astype(q.dtype)
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return forward(q, k, v)[0]
 
-    spec = P(None, AXIS)
-    return jax.shard_map(body, mesh=_context_mesh(mesh), in_specs=(spec, spec, spec),
-                         out_specs=spec, axis_names={AXIS})(q, k, v)
+    def attention_fwd(q, k, v):
+        o, lse = forward(q, k, v)
+        return o, (q, k, v, o, lse)
+
+    def attention_bwd(res, do):
+        return backward(*res, do)
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention(q, k, v)
 
 
 def _context_mesh(mesh):

@@ -28,7 +28,7 @@ from plait.models import gpt
 from plait.models.gpt import abstract_model
 from plait.parallel import context, formulas, hierarchical, local_sgd, schedules
 from plait.tasks.base import Evaluator, Source, Task
-from plait.tasks.gpt_checks import check_fits, decoder_rules
+from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules
 from plait.tasks.gpt_runtime import attention_for, scan_for
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
@@ -61,7 +61,9 @@ class GPTTask(Task):
 
     def __init__(self, exp: Experiment, mesh: Mesh):
         super().__init__(exp, mesh)
-        self.rules = decoder_rules(dict(mesh.shape), exp.model, exp.context.attention)
+        self.context_attention, self.context_why = context_attention(
+            dict(mesh.shape), exp.context.attention)
+        self.rules = decoder_rules(dict(mesh.shape), exp.model, self.context_attention)
         device = mesh.devices.flat[0]
         self.attention, self.attention_why = attention_for(
             exp.model, exp.precision.compute, device.platform, device.device_kind)
@@ -332,8 +334,14 @@ class GPTTask(Task):
 
     def describe(self, state: dict) -> list[str]:
         layers = "scanned" if self.exp.model.scan_layers else "unrolled"
-        return [f"plait: attention {self.attention} ({self.attention_why}); layers {layers} "
-                f"({self.scan_why})"]
+        out = [f"plait: attention {self.attention} ({self.attention_why}); layers {layers} "
+               f"({self.scan_why})"]
+        C = self.mesh.shape.get("context", 1)
+        if C > 1:
+            out.append(f"plait: context axis {C}: {self.exp.model.seq_len // C} tokens of each "
+                       f"sequence per rank, balanced causal order; attention "
+                       f"{self.context_attention} ({self.context_why})")
+        return out
 
     def param_bytes_per_device(self) -> int:
         """Bytes of this device's shards of the parameters (fp32 master weights)."""

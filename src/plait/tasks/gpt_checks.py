@@ -27,6 +27,18 @@ _DIM_KEYS = {
 }
 
 
+def context_attention(sizes: dict[str, int], asked: str) -> tuple[str, str]:
+    """(the attention the context axis runs, why). A pipeline runs each rank's action in
+    its own branch, and XLA's collective-permute is one operation over every device
+    (a ring step inside a branch waits for ranks that are in another): under a
+    pipeline the keys and values are gathered instead."""
+    if sizes.get("context", 1) == 1:
+        return asked, "no context axis"
+    if asked == "ring" and sizes.get("pipeline", 1) > 1:
+        return "allgather", "a ring's ppermute cannot run inside a pipeline stage's branch"
+    return asked, "[context] attention"
+
+
 def decoder_rules(sizes: dict[str, int], model: GPTConfig,
                   context_attention: str = "ring") -> sharding.Rules:
     """The mesh's rule set for this decoder: key/value heads split over the axes that
