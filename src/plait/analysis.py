@@ -92,10 +92,15 @@ def collectives(mod: hlo.Module, mesh_shape: dict[str, int],
             group = groups[0] if groups else list(range(n_devices))
             size = len(group) if kind != "collective-permute" else 2
             nbytes = operand_bytes * size if kind == "all-gather" else operand_bytes
-            axes = _axes_of_group(group, mesh_shape) if kind != "collective-permute" else []
+            pairs = hlo.permute_pairs(ins.attrs) if kind == "collective-permute" else []
+            if kind == "collective-permute":  # the axes any sender and receiver differ in
+                differ = {a for pair in pairs for a in _axes_of_group(pair, mesh_shape)}
+                axes = [a for a in mesh_shape if a in differ]
+            else:
+                axes = _axes_of_group(group, mesh_shape)
             crosses = False
             if hosts is not None:
-                crosses = _crosses(hlo.permute_pairs(ins.attrs) if kind == "collective-permute"
+                crosses = _crosses(pairs if kind == "collective-permute"
                                    else groups or [group], hosts)
             found.append(Collective(kind, nbytes, size, axes, times, ins.shape, crosses))
     return found

@@ -149,3 +149,62 @@ def tensor_wire_bytes(analysis: dict) -> float:
     the collectives that run over tensor axes only (plait.analysis)."""
     return sum(b for axes, b in analysis["wire_by_axes"].items()
                if axes != "-" and set(axes.split(",")) <= TENSOR_AXES)
+
+
+def context_elements(exp: Experiment, sizes: dict[str, int]) -> dict[str, float]:
+    """Elements of the context axis's attention traffic per device per step, by the
+    collective that carries it (parallel.context; measured equal to the compiled step).
+
+    A block is one rank's keys (or values): B T / C tokens x its key/value heads x head
+    size, B the rows of its data replica. Ring: the forward sends C - 1 key blocks and
+    C - 1 value blocks round; the backward's key/value sends are the same values in the
+    same order, which XLA shares with the forward's (sent again under remat or stacked
+    layers),
+    and the float32 key/value gradients travel C - 1 steps with them and one home:
+    2(C - 1) [+ 2(C - 1) with remat or stacked layers] blocks in the compute dtype, 2C in
+    float32. All-gather: 2(C - 1) blocks gathered forward (again under remat; stacked
+    layers keep the gathered blocks for the backward); the gradients of
+    the gathered keys and values are all-reduced over the axis, 2 x 2(C - 1) blocks,
+    in the step's all-reduces (XLA fuses them with the weight-gradient reduction)."""
+    m = exp.model
+    C = sizes.get("context", 1)
+    if C == 1:
+        return {}
+    p = sizes.get("tensor", 1)
+    kv = m.n_kv_heads
+    per_rank = kv / p if kv % p == 0 else kv
+    rows = exp.train.global_batch / (sizes.get("data", 1) * sizes.get("fsdp", 1))
+    block = rows * m.seq_len / C * per_rank * m.head_size
+    # Sent again in the backward: under remat; a ring's also in a scan over stacked
+    # layers (the backward's scan cannot share the forward's sends).
+    remat = m.remat != "none"
+    L = m.layers
+    if exp.context.attention == "ring" and sizes.get("pipeline", 1) == 1:
+        again = 2 if remat or m.scan_layers is True else 1
+        return {"kv": L * block * 2 * (C - 1) * again, "kv_grad_f32": L * block * 2 * C}
+    return {"kv": L * block * 2 * (C - 1) * (2 if remat else 1),
+            "kv_grad": L * block * 4 * (C - 1)}
+
+
+def context_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu"
+                  ) -> dict[str, float]:
+    """Bytes per device per step of the context axis's attention traffic, by the kind of
+    collective: {"collective-permute": ...} for the ring, {"all-gather": ..., "all-reduce":
+    ...} for gathered keys and values (the all-reduce part rides in the step's gradient
+    all-reduces over the axis)."""
+    e = context_elements(exp, sizes)
+    if not e:
+        return {}
+    w = collective_width(exp, platform)
+    if "kv_grad_f32" in e:
+        return {"collective-permute": e["kv"] * w + e["kv_grad_f32"] * 4}
+    return {"all-gather": e["kv"] * w, "all-reduce": e["kv_grad"] * w}
+
+
+def context_wire_bytes(analysis: dict) -> dict[str, float]:
+    """The compiled step's wire bytes over the context axis alone, by kind of collective."""
+    out: dict[str, float] = {}
+    for op in analysis["collective_ops"]:
+        if op["axes"] == ["context"]:
+            out[op["kind"]] = out.get(op["kind"], 0.0) + op["wire_bytes"]
+    return out
