@@ -214,6 +214,15 @@ def group_ids(attrs: str, n_devices: int) -> list[list[int]] | None:
     return None
 
 
+def branches(attrs: str) -> list[str]:
+    """The computations a conditional chooses between (true/false, or indexed)."""
+    group = re.search(r"branch_computations=\{([^}]*)\}", attrs)
+    if group:
+        return [c.strip().lstrip("%") for c in group.group(1).split(",")]
+    return [m for key in ("true_computation", "false_computation")
+            for m in re.findall(rf"\b{key}=%?([\w.\-]+)", attrs)]
+
+
 def permute_pairs(attrs: str) -> list[list[int]]:
     m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
     if not m:

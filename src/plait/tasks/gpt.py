@@ -361,6 +361,12 @@ class GPTTask(Task):
         out = {"tensor_mode": mode, "tensor_wire_bytes": wire, "tensor_formula_bytes": formula,
                "param_bytes_per_device": self.param_bytes_per_device(),
                "pipeline": self.pipeline.figures if self.pipeline else None}
+        if sizes.get("context", 1) > 1:
+            exp = self.exp.model_copy(update={"context": self.exp.context.model_copy(
+                update={"attention": self.context_attention})})
+            out["context"] = {"size": sizes["context"], "attention": self.context_attention,
+                              "wire_bytes": formulas.context_wire_bytes(analysis),
+                              "formula_bytes": formulas.context_bytes(exp, sizes, platform)}
         return out
 
     # ------------------------------------------------------------------ sweep

@@ -53,6 +53,13 @@ def render(r: dict) -> None:
         c.print(f"tensor mode {r['tensor_mode']}: {size_text(r['tensor_wire_bytes'])} over tensor "
                 f"axes per device per step{formula}; parameters "
                 f"{size_text(r['param_bytes_per_device'])} per device")
+    if r.get("context"):
+        x = r["context"]
+        parts = ", ".join(f"{size_text(b)} {k}" for k, b in x["wire_bytes"].items()) or "none"
+        want = ", ".join(f"{size_text(b)} {k}" for k, b in x["formula_bytes"].items())
+        c.print(f"context axis {x['size']} ({x['attention']} attention): {parts} over it per "
+                f"device per step (attention formula {want}; the all-reduces also carry the "
+                "weight gradients' sum over the axis)")
     if r.get("phases"):
         names = list(r["phases"])
         ph = Table(title="wire bytes per device, by kind of step and mesh axes")
