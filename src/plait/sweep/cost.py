@@ -58,6 +58,11 @@ def collective_time(kind: str, group: int, count: float, wire_bytes: float, cros
 # Collectives over these axes only move parameters and gradients (fp32 master copies),
 # whatever the compute dtype.
 FP32_AXES = frozenset({"data", "fsdp"})
+# The context axis splits tokens like a batch axis: its all-reduces sum fp32 weight
+# gradients; its gathers and ring sends carry keys and values in the compute dtype
+# (the ring's key/value gradients travel in fp32 and are priced at the compute width:
+# at most 2C / (4C - 2) of its bytes, under by 2x in bf16).
+GRADIENT_AXES = FP32_AXES | {"context"}
 
 
 def collective_width(exp: Experiment, hw: Hardware, compiled_on: str = "cpu") -> float:
@@ -87,7 +92,9 @@ def comm_by_link(groups: dict, hw: Hardware, width: float) -> dict[str, dict[str
     out = {link: {"s": 0.0, "wire": 0.0} for link in analysis.LINKS}
     for (kind, axes, g, cross), (count, nbytes) in groups.items():
         axis_list = [a for a in axes.split(",") if a]
-        w = 1.0 if axis_list and set(axis_list) <= FP32_AXES else width
+        fp32 = axis_list and (set(axis_list) <= FP32_AXES or (
+            kind == "all-reduce" and set(axis_list) <= GRADIENT_AXES))
+        w = 1.0 if fp32 else width
         link = out[analysis.LINKS[cross]]
         link["s"] += collective_time(kind, g, count, nbytes, cross, hw, w)
         link["wire"] += nbytes * w

@@ -42,6 +42,10 @@ from plait.train.step import (
     make_train_step,
 )
 
+# The sweep tries a context axis only where each rank keeps at least this many tokens of
+# a sequence.
+SWEEP_MIN_CONTEXT_CHUNK = 1024
+
 
 class HeldOutLoss:
     """Mean loss (and its exp, perplexity) of the state on fixed held-out batches."""
@@ -375,6 +379,11 @@ class GPTTask(Task):
         """Every shape the model divides; a pipeline axis adds each schedule x microbatch
         count (D, 2D, 4D) the layers and the batch split into."""
         mesh_lib.tensor_mode(sizes)  # one-line errors for shapes no mode runs
+        C = sizes.get("context", 1)
+        if C > 1 and exp.model.seq_len // C < SWEEP_MIN_CONTEXT_CHUNK:
+            raise UserError(f"context={C} leaves fewer than {SWEEP_MIN_CONTEXT_CHUNK} tokens "
+                            "per rank: not swept (a block that small cannot hide the ring's "
+                            "sends; the batch axes split such sequences for less)")
         check_fits(exp, sizes, decoder_rules(sizes, exp.model, exp.context.attention),
                    abstract_model(exp.model))
         D = sizes.get("pipeline", 1)

@@ -36,7 +36,7 @@ def context_attention(sizes: dict[str, int], asked: str) -> tuple[str, str]:
         return asked, "no context axis"
     if asked == "ring" and sizes.get("pipeline", 1) > 1:
         return "allgather", "a ring's ppermute cannot run inside a pipeline stage's branch"
-    return asked, "[context] attention"
+    return asked, "context.attention"
 
 
 def decoder_rules(sizes: dict[str, int], model: GPTConfig,
