@@ -168,3 +168,14 @@ def test_context_errors_are_one_line():
         GPTTask(experiment("gpt", model={"seq_len": 36}), make_mesh("context=4"))
     with pytest.raises(UserError, match="1-D tensor parallelism or none"):
         GPTTask(experiment("gpt"), make_mesh("context=2,tensor_row=2,tensor_col=2"))
+
+
+def test_sweep_tries_the_axis_for_long_sequences_only():
+    from plait.config_files import load_experiment
+    from plait.sweep.shapes import enumerate_shapes
+
+    long, _ = enumerate_shapes(load_experiment("experiments/llama3.2-1b-32k.toml", []), 8)
+    assert {c.sizes.get("context", 1) for c in long} == {1, 2, 4, 8}
+    short, reasons = enumerate_shapes(tiny(model={"seq_len": 1024}), 8)
+    assert {c.sizes.get("context", 1) for c in short} == {1}
+    assert not any("context" in r for r in reasons)

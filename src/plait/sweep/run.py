@@ -3,6 +3,7 @@ pays), predict every shape, rank; and `--run`: train the top shapes for a few st
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,12 +53,25 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
 
     from rich.progress import Progress
 
-    with Progress(disable=not progress, transient=True) as bar:
+    # Off a terminal rich draws no bar: a line per program instead (logs, CI, nohup).
+    lines = progress and not sys.stderr.isatty()
+    done = 0
+
+    def note(prog: Program, seconds: float) -> None:
+        nonlocal done
+        done += 1
+        if lines:
+            print(f"plait sweep: compiled {done}/{len(programs)} {_label(prog)} ({seconds:.1f}s)",
+                  file=sys.stderr, flush=True)
+
+    with Progress(disable=not progress or lines, transient=True) as bar:
         task = bar.add_task(f"compiling {len(programs)} programs", total=len(programs))
         if workers == 1:
             for prog in programs:
                 bar.update(task, description=f"compiling {_label(prog)}")
-                yield (prog, *compiled.timed_measure(exp, prog[0][0], n, per_node))
+                figures, seconds = compiled.timed_measure(exp, prog[0][0], n, per_node)
+                note(prog, seconds)
+                yield prog, figures, seconds
                 bar.advance(task)
             return
         bar.update(task, description=f"compiling {len(programs)} programs in {workers} processes")
@@ -66,7 +80,9 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
             futures = {pool.submit(compiled.timed_measure, exp, prog[0][0], n, per_node): prog
                        for prog in programs}
             for fut in as_completed(futures):
-                yield (futures[fut], *fut.result())
+                figures, seconds = fut.result()
+                note(futures[fut], seconds)
+                yield futures[fut], figures, seconds
                 bar.update(task, description=f"compiled {_label(futures[fut])}")
                 bar.advance(task)
 

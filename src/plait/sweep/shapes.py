@@ -78,7 +78,7 @@ def enumerate_shapes(exp: Experiment, n: int) -> tuple[list[Candidate], list[str
     task = tasks.task_class(exp.model.kind)
     out: list[Candidate] = []
     reasons: dict[str, int] = {}
-    for sizes in factorisations(n, task.sweep_axes):
+    for sizes in factorisations(n, task.sweep_axes_for(exp)):
         try:
             mesh_lib.tensor_mode(sizes)
             variants = task.sweep_variants(exp, sizes)

@@ -74,6 +74,11 @@ class Task(abc.ABC):
     # Mesh axes `plait sweep` factors the devices over (others stay 1).
     sweep_axes: ClassVar[tuple[str, ...]] = ("data", "fsdp")
 
+    @classmethod
+    def sweep_axes_for(cls, exp: Experiment) -> tuple[str, ...]:
+        """The axes `plait sweep` factors this experiment's devices over."""
+        return cls.sweep_axes
+
     def __init__(self, exp: Experiment, mesh: Mesh):
         self.exp, self.mesh = exp, mesh
 

@@ -375,6 +375,14 @@ class GPTTask(Task):
 
     # ------------------------------------------------------------------ sweep
     @classmethod
+    def sweep_axes_for(cls, exp: Experiment) -> tuple[str, ...]:
+        """Every axis, but `context` only for sequences it can split into blocks of
+        SWEEP_MIN_CONTEXT_CHUNK tokens or more."""
+        if exp.model.seq_len < 2 * SWEEP_MIN_CONTEXT_CHUNK:
+            return tuple(a for a in cls.sweep_axes if a != "context")
+        return cls.sweep_axes
+
+    @classmethod
     def sweep_variants(cls, exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:
         """Every shape the model divides; a pipeline axis adds each schedule x microbatch
         count (D, 2D, 4D) the layers and the batch split into."""
