@@ -179,3 +179,12 @@ def test_sweep_tries_the_axis_for_long_sequences_only():
     short, reasons = enumerate_shapes(tiny(model={"seq_len": 1024}), 8)
     assert {c.sizes.get("context", 1) for c in short} == {1}
     assert not any("context" in r for r in reasons)
+
+
+def test_sync_replicas_with_a_context_axis_train_as_with_fsdp(tmp_path):
+    """EASGD replicas over data, each split over context (keys and values gathered: the
+    ring's shard_map cannot run in the per-replica vmap), train as each split over fsdp."""
+    exp = experiment("llama", train={"steps": 4}, sync={"method": "easgd", "period": 2})
+    want = losses(run(exp, "data=2,fsdp=4", tmp_path / "fsdp"))
+    got = losses(run(exp, "data=2,context=4", tmp_path / "context"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)

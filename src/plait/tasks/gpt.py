@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,13 @@ class GPTTask(Task):
         self.stacked = exp.model.scan_layers is True and exp.model.layers > 0
         self.local = local_sgd.for_run(exp, mesh, pipelined=self.pipeline is not None)
         self.data_split = hierarchical.for_run(exp, mesh, pipelined=self.pipeline is not None)
+        if (self.local or self.data_split) and self.context_attention == "ring":
+            # The model is traced per data replica (vmap over `data`), and a shard_map
+            # manual over `context` alone cannot be batched over an axis it leaves to GSPMD.
+            self.context_attention = "allgather"
+            self.context_why = ("the model runs per data replica (sync.method or a data "
+                                "axis across hosts), where a ring cannot")
+            self.rules = replace(self.rules, context_attention="allgather")
         mask = (self.pipeline.decay_mask if self.pipeline
                 else models.decay_mask(self.model.variables()))
         self.tx, self.lr_schedule = optimizer(exp, mask)
