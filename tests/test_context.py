@@ -29,7 +29,7 @@ def experiment(kind: str, attention: str = "ring", **sections):
 def loss_and_grads(model: str, attention: str, spec: str):
     from plait.tasks.gpt import GPTTask
 
-    exp = experiment(model, attention)
+    exp = experiment(model, attention, model={"layers": 1})  # one block shows it all
     task = GPTTask(exp, make_mesh(spec))
     params = task.init_state()["params"]
     tokens = np.random.default_rng(0).integers(0, exp.model.vocab,
