@@ -138,24 +138,26 @@ def reference(tmp_path_factory):
     return losses(run(tiny(model={"layers": 8}), "data=1", tmp_path_factory.mktemp("ref")))
 
 
+# Every schedule's gradients equal the unpipelined ones on pipeline=4 (below); these
+# train each with another axis beside it (the plain pipeline=4 runs of gpipe, 1f1b and
+# zb-h1 proved nothing those do not), 6 steps of the 12-step reference.
 @pytest.mark.parametrize("schedule,spec,extra", [
-    ("gpipe", "pipeline=4", {}),
     ("gpipe", "data=2,pipeline=4", {}),
-    ("1f1b", "pipeline=4", {"microbatches": 8}),
-    ("1f1b", "tensor=2,pipeline=4", {}),
+    ("1f1b", "tensor=2,pipeline=4", {"microbatches": 8}),
     ("interleaved", "pipeline=4", {"virtual_stages": 2}),
     ("interleaved", "data=2,pipeline=2", {"virtual_stages": 4, "microbatches": 4}),
     ("chimera", "pipeline=4", {"microbatches": 8}),
     ("chimera", "fsdp=2,pipeline=4", {}),
-    ("zb-h1", "pipeline=4", {"microbatches": 8}),
-    ("zb-h1", "tensor=2,pipeline=4", {}),
+    ("zb-h1", "tensor=2,pipeline=4", {"microbatches": 8}),
     ("zb-h1", "tensor_row=2,tensor_col=2,pipeline=2", {"microbatches": 4}),
     ("1f1b", "pipeline=2", {"recompute": True}),
 ])
 def test_losses_equal_the_unpipelined_run(schedule, spec, extra, reference, tmp_path):
-    got = losses(run(_pipe_exp(schedule, **extra), spec, tmp_path))
-    assert len(got) == 12
-    np.testing.assert_allclose(got, reference, rtol=1e-4)
+    exp = _pipe_exp(schedule, **extra).model_copy(
+        update={"train": tiny().train.model_copy(update={"steps": 6})})
+    got = losses(run(exp, spec, tmp_path))
+    assert len(got) == 6
+    np.testing.assert_allclose(got, reference[:6], rtol=1e-4)
 
 
 def _grads(exp, spec):
