@@ -329,3 +329,14 @@ def test_pipeline_nests_the_3d_tensor_mode(reference, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     np.testing.assert_allclose(got, reference[:3], rtol=1e-4)
+
+
+def test_microbatch_rows_must_split_over_the_2d_grid_too():
+    """A 2-D grid splits rows over tensor_row as well: one row per microbatch on
+    tensor_row=2 is a one-line error naming the axes (it was a sharding traceback)."""
+    from plait.errors import UserError
+
+    exp = tiny(model={"layers": 8}, train={"global_batch": 4},
+               pipeline={"schedule": "1f1b", "microbatches": 4})
+    with pytest.raises(UserError, match="tensor_row = 2; make it a multiple of 8"):
+        Job(exp, make_mesh("pipeline=2,tensor_row=2,tensor_col=2"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -175,6 +176,19 @@ def spec(logical: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
 
 def param_spec(logical: Sequence[str], fan_in: Sequence[str], rules: Rules, mesh: Mesh) -> P:
     return axes_spec(rules.param_axes(logical, fan_in), mesh)
+
+
+def batch_splits(rules: Rules, sizes: Mapping[str, int]) -> list[tuple[tuple[str, ...], int]]:
+    """(mesh axes, their product) that split a batch's rows, as the residual stream lays
+    them out and as the hidden side does (in 3-D they differ): every row count must
+    divide by each product."""
+    out = []
+    for feature in ("act_embed", "act_heads"):
+        taken = set(axes_tuple(rules.get(feature)))
+        split = tuple(a for a in axes_tuple(rules.get("act_batch"))
+                      if sizes.get(a, 1) > 1 and a not in taken)
+        out.append((split, math.prod(sizes[a] for a in split)))
+    return out
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, ndim: int, batch_dim: int = 0) -> NamedSharding:

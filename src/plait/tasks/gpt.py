@@ -405,7 +405,8 @@ class GPTTask(Task):
         D = sizes.get("pipeline", 1)
         if D == 1:
             return [{}]
-        replicas = sizes.get("data", 1) * sizes.get("fsdp", 1)
+        rules = decoder_rules(sizes, exp.model)
+        replicas = math.lcm(*(n for _, n in sharding.batch_splits(rules, sizes)))
         out = []
         for name, kind in schedules.SCHEDULES.items():
             v = kind.default_virtual

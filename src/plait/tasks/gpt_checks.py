@@ -62,11 +62,7 @@ def _check_batch(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules) 
         raise UserError(f"train.global_batch = {t.global_batch} is not divisible by "
                         f"train.microbatches = {t.microbatches}")
     per_micro = t.global_batch // t.microbatches
-    for feature in ("act_embed", "act_heads"):
-        taken = set(sharding.axes_tuple(rules.get(feature)))
-        split = tuple(a for a in sharding.axes_tuple(rules.get("act_batch"))
-                      if sizes.get(a, 1) > 1 and a not in taken)
-        n = math.prod(sizes[a] for a in split)
+    for split, n in sharding.batch_splits(rules, sizes):
         if per_micro % n:
             raise UserError(
                 f"train.global_batch = {t.global_batch} does not split over {' x '.join(split)}"

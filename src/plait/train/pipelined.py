@@ -57,12 +57,13 @@ class Pipelined:
                 f"model.layers = {cfg.layers} does not split evenly over {stages} pipeline stages"
                 + (f" (pipeline {D} x pipeline.virtual_stages {v})" if v > 1 else "")
                 + f"; use a layer count that is a multiple of {stages}")
-        replicas = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
-        if exp.train.global_batch % (N * replicas):
-            raise UserError(
-                f"train.global_batch = {exp.train.global_batch} does not split into "
-                f"pipeline.microbatches = {N} of rows over data x fsdp = {replicas}; make it a "
-                f"multiple of {N * replicas}")
+        for split, replicas in sharding.batch_splits(rules, dict(mesh.shape)):
+            if exp.train.global_batch % (N * replicas):
+                raise UserError(
+                    f"train.global_batch = {exp.train.global_batch} does not split into "
+                    f"pipeline.microbatches = {N} of rows over "
+                    f"{' x '.join(split) or 'data x fsdp'} = {replicas}; make it a multiple "
+                    f"of {N * replicas}")
         self.ticks = tick_table(self.schedule, cfg.layers, pc.recompute)
         self.key = layer_key
         # The model without its repeated layers: what every rank keeps whole.
