@@ -275,7 +275,12 @@ class GPTTask(Task):
     def branch_weights(self):
         if self.local:
             return local_sgd.phases(self.exp.sync.period)["mean_step"]
-        return self.pipeline.ticks.branch_weights() if self.pipeline else None
+        if self.pipeline:
+            return self.pipeline.ticks.branch_weights()
+        if self.mesh.shape.get("context", 1) > 1 and self.context_attention == "ring":
+            # Each ring step runs one of its two equal halves (parallel.context).
+            return {2: [0.5, 0.5]}
+        return None
 
     def phases(self) -> dict[str, dict[int, list[float]]]:
         return local_sgd.phases(self.exp.sync.period) if self.local else {}
