@@ -44,7 +44,7 @@ def snapshot(run_dir: Path) -> dict:
     (["--mesh", "pipeline=4", "--set", "model.layers=6"],
      r"model.layers = 6 does not split evenly over 4 pipeline stages"),
     (["--mesh", "data=4,pipeline=2", "--set", "pipeline.microbatches=8"],
-     r"does not split into pipeline.microbatches = 8 of rows over data x fsdp = 4"),
+     r"does not split into pipeline.microbatches = 8 of rows over data = 4"),
     (["--mesh", "pipeline=2", "--set", "train.microbatches=2"],
      r"with a pipeline, split the batch with pipeline.microbatches"),
     (["--mesh", "pipeline=2", "--set", 'pipeline.schedule="chimera"', "--set",
