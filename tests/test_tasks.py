@@ -113,8 +113,9 @@ def test_a_registered_kind_trains_and_resumes_bit_identically(tmp_path):
     moved = tmp_path / "moved"
     train(_exp(12), make_mesh("data=4"), moved)
     other_mesh = train(exp, make_mesh("data=2"), moved)  # resharded on load
+    # another mesh sums in another order: float32 rounding of a loss near 1e-3 of its start
     np.testing.assert_allclose([r["loss"] for r in other_mesh["records"]], losses[12:],
-                               rtol=1e-5)
+                               rtol=1e-5, atol=1e-6 * losses[0])
     # The run directory remembers the kind: another shape of it is refused in one line.
     other = Experiment.model_validate({**_exp(30).model_dump(), "model": {
         "kind": "linear", "features": 4}})
