@@ -94,12 +94,12 @@ class Checkpoints:
                 continue  # judged (and skipped) when restoring
             saved = meta.get("config", {}).get("model", {})
             keys = ("kind", *model.shape_keys_now())
-            diff = [k for k in keys if k in saved and saved[k] != model_cfg.get(k)]
+            diff = [k for k in keys if _has(saved, k) and _get(saved, k) != _get(model_cfg, k)]
             if diff:
                 k = diff[0]
                 raise UserError(
                     f"run directory '{run_dir}' holds checkpoints of a different model "
-                    f"(model.{k} = {saved[k]!r} there, {model_cfg.get(k)!r} now); "
+                    f"(model.{k} = {_get(saved, k)!r} there, {_get(model_cfg, k)!r} now); "
                     "use a new --run-dir or the original model settings"
                 )
             return
@@ -176,3 +176,16 @@ class Checkpoints:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _get(config: dict, key: str):
+    """config[key] for a dotted key ("moe.experts"); None where a table is absent."""
+    for part in key.split("."):
+        if not isinstance(config, dict):
+            return None
+        config = config.get(part)
+    return config
+
+
+def _has(config: dict, key: str) -> bool:
+    return key.split(".")[0] in config

@@ -25,7 +25,7 @@ from plait.errors import UserError
 # Every mesh axis, in mesh order (outermost first: the innermost axes talk most
 # and should land on the fastest links).
 AXES = (
-    "data", "pipeline", "fsdp", "context",
+    "data", "pipeline", "fsdp", "expert", "context",
     "tensor_depth", "tensor_row", "tensor_col",
     "tensor_x", "tensor_y", "tensor_z",
     "tensor",

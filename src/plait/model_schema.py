@@ -45,6 +45,34 @@ class RopeScaling(Section):
     original_context: PosInt = 8192
 
 
+class MoEConfig(Section):
+    """A mixture of experts in place of the dense MLP (`[model.moe]`): `experts` MLPs of
+    hidden size `d_ff` (unset = model.d_ff), each token through `top_k` of them chosen
+    by a softmax router (the chosen probabilities renormalised to sum to 1 unless
+    `renormalize` is false, as OLMoE), in every `every`-th layer (layers 0, every,
+    2 x every, ...); an optional shared expert every token passes through
+    (`shared_d_ff`, 0 = none). `capacity_factor` > 0 caps each expert's assignments
+    per sequence (the rest dropped and counted); 0 = dropless. The router's
+    load-balancing loss (Switch) and z-loss join the gradient with their weights."""
+
+    experts: Annotated[int, Field(ge=2)] = 8
+    top_k: PosInt = 2
+    every: PosInt = 1
+    d_ff: PosInt | None = None
+    shared_d_ff: NonNegInt = 0
+    renormalize: bool = True
+    capacity_factor: NonNegFloat = 0.0
+    aux_weight: NonNegFloat = 0.01
+    z_weight: NonNegFloat = 0.0
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> MoEConfig:
+        if self.top_k > self.experts:
+            raise ValueError(f"model.moe.top_k = {self.top_k} exceeds model.moe.experts = "
+                             f"{self.experts}; choose top_k <= experts")
+        return self
+
+
 class GPTConfig(ModelSection):
     """A decoder-only transformer (`kind = "gpt"`, GPT-2's layout by default). The same
     decoder is a Llama-family model (`kind = "llama"`: RMSNorm, rotary positions, a
@@ -87,11 +115,14 @@ class GPTConfig(ModelSection):
     # parameters, same results): compile time no longer grows with the number of
     # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 24 layers).
     scan_layers: bool | Literal["auto"] = False
+    # A mixture of experts in place of the MLP (of every `moe.every`-th layer).
+    moe: MoEConfig | None = None
 
     data_sources: ClassVar[tuple[str, ...]] = ("synthetic", "tokens")
     shape_keys: ClassVar[tuple[str, ...]] = (
         "layers", "d_model", "heads", "kv_heads", "head_dim", "d_ff", "vocab", "seq_len",
-        "tie_embeddings", "vocab_multiple", "norm", "position", "mlp", "bias", "qkv_bias")
+        "tie_embeddings", "vocab_multiple", "norm", "position", "mlp", "bias", "qkv_bias",
+        "moe.experts", "moe.every", "moe.d_ff", "moe.shared_d_ff")
 
     @field_validator("remat", mode="before")
     @classmethod
@@ -110,7 +141,19 @@ class GPTConfig(ModelSection):
                              "model.head_dim")
         if self.position == "rope" and self.head_size % 2:
             raise ValueError(f"rotary positions need an even head size, not {self.head_size}")
+        if self.moe is not None and self.moe.every > 1 and self.scan_layers is True:
+            raise ValueError(f"model.moe.every = {self.moe.every} mixes dense and expert "
+                             "layers, which stacked layers cannot hold; set model.scan_layers"
+                             " = false (or moe.every = 1)")
         return self
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` has experts in place of its MLP."""
+        return self.moe is not None and layer % self.moe.every == 0
+
+    @property
+    def expert_d_ff(self) -> int:
+        return (self.moe.d_ff if self.moe is not None and self.moe.d_ff else self.d_ff)
 
     @property
     def padded_vocab(self) -> int:

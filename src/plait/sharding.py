@@ -49,7 +49,8 @@ class Rules:
         return self.names.get(name)
 
 
-_PARAM_NONE = {"head_dim": None, "qkv": None, "gate_up": None, "seq": None}
+_PARAM_NONE = {"head_dim": None, "qkv": None, "gate_up": None, "seq": None, "router": None,
+               "experts": None}
 _ACT_NONE = {"act_seq": None, "act_head_dim": None}
 # Context parallelism: every token-wise activation split along the sequence.
 _ACT_SEQ = {"act_seq": "context"}
@@ -62,8 +63,10 @@ _ACT_SEQ = {"act_seq": "context"}
 RULES_1D = Rules("1d", {
     **_PARAM_NONE, **_ACT_NONE, **_ACT_SEQ,
     "vocab": "tensor", "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
-    "mlp": "tensor", "norm": None,
-    "act_batch": ("data", "fsdp"), "act_embed": None,
+    "mlp": "tensor", "norm": None, "experts": "expert",
+    # `expert` splits the rows first: each expert rank's rows are one block, the one it
+    # exchanges with the others (parallel.experts).
+    "act_batch": ("expert", "data", "fsdp"), "act_embed": None,
     "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor",
     "act_vocab": "tensor",
 })

@@ -166,17 +166,18 @@ class LayerStack:
     abstract: nnx.State
     remat: str  # none | full | save_dots (config.GPTConfig.remat)
 
-    def layer_fn(self, dtype: jnp.dtype | None = None) -> Callable[[dict, jax.Array], jax.Array]:
-        """One layer as a function (its parameters, h) -> h, computing in `dtype`, with
-        the model's rematerialisation policy."""
+    def layer_fn(self, dtype: jnp.dtype | None = None, method: str = "__call__"
+                 ) -> Callable[[dict, jax.Array], Any]:
+        """One layer as a function (its parameters, h) -> h (or what the layer's `method`
+        returns), computing in `dtype`, with the model's rematerialisation policy."""
         flat_abstract = list(nnx.to_flat_state(self.abstract))
 
-        def one(layer: dict, h: jax.Array) -> jax.Array:
+        def one(layer: dict, h: jax.Array):
             flat = []
             for path, var in flat_abstract:
                 value = _lookup(layer, path)
                 flat.append((path, var.replace(value.astype(dtype) if dtype else value)))
-            return nnx.merge(self.graphdef, nnx.from_flat_state(flat))(h)
+            return getattr(nnx.merge(self.graphdef, nnx.from_flat_state(flat)), method)(h)
 
         if self.remat != "none":
             one = jax.checkpoint(one, policy=remat_policy(self.remat))
@@ -185,6 +186,20 @@ class LayerStack:
     def apply(self, stacked: dict, x: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
         one = self.layer_fn(dtype)
         return jax.lax.scan(lambda h, layer: (one(layer, h), None), x, stacked)[0]
+
+    def apply_with_stats(self, stacked: dict, x: jax.Array, zero: dict,
+                         dtype: jnp.dtype | None = None) -> tuple[jax.Array, dict]:
+        """`apply` of layers whose `forward` returns (h, figures): the figures summed over
+        the layers (starting from `zero`, a dense layer's)."""
+        one = self.layer_fn(dtype, "forward")
+
+        def body(carry, layer):
+            h, total = carry
+            h, stats = one(layer, h)
+            stats = zero if stats is None else stats
+            return (h, jax.tree.map(jnp.add, total, stats)), None
+
+        return jax.lax.scan(body, (x, zero), stacked)[0]
 
 
 def layer_stack(layer_cls: type, cfg: ModelSection) -> LayerStack:

@@ -28,26 +28,13 @@ from plait.models import (
     stacked_layers,
 )
 from plait.models.keys import ParamKeys
+from plait.models.moe import MoE, no_stats, sparse_layers, summarize
+from plait.models.params import param as _param
 from plait.parallel.ops import attend, dense, lookup, sequence_positions
 from plait.sharding import constrain
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, for sampling
-
-
-def _param(rngs: ParamKeys, shape, logical, std: float | None, fan_in=(),
-           used: tuple[int, ...] | None = None) -> nnx.Param:
-    """A parameter of `shape`; with `used`, only that leading block is drawn and the rest
-    (vocabulary padding) is zeros, so the values do not depend on the padding."""
-    if std is None:  # ones (norm scales)
-        value = jnp.ones(shape, jnp.float32)
-    elif std == 0.0:
-        value = jnp.zeros(shape, jnp.float32)
-    else:
-        value = std * jax.random.normal(rngs.params(), used or shape, jnp.float32)
-        value = jnp.pad(value, [(0, full - u) for full, u in zip(shape, value.shape,
-                                                                   strict=True)])
-    return nnx.Param(value, logical_axes=tuple(logical), fan_in=tuple(fan_in))
 
 
 class LayerNorm(nnx.Module):
@@ -221,8 +208,8 @@ class MLP(nnx.Module):
     """GPT-2's GELU MLP, or Llama's SwiGLU: silu(x W_gate) * (x W_up), one fused
     [d, 2, d_ff] projection for the gate and the up matrix, then W_down."""
 
-    def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
-        d, f = cfg.d_model, cfg.d_ff
+    def __init__(self, cfg: GPTConfig, rngs: ParamKeys, d_ff: int | None = None):
+        d, f = cfg.d_model, d_ff or cfg.d_ff
         self.swiglu = cfg.mlp == "swiglu"
         if self.swiglu:
             self.w13 = _param(rngs, (d, 2, f), ("embed", "gate_up", "mlp"), 0.02,
@@ -249,24 +236,44 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: GPTConfig, rngs: ParamKeys):
+    """Attention then an MLP, each behind a pre-norm and a residual add. A sparse layer
+    (model.moe, `sparse`) has a mixture of experts in place of the MLP; by default every
+    block of a model with experts is one (stacked layers and pipeline stages hold one
+    kind of block: moe.every = 1)."""
+
+    def __init__(self, cfg: GPTConfig, rngs: ParamKeys, sparse: bool | None = None):
         self.ln1 = norm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
         self.ln2 = norm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.sparse = cfg.moe is not None if sparse is None else sparse
+        if self.sparse:
+            assert cfg.moe is not None
+            shared = MLP(cfg, rngs, cfg.moe.shared_d_ff) if cfg.moe.shared_d_ff else None
+            self.mlp = MoE(cfg, rngs, shared)
+        else:
+            self.mlp = MLP(cfg, rngs)
+
+    def forward(self, x: jax.Array) -> tuple[jax.Array, dict | None]:
+        """x -> (the block's output, its router figures; None for a dense block)."""
+        x = x + self.attn(self.ln1(x))
+        if self.sparse:
+            h, stats = self.mlp(self.ln2(x))
+            return x + h, stats
+        return x + self.mlp(self.ln2(x)), None
 
     def __call__(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return self.forward(x)[0]
 
     def decode(self, x: jax.Array, cache: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
         h, cache = self.attn.decode(self.ln1(x), cache, pos)
         x = x + h
-        return x + self.mlp(self.ln2(x)), cache
+        out = self.mlp(self.ln2(x))
+        return x + (out[0] if self.sparse else out), cache
 
 
-def _run_block(block: Block, x: jax.Array) -> jax.Array:
-    return block(x)
+def _run_block(block: Block, x: jax.Array) -> tuple[jax.Array, dict]:
+    x, stats = block.forward(x)
+    return x, no_stats() if stats is None else stats
 
 
 @functools.lru_cache(maxsize=8)
@@ -291,7 +298,9 @@ class GPT(nnx.Module):
             # for the scan body's one-layer graph
             self.config_cls, self.config_json = type(cfg), cfg.model_dump_json()
         else:
-            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+            self.blocks = nnx.List([Block(cfg, rngs, cfg.is_sparse(i))
+                                    for i in range(cfg.layers)])
+        self.sparse_layers = sparse_layers(cfg)
         self.ln_f = norm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (d, v), ("embed", "vocab"), 0.02, fan_in=("embed",),
@@ -299,16 +308,19 @@ class GPT(nnx.Module):
         self.tied = cfg.tie_embeddings
         self.remat = cfg.remat
 
-    def _loop_blocks(self, x: jax.Array) -> jax.Array:
+    def _loop_blocks(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        total = no_stats()
         for block in self.blocks:
-            x = (nnx.remat(_run_block, policy=remat_policy(self.remat))(block, x)
-                 if self.remat != "none" else block(x))
-        return x
+            x, stats = (nnx.remat(_run_block, policy=remat_policy(self.remat))(block, x)
+                        if self.remat != "none" else _run_block(block, x))
+            total = jax.tree.map(jnp.add, total, stats)
+        return x, total
 
-    def _scan_blocks(self, x: jax.Array) -> jax.Array:
+    def _scan_blocks(self, x: jax.Array) -> tuple[jax.Array, dict]:
         """One compiled block body under lax.scan over the stacked parameters: no copy
         of them per step, and compile time does not grow with depth."""
-        return _block_stack(self.config_cls, self.config_json).apply(module_values(self.blocks), x)
+        stack = _block_stack(self.config_cls, self.config_json)
+        return stack.apply_with_stats(module_values(self.blocks), x, no_stats())
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] (in the order `sequence_positions` gives) -> the residual
@@ -328,9 +340,14 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> logits [batch, seq, padded_vocab] in the compute dtype."""
+        return self.forward(tokens)[0]
+
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
+        """tokens -> (logits, the step's router metrics: empty without experts)."""
         x = self.embed(tokens)
-        x = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
-        return self.logits(x)
+        x, stats = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
+        metrics = summarize(stats, self.sparse_layers) if self.sparse_layers else {}
+        return self.logits(x), metrics
 
     def decode(self, tokens: jax.Array, caches: list[KV], pos: jax.Array
                ) -> tuple[jax.Array, list[KV]]:

@@ -35,6 +35,7 @@ the head and the lookup share one forward gather of the table.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from plait import mesh as mesh_lib
@@ -208,3 +209,31 @@ def context_wire_bytes(analysis: dict) -> dict[str, float]:
         if op["axes"] == ["context"]:
             out[op["kind"]] = out.get(op["kind"], 0.0) + op["wire_bytes"]
     return out
+
+
+def expert_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu") -> float:
+    """Bytes each device receives per step over the expert axis X: per sparse layer and
+    microbatch, the dispatch buffer of the device's rows (rows x experts x capacity x
+    d_model, capacity = ceil(capacity_factor x seq x top_k / experts): about
+    tokens x top_k x capacity_factor rows) crosses it by all-to-all to the experts and
+    back, (X - 1) / X of it each time; the backward sends the gradients the same two
+    ways, and a rematerialised forward sends it twice more."""
+    from plait.parallel.experts import capacity
+
+    X, m = sizes.get("expert", 1), exp.model
+    if X == 1 or m.moe is None:
+        return 0.0
+    splits = math.prod(sizes.get(a, 1) for a in ("expert", "data", "fsdp"))
+    micro = exp.pipeline.microbatches if sizes.get("pipeline", 1) > 1 else exp.train.microbatches
+    rows = exp.train.global_batch // micro // splits
+    cap = capacity(m.seq_len, m.moe.top_k, m.moe.experts, m.moe.capacity_factor)
+    buffer = rows * m.moe.experts * cap * m.d_model * collective_width(exp, platform)
+    sparse = sum(m.is_sparse(i) for i in range(m.layers))
+    passes = 6 if m.remat != "none" else 4
+    return micro * sparse * passes * buffer * (X - 1) / X
+
+
+def expert_wire_bytes(analysis: dict) -> float:
+    """The compiled step's all-to-all wire bytes over the expert axis alone."""
+    return sum(op["wire_bytes"] for op in analysis["collective_ops"]
+               if op["axes"] == ["expert"] and op["kind"] == "all-to-all")

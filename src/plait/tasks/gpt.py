@@ -27,7 +27,7 @@ from plait.config import Experiment
 from plait.errors import UserError
 from plait.models import gpt
 from plait.models.gpt import abstract_model
-from plait.parallel import context, formulas, hierarchical, local_sgd, schedules
+from plait.parallel import context, experts, formulas, hierarchical, local_sgd, schedules
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules
 from plait.tasks.gpt_runtime import attention_for, scan_for
@@ -42,6 +42,10 @@ from plait.train.step import (
     jit_step,
     make_train_step,
 )
+
+# The router figures a mixture of experts reports each logged step (models.moe.summarize).
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_tokens_max", "moe_tokens_mean",
+               "moe_dropped_fraction")
 
 # The sweep tries a context axis only where each rank keeps at least this many tokens of
 # a sequence.
@@ -87,6 +91,11 @@ class GPTTask(Task):
         self.stacked = exp.model.scan_layers is True and exp.model.layers > 0
         self.local = local_sgd.for_run(exp, mesh, pipelined=self.pipeline is not None)
         self.data_split = hierarchical.for_run(exp, mesh, pipelined=self.pipeline is not None)
+        if (self.local or self.data_split) and exp.model.moe is not None:
+            raise UserError("a mixture of experts trains with sync.method = \"allreduce\" "
+                            "and one flat gradient all-reduce (it is not traced per data "
+                            "replica); set sync.method = \"allreduce\" and sync.reduce = "
+                            "\"flat\"")
         if (self.local or self.data_split) and self.context_attention == "ring":
             # The model is traced per data replica (vmap over `data`), and a shard_map
             # manual over `context` alone cannot be batched over an axis it leaves to GSPMD.
@@ -203,14 +212,31 @@ class GPTTask(Task):
     def loss(self, params: dict, tokens: jax.Array, rules: sharding.Rules | None = None
              ) -> jax.Array:
         """Mean next-token loss of tokens [rows, seq + 1] (under the task's rules, or
-        `rules`)."""
+        `rules`). A mixture of experts' router losses are not in it: their gradients join
+        inside the layers (models.moe), their values are metrics (loss_and_metrics)."""
+        return self.loss_and_metrics(params, tokens, rules)[0]
+
+    def loss_and_metrics(self, params: dict, tokens: jax.Array,
+                         rules: sharding.Rules | None = None) -> tuple[jax.Array, dict]:
+        """(the loss, the model's figures of the step: its router metrics, if any)."""
         with sharding.use(self.mesh, rules or self.rules):
             inputs, targets = context.inputs_targets(tokens)
-            logits = self.model.apply(params, inputs, compute_dtype(self.exp))
-        return cross_entropy(logits, targets, self.exp.model.vocab)
+            logits, metrics = self.model.module(params, compute_dtype(self.exp)).forward(inputs)
+        return cross_entropy(logits, targets, self.exp.model.vocab), metrics
+
+    @property
+    def model_metrics(self) -> tuple[str, ...]:
+        """The metrics the step reports beside the loss: a mixture of experts' router
+        figures (a pipeline computes them inside its stages and reports none)."""
+        if self.exp.model.moe is None or self.pipeline is not None:
+            return ()
+        return MOE_METRICS
 
     def _pipeline_loss_and_grads(self, params: dict, batch: jax.Array):
-        with sharding.use(self.mesh, self.rules):
+        # Each microbatch's gradient reaches a stage divided by the microbatches: so does
+        # the router losses' (parallel.experts.aux_scale).
+        with sharding.use(self.mesh, self.rules), \
+                experts.aux_scale(1.0 / self.pipeline.microbatches):
             return self.pipeline.loss_and_grads(
                 params, batch, compute_dtype(self.exp),
                 functools.partial(cross_entropy, vocab=self.exp.model.vocab))
@@ -259,11 +285,12 @@ class GPTTask(Task):
         pipe = self.pipeline
         loss_and_grads = (self._pipeline_loss_and_grads if pipe else
                           self._hierarchical_loss_and_grads if self.data_split else None)
+        extra = self.model_metrics
         return make_train_step(
             self.mesh, self.layout, self.batch_sharding, self.tx, self.lr_schedule,
-            self.exp.optimizer.grad_clip, loss_fn=self.loss, loss_and_grads=loss_and_grads,
-            skip_nonfinite=self.exp.train.on_nonfinite == "skip",
-            **({"grad_norm": pipe.grad_norm} if pipe else {}))
+            self.exp.optimizer.grad_clip, loss_fn=self.loss_and_metrics if extra else self.loss,
+            loss_and_grads=loss_and_grads, skip_nonfinite=self.exp.train.on_nonfinite == "skip",
+            extra_metrics=extra, **({"grad_norm": pipe.grad_norm} if pipe else {}))
 
     def abstract_batch(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.batch_shape, np.int32, sharding=self.batch_sharding)
@@ -378,6 +405,10 @@ class GPTTask(Task):
         out = {"tensor_mode": mode, "tensor_wire_bytes": wire, "tensor_formula_bytes": formula,
                "param_bytes_per_device": self.param_bytes_per_device(),
                "pipeline": self.pipeline.figures if self.pipeline else None}
+        if sizes.get("expert", 1) > 1:
+            out["experts"] = {"size": sizes["expert"],
+                              "wire_bytes": formulas.expert_wire_bytes(analysis),
+                              "formula_bytes": formulas.expert_bytes(self.exp, sizes, platform)}
         if sizes.get("context", 1) > 1:
             exp = self.exp.model_copy(update={"context": self.exp.context.model_copy(
                 update={"attention": self.context_attention})})
@@ -390,10 +421,15 @@ class GPTTask(Task):
     @classmethod
     def sweep_axes_for(cls, exp: Experiment) -> tuple[str, ...]:
         """Every axis, but `context` only for sequences it can split into blocks of
-        SWEEP_MIN_CONTEXT_CHUNK tokens or more."""
+        SWEEP_MIN_CONTEXT_CHUNK tokens or more, and `expert` only for a mixture of
+        experts with a capacity (dropless runs every expert on every device)."""
+        skip = set()
         if exp.model.seq_len < 2 * SWEEP_MIN_CONTEXT_CHUNK:
-            return tuple(a for a in cls.sweep_axes if a != "context")
-        return cls.sweep_axes
+            skip.add("context")
+        moe = exp.model.moe
+        if moe is None or moe.capacity_factor == 0:
+            skip.add("expert")
+        return tuple(a for a in cls.sweep_axes if a not in skip)
 
     @classmethod
     def sweep_variants(cls, exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:

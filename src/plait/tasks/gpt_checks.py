@@ -24,6 +24,7 @@ _DIM_KEYS = {
     "head_dim": ("the head size (model.head_dim, or d_model / heads)", lambda m: m.head_size),
     "seq": ("model.seq_len", lambda m: m.seq_len),
     "vocab": ("the padded vocabulary", lambda m: m.padded_vocab),
+    "experts": ("model.moe.experts", lambda m: m.moe.experts),
 }
 
 
@@ -94,7 +95,30 @@ def check_fits(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules,
                     else f"make it a multiple of {n}, or split it over fewer devices")
             raise UserError(f"{key} = {get(m)} is not divisible by {_axes_text(axes, n)}; {hint}")
     _check_context(exp, sizes, rules)
+    _check_experts(exp, sizes, rules)
     _check_batch(exp, sizes, rules)
+
+
+def _check_experts(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules) -> None:
+    """What a mixture of experts needs of the mesh and the run (one-line errors)."""
+    X, moe = sizes.get("expert", 1), exp.model.moe
+    if moe is None:
+        if X > 1:
+            raise UserError(f"the expert axis ({X}) splits a mixture of experts, and this "
+                            "model has none; add a [model.moe] table or drop the axis")
+        return
+    if X > 1 and rules.mode not in (None, "1d"):
+        raise UserError(f"the expert axis ({X}) runs with 1-D tensor parallelism or none, "
+                        f"not {mesh_lib.MODE_NAMES[rules.mode]}; use tensor= instead of the "
+                        "2-D / 3-D axes, or drop expert")
+    if X > 1 and moe.capacity_factor == 0:
+        raise UserError(f"dropless experts (model.moe.capacity_factor = 0) run with every "
+                        f"expert on every device, not over an expert axis ({X}); set "
+                        "model.moe.capacity_factor > 0 (e.g. 1.25) or drop the expert axis")
+    if sizes.get("pipeline", 1) > 1 and moe.every > 1:
+        raise UserError(f"model.moe.every = {moe.every} mixes dense and expert layers, and "
+                        "pipeline stages hold one kind of block; set moe.every = 1 or drop "
+                        "the pipeline axis")
 
 
 def _check_context(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules) -> None:

@@ -38,6 +38,8 @@ def scan_for(cfg: GPTConfig, platform: str) -> tuple[bool, str]:
     times faster) and TPUs (where scanning is the norm, as in MaxText) scan."""
     if cfg.scan_layers != "auto":
         return bool(cfg.scan_layers), "model.scan_layers"
+    if cfg.moe is not None and cfg.moe.every > 1:
+        return False, "auto: unrolled, dense and expert layers alternate (moe.every > 1)"
     if platform == "gpu" and cfg.layers <= UNROLL_MAX_LAYERS:
         return False, f"auto: unrolled on a GPU up to {UNROLL_MAX_LAYERS} layers"
     if platform == "gpu":

@@ -74,6 +74,9 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
         dt = timer.lap(at)
         record = {"step": at, "loss": float(metrics["loss"]),
                   "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
+        # A task's own figures of the step (a mixture of experts' router metrics).
+        record.update({k: float(v) for k, v in metrics.items()
+                       if k not in ("loss", "lr", "grad_norm", "skipped")})
         if guard.policy == "skip":
             record["skipped_steps"] = guard.skipped()
         if dt is not None:

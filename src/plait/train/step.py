@@ -15,8 +15,9 @@ from plait.train.state import StateLayout
 
 # loss_fn(params, microbatch) -> scalar loss of the microbatch
 LossFn = Callable[[dict, object], jax.Array]
-# loss_and_grads(params, batch) -> (loss, grads): the whole batch at once (a pipeline)
-LossAndGrads = Callable[[dict, object], tuple[jax.Array, dict]]
+# loss_and_grads(params, batch) -> (loss, grads), or (loss, grads, metrics): the whole
+# batch at once (a pipeline), metrics a dict of scalars the step reports beside the loss
+LossAndGrads = Callable[[dict, object], tuple]
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
@@ -51,24 +52,36 @@ def clip_by_norm(grads, norm: jax.Array, max_norm: float):
     return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, g / norm * max_norm), grads)
 
 
-def accumulated(loss_fn: LossFn, pin: Callable) -> LossAndGrads:
+def accumulated(loss_fn: LossFn, pin: Callable, has_aux: bool = False) -> LossAndGrads:
     """Mean loss and gradients over the leading (microbatch) axis of every batch leaf,
-    one microbatch at a time in a lax.scan (one pass when there is one)."""
-    grad_fn = jax.value_and_grad(loss_fn)
+    one microbatch at a time in a lax.scan (one pass when there is one). With `has_aux`
+    loss_fn returns (loss, metrics) and the result is (loss, grads, metrics), each metric
+    the mean over the microbatches."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def one(params, micro):
+        value, grads = grad_fn(params, micro)
+        loss, metrics = value if has_aux else (value, {})
+        return loss, grads, metrics
 
     def loss_and_grads(params, batch):
         n_micro = jax.tree.leaves(batch)[0].shape[0]
         if n_micro == 1:
-            return grad_fn(params, jax.tree.map(lambda x: x[0], batch))
+            loss, grads, metrics = one(params, jax.tree.map(lambda x: x[0], batch))
+        else:
+            def add(carry, micro):
+                loss, grads, metrics = one(params, micro)
+                total = jax.tree.map(jnp.add, carry, (loss, grads, metrics))
+                return (total[0], pin(total[1]), total[2]), None
 
-        def add(carry, micro):
-            loss_sum, grad_sum = carry
-            loss, grads = grad_fn(params, micro)
-            return (loss_sum + loss, pin(jax.tree.map(jnp.add, grad_sum, grads))), None
-
-        zeros = pin(jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(add, (jnp.zeros((), jnp.float32), zeros), batch)
-        return loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
+            zero_metrics = jax.tree.map(
+                lambda s: jnp.zeros(s.shape, s.dtype),
+                jax.eval_shape(one, params, jax.tree.map(lambda x: x[0], batch))[2])
+            zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)),
+                     zero_metrics)
+            total, _ = jax.lax.scan(add, zeros, batch)
+            loss, grads, metrics = jax.tree.map(lambda a: a / n_micro, total)
+        return (loss, grads, metrics) if has_aux else (loss, grads)
 
     return loss_and_grads
 
@@ -96,19 +109,21 @@ def dense_update(tx: optax.GradientTransformation, params, opt_state, grads, nor
 
 
 def jit_step(step: Callable, mesh: Mesh, lay: StateLayout, batch_sharding,
-             skip_nonfinite: bool, per_replica: str | None = None):
+             skip_nonfinite: bool, per_replica: str | None = None,
+             extra_metrics: tuple[str, ...] = ()):
     """jit(step)(state, batch) -> (state, metrics): the state donated and pinned to its
     shardings, every metric replicated (or, with `per_replica` a mesh axis, the loss and
     gradient norm one per replica over it: the host averages them, so a step that has
     no other reason to talk over that axis does not); with `skip_nonfinite`, behind the
     guard that leaves the state as it was after a NaN/Inf (skipping_nonfinite)."""
-    keys = ("loss", "grad_norm", "lr") + (("skipped",) if skip_nonfinite else ())
+    keys = ("loss", "grad_norm", "lr") + (("skipped",) if skip_nonfinite else ()) \
+        + extra_metrics
     metrics = dict.fromkeys(keys, sharding.replicated(mesh))
     if per_replica:
         from jax.sharding import NamedSharding, PartitionSpec
 
         split = NamedSharding(mesh, PartitionSpec(per_replica))
-        metrics.update(loss=split, grad_norm=split)
+        metrics.update(loss=split, grad_norm=split, **dict.fromkeys(extra_metrics, split))
     return jax.jit(skipping_nonfinite(step) if skip_nonfinite else step,
                    in_shardings=(lay.shardings, batch_sharding),
                    out_shardings=(lay.shardings, metrics), donate_argnums=0)
@@ -117,25 +132,31 @@ def jit_step(step: Callable, mesh: Mesh, lay: StateLayout, batch_sharding,
 def make_train_step(mesh: Mesh, lay: StateLayout, batch_sharding, tx: optax.GradientTransformation,
                     lr_schedule: optax.Schedule, grad_clip: float, loss_fn: LossFn | None = None,
                     loss_and_grads: LossAndGrads | None = None,
-                    grad_norm: Callable = global_norm, skip_nonfinite: bool = False):
+                    grad_norm: Callable = global_norm, skip_nonfinite: bool = False,
+                    extra_metrics: tuple[str, ...] = ()):
     """jit(step)(state, batch) -> (state, metrics), outputs pinned to the state's shardings.
 
     The state is {"step", "params", "opt_state"}; the gradients come from
-    `loss_and_grads`, or by accumulating `loss_fn` over the batch's microbatches.
+    `loss_and_grads`, or by accumulating `loss_fn` over the batch's microbatches. With
+    `extra_metrics`, loss_fn returns (loss, metrics) (loss_and_grads: loss, grads,
+    metrics) and those metrics are reported with the step's.
     """
     def pin(grads):
         return jax.lax.with_sharding_constraint(grads, lay.params)
 
-    loss_and_grads = loss_and_grads or accumulated(loss_fn, pin)
+    loss_and_grads = loss_and_grads or accumulated(loss_fn, pin, has_aux=bool(extra_metrics))
 
     def step(state, batch):
         params = state["params"]
-        loss, grads = loss_and_grads(params, batch)
+        loss, grads, *more = loss_and_grads(params, batch)
+        extra = more[0] if more else {}
         grads = pin(grads)
         norm = grad_norm(grads)
         params, opt_state = dense_update(tx, params, state["opt_state"], grads, norm, grad_clip)
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-        return new_state, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(state["step"])}
+        return new_state, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(state["step"]),
+                           **{k: extra[k] for k in extra_metrics}}
 
-    return jit_step(step, mesh, lay, batch_sharding, skip_nonfinite)
+    return jit_step(step, mesh, lay, batch_sharding, skip_nonfinite,
+                    extra_metrics=extra_metrics)
 

@@ -1,0 +1,250 @@
+"""Mixture-of-experts token movement: each token's top-k assignments go to their experts
+and come back weighted.
+
+Two ways, chosen by `moe.capacity_factor`:
+
+- capacity (factor > 0): every sequence is a dispatch group. Within a group each
+  expert takes at most C = ceil(factor x seq x top_k / experts) assignments, first
+  choices before second ones, earlier tokens before later ones; the rest are dropped
+  (they add nothing; the residual stream carries the token on). Groups are sequences,
+  not devices, so what is dropped does not depend on the mesh. The buffer
+  [rows, experts, C, d] is built and read per row, where the rows already are. With an
+  `expert` axis the experts are split over it and the buffer crosses it by one
+  all-to-all each way inside a shard_map (manual over `expert` only; data, fsdp and
+  tensor stay with GSPMD): each rank sends its rows' slices for the other ranks'
+  experts and gets theirs for its own.
+- dropless (factor 0): every assignment is kept. Each device sorts its own tokens'
+  assignments by expert and runs the experts as grouped matrix products
+  (`jax.lax.ragged_dot`) over the weights gathered whole; this runs with the experts
+  on every device (no `expert` axis).
+
+`parallel/` is the only code that writes collectives: the model hands over its router
+choices and expert weights and gets the combined output back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from plait.sharding import active, axes_tuple
+
+AXIS = "expert"
+# Expert weights: w13 [E, d, 2, f] (SwiGLU) or w1 [E, d, f] (GELU), then w2 [E, f, d].
+Weights = dict[str, jax.Array]
+
+
+def capacity(seq: int, top_k: int, experts: int, factor: float) -> int:
+    """Assignments each expert takes per sequence (capacity mode)."""
+    return max(1, math.ceil(factor * seq * top_k / experts))
+
+
+def slot_positions(idx: jax.Array, experts: int) -> jax.Array:
+    """idx [T, k] expert of each token's choices -> the place of each assignment in its
+    expert's queue [T, k]: all first choices in token order, then all second ones, ..."""
+    flat = idx.T.reshape(-1)  # choice-major
+    onehot = jax.nn.one_hot(flat, experts, dtype=jnp.int32)
+    before = jnp.cumsum(onehot, axis=0) - onehot
+    return jnp.take_along_axis(before, flat[:, None], axis=1)[:, 0].reshape(idx.shape[::-1]).T
+
+
+def _expert_mlp(w: Weights, h: jax.Array, activation: str) -> jax.Array:
+    """Every expert's MLP on its own tokens: h [..., E, C, d] -> [..., E, C, d]."""
+    if activation == "swiglu":
+        gu = jnp.einsum("...ecd,edgf->...ecgf", h, w["w13"])
+        hidden = jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+    else:
+        hidden = jax.nn.gelu(jnp.einsum("...ecd,edf->...ecf", h, w["w1"]), approximate=True)
+    return jnp.einsum("...ecf,efd->...ecd", hidden, w["w2"])
+
+
+def _dispatch_row(x: jax.Array, idx: jax.Array, pos: jax.Array, experts: int, cap: int):
+    """One sequence: x [T, d] -> buffer [E, C, d] of the kept assignments."""
+    T, k = idx.shape
+    slot = jnp.where(pos < cap, idx * cap + pos, experts * cap)  # out of range: dropped
+    rows = jnp.broadcast_to(x[:, None], (T, k, x.shape[-1])).reshape(T * k, -1)
+    buf = jnp.zeros((experts * cap, x.shape[-1]), x.dtype)
+    buf = buf.at[slot.reshape(-1)].set(rows, mode="drop", unique_indices=True)
+    return buf.reshape(experts, cap, -1)
+
+
+def _combine_row(out: jax.Array, idx: jax.Array, pos: jax.Array, gate: jax.Array, cap: int):
+    """One sequence: expert outputs [E, C, d] -> [T, d], each token's kept assignments
+    weighted by their gates and summed."""
+    E = out.shape[0]
+    slot = jnp.where(pos < cap, idx * cap + pos, E * cap)
+    picked = jnp.take(out.reshape(E * cap, -1), slot.reshape(-1), axis=0, mode="fill",
+                      fill_value=0).reshape(*idx.shape, -1)
+    return jnp.einsum("tkd,tk->td", picked, gate.astype(picked.dtype))
+
+
+def _mesh_and_size() -> tuple[object, int]:
+    ctx = active()
+    if ctx is None:
+        return None, 1
+    mesh = ctx[0]
+    return mesh, dict(mesh.shape).get(AXIS, 1)
+
+
+def _exchange(buf: jax.Array, w: Weights, activation: str, mesh) -> jax.Array:
+    """buf [rows, E, C, d], rows split over `expert` first -> expert outputs laid out
+    the same way: one all-to-all to the experts' ranks, the local experts' MLPs, one
+    all-to-all back. The shard_map is manual over every axis that splits the rows (an
+    all-to-all under GSPMD's other row axes gathers the rows over them first); the
+    expert weights enter whole but for their experts, gathered over fsdp by GSPMD, and
+    their gradients leave summed over the row axes."""
+    def body(b, wl):
+        # b [rows here, E, C, d] -> [rows here, source rank, local experts, C, d]
+        there = jax.lax.all_to_all(b[:, None], AXIS, split_axis=2, concat_axis=1, tiled=True)
+        done = _expert_mlp(wl, there, activation)
+        return jax.lax.all_to_all(done, AXIS, split_axis=1, concat_axis=2, tiled=True)[:, 0]
+
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        return _exchange_by_layout(buf, w, activation, context)
+    axes = _row_axes(active())
+    specs = {k: P(AXIS) for k in w}
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axes), specs), out_specs=P(axes),
+                         axis_names=set(axes))(buf, w)
+
+
+def _exchange_by_layout(buf: jax.Array, w: Weights, activation: str, mesh) -> jax.Array:
+    """The same exchange inside a pipeline stage (a shard_map manual over `pipeline`,
+    where a nested one's residuals cannot be laid out): the buffer's expert dimension
+    re-laid over `expert` in place of its rows, which GSPMD makes the same all-to-all."""
+    X = mesh.shape[AXIS]
+    B = buf.shape[0]
+    rest = tuple(a for a in _row_axes(active()) if a != AXIS) or None
+
+    def pin(x, spec):
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+    b = pin(buf.reshape(X, B // X, *buf.shape[1:]), P(AXIS, rest))
+    there = pin(b, P(None, rest, AXIS))
+    done = pin(_expert_mlp(w, there, activation), P(None, rest, AXIS))
+    return pin(done, P(AXIS, rest)).reshape(buf.shape)
+
+
+def _manual_mesh(mesh):
+    """Inside another shard_map (the pipeline), the abstract mesh whose axes are Manual."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else mesh
+
+
+def with_capacity(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
+                  factor: float) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], dropped assignments)."""
+    E = next(iter(w.values())).shape[0]
+    cap = capacity(x.shape[1], idx.shape[-1], E, factor)
+    pos = jax.vmap(slot_positions, in_axes=(0, None))(idx, E)
+    buf = jax.vmap(_dispatch_row, in_axes=(0, 0, 0, None, None))(x, idx, pos, E, cap)
+    mesh, size = _mesh_and_size()
+    out = (_exchange(buf, w, activation, mesh) if size > 1
+           else _expert_mlp(w, buf, activation))
+    y = jax.vmap(_combine_row, in_axes=(0, 0, 0, 0, None))(out, idx, pos, gate, cap)
+    return y, jnp.sum(pos >= cap)
+
+
+def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str
+                  ) -> jax.Array:
+    """Tokens x [N, d] of one device, every assignment kept: sorted by expert, the experts
+    run as grouped matmuls over their contiguous rows, then put back and weighted."""
+    N, k = idx.shape
+    E = next(iter(w.values())).shape[0]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = jnp.take(x, order // k, axis=0)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    if activation == "swiglu":
+        w13 = w["w13"]
+        gu = jax.lax.ragged_dot(rows, w13.reshape(E, w13.shape[1], -1), sizes)
+        gu = gu.reshape(gu.shape[0], 2, -1)
+        hidden = jax.nn.silu(gu[:, 0]) * gu[:, 1]
+    else:
+        hidden = jax.nn.gelu(jax.lax.ragged_dot(rows, w["w1"], sizes), approximate=True)
+    out = jax.lax.ragged_dot(hidden, w["w2"], sizes)
+    back = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(N, k, -1)
+    return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
+
+
+def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str
+             ) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], 0 dropped): each device's
+    tokens through `_ragged_group`, in a shard_map over the axes that split the rows."""
+    B, T, d = x.shape
+
+    def local(x, idx, gate, w):
+        b = x.shape[0]
+        y = _ragged_group(x.reshape(b * T, d), idx.reshape(b * T, -1),
+                          gate.reshape(b * T, -1), w, activation)
+        return y.reshape(b, T, d)
+
+    ctx = active()
+    axes = _row_axes(ctx)
+    if not axes:
+        return local(x, idx, gate, w), jnp.zeros((), jnp.int32)
+    mesh = _manual_mesh(ctx[0])
+    rows = P(axes)
+    specs = {key: P() for key in w}
+    y = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows,
+                      axis_names=set(axes))(x, idx, gate, w)
+    return y, jnp.zeros((), jnp.int32)
+
+
+def _row_axes(ctx) -> tuple[str, ...]:
+    """The mesh axes that split the rows of a batch (size > 1), in the rules' order."""
+    if ctx is None:
+        return ()
+    mesh, rules = ctx
+    sizes = dict(mesh.shape)
+    context = jax.sharding.get_abstract_mesh()
+    manual = set(context.manual_axes) if not context.empty else set()
+    return tuple(a for a in axes_tuple(rules.get("act_batch"))
+                 if sizes.get(a, 1) > 1 and a not in manual)
+
+
+# --- the router's gradient -----------------------------------------------------------
+# The router's auxiliary losses add their gradients where they are computed (inside each
+# layer: in a pipeline stage's backward too) instead of travelling to the loss: the
+# returned language-model loss stays what every mesh computes, and the auxiliary
+# values are reported beside it. The cotangent of an auxiliary term is the scale of
+# the loss it joins: 1 for one microbatch's loss, 1 / microbatches in a pipeline, whose
+# stages see each microbatch's gradient already divided.
+_AUX_SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("aux_scale", default=1.0)
+
+
+@contextlib.contextmanager
+def aux_scale(scale: float) -> Iterator[None]:
+    token = _AUX_SCALE.set(scale)
+    try:
+        yield
+    finally:
+        _AUX_SCALE.reset(token)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _attach(x: jax.Array, aux: jax.Array, scale: float) -> jax.Array:
+    return x
+
+
+def _attach_fwd(x, aux, scale):
+    return x, aux
+
+
+def _attach_bwd(scale, aux, g):
+    return g, jnp.full_like(aux, scale)
+
+
+_attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+def add_aux_gradient(x: jax.Array, aux: jax.Array) -> jax.Array:
+    """x unchanged; in the backward, `aux` (a scalar term of the loss) gets its gradient."""
+    return _attach(x, aux, _AUX_SCALE.get())

@@ -1,0 +1,238 @@
+"""Mixture of experts: with room for every token, loss and gradients on expert-parallel
+meshes equal the one-device run (the router losses' gradients included), through a
+pipeline too; dropless equals capacity without drops; a small capacity drops what a
+NumPy dispatch of the same routing drops; the router losses equal their formulas; the
+compiled all-to-all bytes equal the formula; the metrics reach metrics.jsonl."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import losses, make_mesh, run, tiny
+
+# Llama layout, 4 experts, 2 per token, a shared expert; capacity factor 2 = E / k gives
+# every expert room for every token of a sequence, so nothing is dropped.
+MOE = {"experts": 4, "top_k": 2, "capacity_factor": 2.0, "shared_d_ff": 32,
+       "aux_weight": 0.1, "z_weight": 0.01}
+MODEL = {"kind": "llama", "heads": 8, "kv_heads": 2, "d_ff": 64, "rope_theta": 10000.0}
+
+
+def experiment(moe: dict | None = None, **sections):
+    model = {**MODEL, "moe": {**MOE, **(moe or {})}, **sections.pop("model", {})}
+    return tiny(model=model, **sections)
+
+
+def _tokens(exp, rows=None):
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.integers(0, exp.model.vocab, (rows or exp.train.global_batch,
+                                                         exp.model.seq_len + 1)), jnp.int32)
+
+
+@functools.cache
+def loss_and_grads(spec: str, moe: tuple = (), model: tuple = ()):
+    """(loss, gradients, router metrics) of one batch on `spec`, gradients per layer."""
+    from plait.tasks.gpt import GPTTask
+
+    exp = experiment(dict(moe), model=dict(model))
+    task = GPTTask(exp, make_mesh(spec))
+    params = task.init_state()["params"]
+    grad_fn = jax.jit(jax.value_and_grad(task.loss_and_metrics, has_aux=True))
+    (loss, metrics), grads = grad_fn(params, _tokens(exp))
+    if task.stacked:
+        from plait import models
+
+        grads = models.unstack(grads, "blocks")
+    return float(loss), jax.tree.map(np.asarray, grads), jax.tree.map(float, metrics)
+
+
+def assert_trees_close(got, want, rtol=1e-5):
+    for path, g in jax.tree_util.tree_leaves_with_path(got):
+        w = want
+        for k in path:
+            w = w[k.key]
+        # rtol of each gradient's scale (elements near 0 have no relative precision)
+        np.testing.assert_allclose(g, w, atol=rtol * np.abs(w).max(), rtol=rtol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("spec,model", [
+    ("expert=4", ()),
+    ("data=2,expert=4", (("scan_layers", True), ("remat", "full"))),
+    ("expert=2,tensor=2,fsdp=2", ()),
+], ids=["expert4", "data2-expert4-stacked-remat", "expert2-tensor2-fsdp2"])
+def test_loss_and_gradients_equal_one_device(spec, model):
+    want_loss, want, want_metrics = loss_and_grads("data=1")
+    got_loss, got, got_metrics = loss_and_grads(spec, (), model)
+    assert want_metrics["moe_dropped_fraction"] == 0.0
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    assert_trees_close(got, want)
+    for key, value in want_metrics.items():
+        np.testing.assert_allclose(got_metrics[key], value, rtol=1e-5, err_msg=key)
+
+
+def test_dropless_equals_capacity_without_drops():
+    want_loss, want, _ = loss_and_grads("data=1")
+    for spec in ("data=1", "data=2,fsdp=2"):
+        got_loss, got, metrics = loss_and_grads(spec, (("capacity_factor", 0.0),))
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+        assert_trees_close(got, want)
+        assert metrics["moe_dropped_fraction"] == 0.0
+
+
+def test_router_losses_join_the_gradient_with_their_weights():
+    """The gradient the layers add for the router losses equals the gradient of
+    aux_weight x moe_aux_loss + z_weight x moe_z_loss, taken through the metrics."""
+    from plait.tasks.gpt import GPTTask
+
+    grads = {}
+    for name, moe in (("none", {"aux_weight": 0.0, "z_weight": 0.0}), ("with", {})):
+        exp = experiment(moe)
+        task = GPTTask(exp, make_mesh("data=1"))
+        params = task.init_state()["params"]
+        grads[name] = jax.jit(jax.grad(task.loss))(params, _tokens(exp))
+
+        def explicit(p, tokens, task=task):
+            loss, metrics = task.loss_and_metrics(p, tokens)
+            return loss + MOE["aux_weight"] * metrics["moe_aux_loss"] \
+                + MOE["z_weight"] * metrics["moe_z_loss"]
+        grads[f"{name}+explicit"] = jax.jit(jax.grad(explicit))(params, _tokens(exp))
+    injected = jax.tree.map(jnp.subtract, grads["with"], grads["none"])
+    by_formula = jax.tree.map(jnp.subtract, grads["none+explicit"], grads["none"])
+    router = injected["blocks"]["0"]["mlp"]["router"]
+    assert float(jnp.abs(router).max()) > 0
+    assert_trees_close(jax.tree.map(np.asarray, injected),
+                       jax.tree.map(np.asarray, by_formula), rtol=1e-4)
+
+
+def test_pipeline_trains_like_one_device(tmp_path):
+    """expert=2 x pipeline=2 (1F1B, 4 microbatches): losses equal the one-device run's,
+    whose gradient has the router losses' of every microbatch."""
+    sections = {"train": {"microbatches": 4, "steps": 6}}
+    want = losses(run(experiment(**sections), "data=1", tmp_path / "one"))
+    got = losses(run(experiment(pipeline={"schedule": "1f1b", "microbatches": 4},
+                                train={"steps": 6}), "expert=2,pipeline=2", tmp_path / "pp"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert want[-1] < want[0] - 0.1
+
+
+def test_router_losses_equal_their_formulas():
+    from plait.models.moe import router_stats
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(3, 5, 6)).astype(np.float32)
+    idx = np.argsort(-logits, axis=-1)[..., :2]
+    got = jax.tree.map(float, router_stats(jnp.asarray(logits), jnp.asarray(idx), 6))
+    flat = logits.reshape(-1, 6)
+    p = np.exp(flat - flat.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    counts = np.bincount(idx.reshape(-1), minlength=6)
+    np.testing.assert_allclose(got["aux_loss"], 6 * np.sum(counts / 15 * p.mean(0)), rtol=1e-6)
+    lse = np.log(np.exp(flat).sum(-1))
+    np.testing.assert_allclose(got["z_loss"], np.mean(lse ** 2), rtol=1e-6)
+    assert got["tokens_max"] == counts.max() and got["assigned"] == 30
+
+
+def numpy_capacity(x, idx, gate, w1, w2, cap):
+    """Capacity dispatch of a GELU mixture, written out: per sequence, first choices
+    before second ones, earlier tokens first; an expert past `cap` drops the rest."""
+    B, T, k = idx.shape
+    y = np.zeros_like(x)
+    dropped = 0
+    for b in range(B):
+        taken = np.zeros(w1.shape[0], int)
+        for j in range(k):
+            for t in range(T):
+                e = idx[b, t, j]
+                if taken[e] >= cap:
+                    dropped += 1
+                    continue
+                taken[e] += 1
+                h = x[b, t] @ w1[e]
+                h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))
+                y[b, t] += gate[b, t, j] * (h @ w2[e])
+    return y, dropped
+
+
+@pytest.mark.parametrize("spec", ["data=1", "expert=4"])
+def test_small_capacity_drops_what_numpy_drops(spec):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from plait import sharding
+    from plait.parallel import experts
+
+    rng = np.random.default_rng(2)
+    B, T, d, f, E, k = 4, 12, 8, 16, 4, 2
+    x = rng.normal(size=(B, T, d)).astype(np.float32)
+    # Skewed routing: expert 0 is everyone's first choice.
+    idx = np.stack([np.zeros((B, T), int), rng.integers(1, E, (B, T))], -1).astype(np.int32)
+    gate = rng.uniform(size=(B, T, k)).astype(np.float32)
+    w = {"w1": rng.normal(size=(E, d, f)).astype(np.float32) / 3,
+         "w2": rng.normal(size=(E, f, d)).astype(np.float32) / 4}
+    factor = 1.0  # 6 places per expert and sequence for 12 first choices of expert 0
+    cap = experts.capacity(T, k, E, factor)
+    want_y, want_dropped = numpy_capacity(x, idx, gate, w["w1"], w["w2"], cap)
+    assert want_dropped >= B * (T - cap)
+    mesh = make_mesh(spec)
+    rules = sharding.rules_for(mesh)
+    rows = NamedSharding(mesh, sharding.spec(["act_batch", None, None], rules, mesh))
+    ws = {n: NamedSharding(mesh, P("expert" if "expert" in mesh.shape else None))
+          for n in w}
+
+    def dispatch(x, idx, gate, w):
+        with sharding.use(mesh, rules):
+            return experts.with_capacity(x, idx, gate, w, "gelu", factor)
+
+    y, dropped = jax.jit(dispatch)(jax.device_put(x, rows), jax.device_put(idx, rows),
+                                   jax.device_put(gate, rows), jax.device_put(w, ws))
+    assert int(dropped) == want_dropped
+    np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_all_to_all_bytes_equal_the_formula():
+    """The compiled step's all-to-alls over `expert`: rows x seq x experts' places x
+    d_model x bytes x (X - 1) / X per all-to-all, two forward and two backward per
+    sparse layer."""
+    from plait.inspect import inspect_step
+    from plait.parallel import formulas
+
+    exp = experiment()
+    for spec in ("expert=4", "data=2,expert=2"):
+        sizes = dict(make_mesh(spec).shape)
+        report = inspect_step(exp, make_mesh(spec))
+        got = report["experts"]
+        want = formulas.expert_bytes(exp, sizes)
+        assert got["wire_bytes"] == pytest.approx(want, rel=1e-6), spec
+        assert got["formula_bytes"] == pytest.approx(want, rel=1e-6)
+
+
+def test_metrics_reach_the_log_and_tensorboard(tmp_path):
+    exp = experiment(train={"steps": 3}, log={"tensorboard": True})
+    run(exp, "data=2,expert=4", tmp_path)
+    rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_tokens_max", "moe_tokens_mean",
+                "moe_dropped_fraction"):
+        assert all(np.isfinite(r[key]) for r in rec), key
+    # 16 rows x 32 tokens x 2 choices over 4 experts
+    assert rec[0]["moe_tokens_mean"] == 16 * 32 * 2 / 4
+    assert list((tmp_path / "tensorboard").iterdir())
+
+
+@pytest.mark.parametrize("spec,moe,message", [
+    ("expert=2", None, "has none"),
+    ("expert=2", {"capacity_factor": 0.0}, "dropless"),
+    ("expert=2,tensor_row=2,tensor_col=2", {}, "1-D tensor"),
+    ("expert=8", {}, "model.moe.experts = 4 is not divisible"),
+])
+def test_mesh_mistakes_are_one_line(spec, moe, message):
+    from plait.errors import UserError
+    from plait.tasks.gpt import GPTTask
+
+    exp = tiny(model=MODEL) if moe is None else experiment(moe)
+    with pytest.raises(UserError, match=message):
+        GPTTask(exp, make_mesh(spec))
