@@ -19,7 +19,7 @@ from plait.cli import main
 from plait.sample import generator, load
 
 FIXTURES = Path(__file__).parent / "data" / "hf"
-NAMES = ("gpt2", "llama3", "mistral", "qwen2")
+NAMES = ("gpt2", "llama3", "mistral", "qwen2", "mixtral")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ Four architectures map onto plait's one decoder: GPT2LMHeadModel (kind "gpt":
 LayerNorm, learned positions, GELU, fused q/k/v stored as Conv1D [in, out]) and
 LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (kind "llama": RMSNorm,
 rotary positions in the half-split layout, SwiGLU, grouped-query attention,
-Qwen2's q/k/v biases; torch Linear weights stored [out, in]). Every conversion
+Qwen2's q/k/v biases; torch Linear weights stored [out, in]); MixtralForCausalLM is
+the Llama layout with a dropless mixture of experts in every layer (its router
+`block_sparse_moe.gate` [E, d], each expert's w1 (gate), w3 (up), w2 (down)). Every conversion
 is a reshape, a transpose, a stack or a vocabulary pad of one layer's tensors,
 so import and export read and write one tensor (or one layer's q/k/v) at a
 time.
@@ -26,6 +28,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
 }
 DEFAULT_SEQ_LEN = 2048  # a RoPE model's training length unless --seq-len says otherwise
 
@@ -104,6 +107,12 @@ def model_table(hf: dict, where: str, seq_len: int | None = None) -> dict[str, A
         table["head_dim"] = head_dim
     if scaling:
         table["rope_scaling"] = scaling
+    if arch == "MixtralForCausalLM":
+        # Dropless, as transformers runs it; its training-time router noise is not kept.
+        table["moe"] = {"experts": hf["num_local_experts"], "top_k": hf["num_experts_per_tok"],
+                        "capacity_factor": 0.0,
+                        "aux_weight": float(hf.get("router_aux_loss_coef", 0.001)),
+                        "z_weight": 0.0}
     return table
 
 
@@ -131,10 +140,19 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
                 "vocab_size": cfg.vocab, "layer_norm_epsilon": cfg.norm_eps,
                 "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                 "attn_pdrop": 0.0, "tie_word_embeddings": True, "torch_dtype": dtype}
-    qwen = cfg.qkv_bias
+    qwen, moe = cfg.qkv_bias, cfg.moe
+    if moe is not None:
+        if qwen or moe.every > 1 or moe.shared_d_ff or not moe.renormalize or (
+                moe.d_ff not in (None, cfg.d_ff)):
+            raise UserError("Mixtral holds experts in every layer (moe.every = 1), no shared "
+                            "expert, renormalised gates, moe.d_ff = d_ff and no q/k/v biases; "
+                            "this mixture of experts has no Hugging Face layout plait writes")
+        arch, model_type = "MixtralForCausalLM", "mixtral"
+    else:
+        arch = "Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"
+        model_type = "qwen2" if qwen else "llama"
     out: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [arch], "model_type": model_type,
         "num_hidden_layers": cfg.layers, "hidden_size": cfg.d_model,
         "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_size, "intermediate_size": cfg.d_ff, "vocab_size": cfg.vocab,
@@ -142,7 +160,11 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta, "hidden_act": "silu",
         "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
         "torch_dtype": dtype}
-    if not qwen:
+    if moe is not None:
+        out.update(num_local_experts=moe.experts, num_experts_per_tok=moe.top_k,
+                   router_aux_loss_coef=moe.aux_weight, router_jitter_noise=0.0,
+                   sliding_window=None)
+    elif not qwen:
         out.update(attention_bias=False, mlp_bias=False)
     sc = cfg.rope_scaling
     if sc is not None:
@@ -214,15 +236,37 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
                 yield (*blk, "attn", "bq"), bq
                 yield (*blk, "attn", "bkv"), np.stack([bk, bv])
         yield (*blk, "attn", "wo"), read(f"{a}o_proj.weight").T.reshape(h, hd, d)
-        gate, up = (read(f"{b}mlp.{n}_proj.weight").T for n in ("gate", "up"))
-        yield (*blk, "mlp", "w13"), np.stack([gate, up], axis=1)
-        del gate, up
-        yield (*blk, "mlp", "w2"), read(f"{b}mlp.down_proj.weight").T
+        if cfg.moe is not None:
+            yield from _experts_to_plait(cfg, read, b, blk)
+        else:
+            gate, up = (read(f"{b}mlp.{n}_proj.weight").T for n in ("gate", "up"))
+            yield (*blk, "mlp", "w13"), np.stack([gate, up], axis=1)
+            del gate, up
+            yield (*blk, "mlp", "w2"), read(f"{b}mlp.down_proj.weight").T
         yield (*blk, "ln1", "scale"), read(f"{b}input_layernorm.weight")
         yield (*blk, "ln2", "scale"), read(f"{b}post_attention_layernorm.weight")
     yield ("ln_f", "scale"), read("model.norm.weight")
     if not cfg.tie_embeddings:
         yield ("head",), _pad(read("lm_head.weight").T, V, axis=1)
+
+
+def _experts_to_plait(cfg: GPTConfig, read: Read, b: str, blk: Path
+                      ) -> Iterator[tuple[Path, np.ndarray]]:
+    """A Mixtral layer's router and experts: each of plait's stacked expert tensors read
+    from the experts' own, one at a time."""
+    assert cfg.moe is not None
+    m, E = f"{b}block_sparse_moe.", cfg.moe.experts
+    yield (*blk, "mlp", "router"), read(f"{m}gate.weight").T
+    w13 = None
+    for e in range(E):
+        gate, up = (read(f"{m}experts.{e}.{n}.weight").T for n in ("w1", "w3"))
+        if w13 is None:
+            w13 = np.empty((E, gate.shape[0], 2, gate.shape[1]), gate.dtype)
+        w13[e, :, 0], w13[e, :, 1] = gate, up
+    yield (*blk, "mlp", "w13"), w13
+    del w13
+    down = [read(f"{m}experts.{e}.w2.weight").T for e in range(E)]
+    yield (*blk, "mlp", "w2"), np.stack(down)
 
 
 def to_hf(cfg: GPTConfig, params: dict) -> Iterator[tuple[str, np.ndarray]]:
@@ -282,9 +326,19 @@ def to_hf(cfg: GPTConfig, params: dict) -> Iterator[tuple[str, np.ndarray]]:
         yield f"{a}o_proj.weight", np.ascontiguousarray(
             get(*blk, "attn", "wo").reshape(h * hd, d).T)
         w13 = get(*blk, "mlp", "w13")
-        yield f"{b}mlp.gate_proj.weight", np.ascontiguousarray(w13[:, 0].T)
-        yield f"{b}mlp.up_proj.weight", np.ascontiguousarray(w13[:, 1].T)
-        yield f"{b}mlp.down_proj.weight", np.ascontiguousarray(get(*blk, "mlp", "w2").T)
+        if cfg.moe is not None:
+            m = f"{b}block_sparse_moe."
+            yield f"{m}gate.weight", np.ascontiguousarray(get(*blk, "mlp", "router").T)
+            w2 = get(*blk, "mlp", "w2")
+            for e in range(cfg.moe.experts):
+                x = f"{m}experts.{e}."
+                yield f"{x}w1.weight", np.ascontiguousarray(w13[e, :, 0].T)
+                yield f"{x}w3.weight", np.ascontiguousarray(w13[e, :, 1].T)
+                yield f"{x}w2.weight", np.ascontiguousarray(w2[e].T)
+        else:
+            yield f"{b}mlp.gate_proj.weight", np.ascontiguousarray(w13[:, 0].T)
+            yield f"{b}mlp.up_proj.weight", np.ascontiguousarray(w13[:, 1].T)
+            yield f"{b}mlp.down_proj.weight", np.ascontiguousarray(get(*blk, "mlp", "w2").T)
         yield f"{b}input_layernorm.weight", get(*blk, "ln1", "scale")
         yield f"{b}post_attention_layernorm.weight", get(*blk, "ln2", "scale")
     yield "model.norm.weight", get("ln_f", "scale")

@@ -60,10 +60,9 @@ def collective_time(kind: str, group: int, count: float, wire_bytes: float, cros
 FP32_AXES = frozenset({"data", "fsdp"})
 # The context and expert axes split tokens like a batch axis: their all-reduces sum fp32
 # weight gradients (the expert axis's all-to-alls carry tokens in the compute dtype). The
-# context axis's
-# gathers and ring sends carry keys and values in the compute dtype
-# (the ring's key/value gradients travel in fp32 and are priced at the compute width:
-# at most 2C / (4C - 2) of its bytes, under by 2x in bf16).
+# context axis's gathers and ring sends carry keys and values in the compute dtype (the
+# ring's key/value gradients travel in fp32 and are priced at the compute width: at most
+# 2C / (4C - 2) of its bytes, under by 2x in bf16).
 GRADIENT_AXES = FP32_AXES | {"context", "expert"}
 
 

@@ -380,6 +380,19 @@ class GPTTask(Task):
         layers = "scanned" if self.exp.model.scan_layers else "unrolled"
         out = [f"plait: attention {self.attention} ({self.attention_why}); layers {layers} "
                f"({self.scan_why})"]
+        moe = self.exp.model.moe
+        if moe is not None:
+            m = self.exp.model
+            sparse = sum(m.is_sparse(i) for i in range(m.layers))
+            routing = (f"capacity factor {moe.capacity_factor:g}" if moe.capacity_factor
+                       else "dropless")
+            X = self.mesh.shape.get("expert", 1)
+            where = (f"{moe.experts // X} per rank of the expert axis ({X}), all-to-all"
+                     if X > 1 else "all on every device")
+            out.append(f"plait: mixture of experts in {sparse} of {m.layers} layers: "
+                       f"{moe.experts} experts, {moe.top_k} per token, {routing}; {where}; "
+                       f"{gpt.active_matmul_params(m) / 1e6:.2f}M matmul weights active per "
+                       "token (FLOPs and MFU count those)")
         C = self.mesh.shape.get("context", 1)
         if C > 1:
             out.append(f"plait: context axis {C}: {self.exp.model.seq_len // C} tokens of each "

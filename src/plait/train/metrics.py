@@ -24,8 +24,14 @@ if TYPE_CHECKING:
 STANDARD = ("step", "loss", "lr", "grad_norm", "step_time_s", "mfu", "skipped_steps")
 
 
+# A model's own figures of each step (a mixture of experts' router metrics): logged as
+# they come, shown compactly, never called held-out.
+MODEL_PREFIXES = ("moe_",)
+
+
 def evaluation_keys(record: dict) -> list[str]:
-    return [k for k in record if k not in STANDARD and not k.endswith("_per_s")]
+    return [k for k in record if k not in STANDARD and not k.endswith("_per_s")
+            and not k.startswith(MODEL_PREFIXES)]
 
 
 def trim_jsonl(path: Path, keep_through_step: int) -> None:
@@ -137,6 +143,10 @@ def format_status(r: dict) -> str:
         parts.append(f"{r['samples_per_s']:,.0f} samples/s")
     for key in evaluation_keys(r):
         parts.append(f"{key} {r[key]:.4f}")
+    if "moe_aux_loss" in r:
+        parts.append(f"router aux {r['moe_aux_loss']:.3f} z {r['moe_z_loss']:.3f} load "
+                     f"{r['moe_tokens_max'] / max(r['moe_tokens_mean'], 1e-9):.2f}x dropped "
+                     f"{100 * r['moe_dropped_fraction']:.1f}%")
     if r.get("step_time_s"):
         parts.append(f"{r['step_time_s'] * 1e3:.1f} ms/step")
     if r.get("skipped_steps"):

@@ -44,6 +44,12 @@ MODELS = {
         hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=64,
         tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False),
+    # a mixture of experts: 4 SwiGLU experts, 2 per token, in every layer
+    "mixtral": tf.MixtralConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        tie_word_embeddings=False, rope_theta=1000000.0),
 }
 
 
