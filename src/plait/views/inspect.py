@@ -60,6 +60,11 @@ def render(r: dict) -> None:
         c.print(f"context axis {x['size']} ({x['attention']} attention): {parts} over it per "
                 f"device per step (attention formula {want}; the all-reduces also carry the "
                 "weight gradients' sum over the axis)")
+    if r.get("experts"):
+        x = r["experts"]
+        c.print(f"expert axis {x['size']}: {size_text(x['wire_bytes'])} of all-to-all over it "
+                f"per device per step (formula {size_text(x['formula_bytes'])}: the dispatch "
+                "buffer to the experts and back, forward and backward)")
     if r.get("phases"):
         names = list(r["phases"])
         ph = Table(title="wire bytes per device, by kind of step and mesh axes")
