@@ -255,3 +255,12 @@ def test_parameter_and_flop_formulas():
     dense = exp.model.model_copy(update={"moe": None})
     per_layer_extra = (2 - 1) * 3 * d * 64 + d * 4  # a second expert and the router
     assert gpt.flops_per_token(m) == gpt.flops_per_token(dense) + 6 * m.layers * per_layer_extra
+
+
+def test_the_sweep_enumerates_the_expert_axis_for_experts_with_a_capacity():
+    from plait.tasks.gpt import GPTTask
+
+    assert "expert" in GPTTask.sweep_axes_for(experiment())
+    assert "expert" not in GPTTask.sweep_axes_for(experiment({"capacity_factor": 0.0}))
+    assert "expert" not in GPTTask.sweep_axes_for(tiny(model=MODEL))
+    assert GPTTask.sweep_variants(experiment(), {"expert": 4, "data": 2}) == [{}]

@@ -152,6 +152,13 @@ class GPTConfig(ModelSection):
         return self.moe is not None and layer % self.moe.every == 0
 
     @property
+    def sparse_count(self) -> int:
+        """How many layers have experts (layers 0, every, 2 x every, ...)."""
+        if self.moe is None or self.layers == 0:
+            return 0
+        return (self.layers - 1) // self.moe.every + 1
+
+    @property
     def expert_d_ff(self) -> int:
         return (self.moe.d_ff if self.moe is not None and self.moe.d_ff else self.d_ff)
 

@@ -412,14 +412,10 @@ def param_count(cfg: GPTConfig) -> int:
     norm_params = d * (2 if cfg.bias and cfg.norm == "layernorm" else 1)
     qkv_bias = (cfg.heads + 2 * cfg.n_kv_heads) * hd if cfg.bias or cfg.qkv_bias else 0
     attn_block = attn + qkv_bias + (d if cfg.bias else 0) + 2 * norm_params  # + out bias
-    total = 0
-    for i in range(L):
-        if cfg.is_sparse(i):
-            assert cfg.moe is not None
-            total += attn_block + _sparse_mlp(cfg, cfg.moe.experts) \
-                + _mlp_biases(cfg, cfg.moe.shared_d_ff)
-        else:
-            total += attn_block + mlp + _mlp_biases(cfg, cfg.d_ff)
+    S = cfg.sparse_count
+    total = L * attn_block + (L - S) * (mlp + _mlp_biases(cfg, cfg.d_ff))
+    if cfg.moe is not None:
+        total += S * (_sparse_mlp(cfg, cfg.moe.experts) + _mlp_biases(cfg, cfg.moe.shared_d_ff))
     head = 0 if cfg.tie_embeddings else d * v
     positions = cfg.seq_len * d if cfg.position == "learned" else 0
     return total + v * d + positions + norm_params + head
@@ -429,10 +425,9 @@ def active_matmul_params(cfg: GPTConfig) -> int:
     """Weights in the matrix multiplies one token passes through (head included): a
     sparse layer counts its router, its top_k experts and its shared expert."""
     attn, mlp = _matmul_params(cfg)
-    k = cfg.moe.top_k if cfg.moe is not None else 0
-    per_layer = sum(attn + (_sparse_mlp(cfg, k) if cfg.is_sparse(i) else mlp)
-                    for i in range(cfg.layers))
-    return per_layer + cfg.d_model * cfg.padded_vocab
+    L, S = cfg.layers, cfg.sparse_count
+    sparse = S * _sparse_mlp(cfg, cfg.moe.top_k) if cfg.moe is not None else 0
+    return L * attn + (L - S) * mlp + sparse + cfg.d_model * cfg.padded_vocab
 
 
 def flops_per_token(cfg: GPTConfig) -> float:

@@ -36,7 +36,7 @@ STAT_KEYS = ("aux_loss", "z_loss", "tokens_max", "tokens_mean", "dropped", "assi
 
 
 def sparse_layers(cfg: GPTConfig) -> int:
-    return sum(cfg.is_sparse(i) for i in range(cfg.layers))
+    return cfg.sparse_count
 
 
 def router_stats(logits: jax.Array, idx: jax.Array, experts_n: int) -> dict[str, jax.Array]:

@@ -228,7 +228,7 @@ def expert_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu") 
     rows = exp.train.global_batch // micro // splits
     cap = capacity(m.seq_len, m.moe.top_k, m.moe.experts, m.moe.capacity_factor)
     buffer = rows * m.moe.experts * cap * m.d_model * collective_width(exp, platform)
-    sparse = sum(m.is_sparse(i) for i in range(m.layers))
+    sparse = m.sparse_count
     passes = 6 if m.remat != "none" else 4
     return micro * sparse * passes * buffer * (X - 1) / X
 

@@ -383,7 +383,7 @@ class GPTTask(Task):
         moe = self.exp.model.moe
         if moe is not None:
             m = self.exp.model
-            sparse = sum(m.is_sparse(i) for i in range(m.layers))
+            sparse = m.sparse_count
             routing = (f"capacity factor {moe.capacity_factor:g}" if moe.capacity_factor
                        else "dropless")
             X = self.mesh.shape.get("expert", 1)
