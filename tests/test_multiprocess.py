@@ -59,7 +59,9 @@ def _start(path, run_dir, port, i, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lost", [1, 0])
+# Losing process 1 is test_launch_reports_the_lost_process_in_one_line's case (through
+# plait launch); here the coordinator's process is lost (suite time).
+@pytest.mark.parametrize("lost", [0])
 def test_a_lost_process_ends_the_others_in_one_line_and_the_rerun_resumes(lost, tmp_path):
     """kill -9 of one process (the worker, or the coordinator's): the other ends within
     60 s in one line, exit 1, no abort trace; rerunning both resumes from the newest

