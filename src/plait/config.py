@@ -156,6 +156,13 @@ class SyncConfig(Section):
 
 class PrecisionConfig(Section):
     compute: Literal["float32", "bfloat16"] = "float32"
+    # The decoder's dense matmuls (attention projections, MLPs): "default" computes
+    # them in `compute`; "fp8" quantises inputs and weights to float8 e4m3 and their
+    # output gradients to e5m2, each scaled by the largest magnitude of its last
+    # `fp8_history` steps (delayed scaling; the state is checkpointed). Needs FP8
+    # matrix units (compute capability 8.9+: Ada, Hopper, Blackwell). models.fp8.
+    matmul: Literal["default", "fp8"] = "default"
+    fp8_history: PosInt = 1024
 
 
 class CheckpointConfig(Section):
@@ -207,8 +214,29 @@ class Experiment(Section):
                 f"model; use one of {', '.join(sources)}")
         return self
 
+    @model_validator(mode="after")
+    def _fp8_of_the_model(self) -> Experiment:
+        """precision.matmul = "fp8" gives each dense matmul of the decoder its scaling
+        state (model.fp8_history, which nothing else sets)."""
+        fp8 = self.precision.matmul == "fp8"
+        if "fp8_history" not in type(self.model).model_fields:
+            if fp8:
+                raise ValueError(f"precision.matmul = \"fp8\" applies to the decoders "
+                                 f"(gpt, llama), not a {self.model.kind} model; use "
+                                 "precision.matmul = \"default\"")
+            return self
+        want = self.precision.fp8_history if fp8 else 0
+        if self.model.fp8_history not in (0, want):
+            raise ValueError("model.fp8_history is set by [precision]: write matmul = "
+                             "\"fp8\" and fp8_history there instead")
+        if self.model.fp8_history != want:
+            self.model = self.model.model_copy(update={"fp8_history": want})
+        return self
+
     def to_toml(self) -> str:
-        return tomli_w.dumps(self.model_dump(exclude_none=True))
+        raw = self.model_dump(exclude_none=True)
+        raw["model"].pop("fp8_history", None)  # derived from [precision]
+        return tomli_w.dumps(raw)
 
 
 def model_class(kind: str) -> type[ModelSection]:

@@ -117,6 +117,9 @@ class GPTConfig(ModelSection):
     scan_layers: bool | Literal["auto"] = False
     # A mixture of experts in place of the MLP (of every `moe.every`-th layer).
     moe: MoEConfig | None = None
+    # FP8 scaling state per dense matmul, `fp8_history` steps of amax each; 0 = none.
+    # Not written here: a run sets it from precision.matmul / precision.fp8_history.
+    fp8_history: NonNegInt = 0
 
     data_sources: ClassVar[tuple[str, ...]] = ("synthetic", "tokens")
     shape_keys: ClassVar[tuple[str, ...]] = (

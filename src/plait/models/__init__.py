@@ -46,6 +46,15 @@ def _lookup(tree: dict, path) -> Any:
     return tree
 
 
+def _cast(var: nnx.Variable, value: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
+    """A parameter in the compute dtype; FP8 scaling state stays float32 (models.fp8)."""
+    from plait.models.fp8 import Fp8Meta
+
+    if dtype is None or isinstance(var, Fp8Meta):
+        return value
+    return value.astype(dtype)
+
+
 @dataclass(frozen=True)
 class ModelDef:
     """A model's structure without its values: graph, abstract state, config."""
@@ -77,18 +86,21 @@ class ModelDef:
         flat = []
         for path, var in nnx.to_flat_state(self.abstract):
             value = _lookup(params, path)
-            if dtype is not None:
-                value = value.astype(dtype)
-            flat.append((path, var.replace(value)))
+            flat.append((path, var.replace(_cast(var, value, dtype))))
         return nnx.merge(self.graphdef, nnx.from_flat_state(flat))
 
     def apply(self, params: dict, tokens: jax.Array, dtype: jnp.dtype | None = None):
         return self.module(params, dtype)(tokens)
 
     def num_params(self) -> int:
+        """The model's weights (FP8 scaling state is not one)."""
         import math
 
-        return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes()))
+        from plait.models.fp8 import Fp8Meta
+
+        return sum(math.prod(v.get_value().shape) for v in jax.tree.leaves(
+            self.variables(), is_leaf=lambda x: isinstance(x, nnx.Variable))
+            if not isinstance(v, Fp8Meta))
 
 
 LAYERS = "layers"  # the logical name of a stacked layer axis; no rule splits it
@@ -175,8 +187,7 @@ class LayerStack:
         def one(layer: dict, h: jax.Array):
             flat = []
             for path, var in flat_abstract:
-                value = _lookup(layer, path)
-                flat.append((path, var.replace(value.astype(dtype) if dtype else value)))
+                flat.append((path, var.replace(_cast(var, _lookup(layer, path), dtype))))
             return getattr(nnx.merge(self.graphdef, nnx.from_flat_state(flat)), method)(h)
 
         if self.remat != "none":

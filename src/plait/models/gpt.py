@@ -22,6 +22,7 @@ from plait.config import GPTConfig
 from plait.models import (
     ModelDef,
     build,
+    fp8,
     layer_stack,
     module_values,
     remat_policy,
@@ -126,6 +127,11 @@ def _bias(module: nnx.Module, name: str) -> jax.Array | float:
     return getattr(module, name)[...] if hasattr(module, name) else 0.0
 
 
+def _scaling(module: nnx.Module, name: str) -> fp8.Scaling | None:
+    """The FP8 scaling state of the module's matmul `name`, or None (precision.matmul)."""
+    return None if module.fp8 is None else getattr(module.fp8, name)
+
+
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
@@ -163,17 +169,19 @@ class Attention(nnx.Module):
         # "auto" is resolved by the task for the device (tasks.gpt_runtime.attention_for).
         self.implementation = None if cfg.attention == "auto" else cfg.attention
         self.fused = cfg.fused_qkv
+        self.fp8 = fp8.scalings(("wqkv", "wo") if cfg.fused_qkv else ("wq", "wkv", "wo"),
+                                cfg.fp8_history)
         self.rope = rope_of(cfg)
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
         """x [batch, T, d] at positions [T] -> q [batch, T, heads, head], k, v [batch, T,
         kv_heads, head], rotated when the model has rotary positions."""
         if self.fused:
-            qkv = dense(x, self.wqkv) + _bias(self, "bqkv")
+            qkv = dense(x, self.wqkv, _scaling(self, "wqkv")) + _bias(self, "bqkv")
             q, k, v = (qkv[:, :, i] for i in range(3))
         else:
-            q = dense(x, self.wq) + _bias(self, "bq")
-            kv = dense(x, self.wkv) + _bias(self, "bkv")
+            q = dense(x, self.wq, _scaling(self, "wq")) + _bias(self, "bq")
+            kv = dense(x, self.wkv, _scaling(self, "wkv")) + _bias(self, "bkv")
             k, v = kv[:, :, 0], kv[:, :, 1]
         if self.rope is not None:
             q, k = rotate(q, positions, self.rope), rotate(k, positions, self.rope)
@@ -181,7 +189,7 @@ class Attention(nnx.Module):
         return constrain(q, HEADS), constrain(k, kv_names), constrain(v, kv_names)
 
     def out(self, o: jax.Array) -> jax.Array:
-        return dense(constrain(o, HEADS), self.wo) + _bias(self, "bo")
+        return dense(constrain(o, HEADS), self.wo, _scaling(self, "wo")) + _bias(self, "bo")
 
     def __call__(self, x):
         # The position of each stored token: the natural order, or the balanced order of
@@ -222,16 +230,17 @@ class MLP(nnx.Module):
                          fan_in=("mlp",))
         if cfg.bias:
             self.b2 = _param(rngs, (d,), ("norm",), 0.0)
+        self.fp8 = fp8.scalings(("w13", "w2") if self.swiglu else ("w1", "w2"), cfg.fp8_history)
 
     def __call__(self, x):
         if self.swiglu:
-            gu = dense(x, self.w13)
+            gu = dense(x, self.w13, _scaling(self, "w13"))
             h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
         else:
-            h = dense(x, self.w1) + _bias(self, "b1")
+            h = dense(x, self.w1, _scaling(self, "w1")) + _bias(self, "b1")
             h = jax.nn.gelu(h, approximate=True)
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
-        y = dense(h, self.w2) + _bias(self, "b2")
+        y = dense(h, self.w2, _scaling(self, "w2")) + _bias(self, "b2")
         return constrain(y, BATCH_SEQ_EMBED)
 
 

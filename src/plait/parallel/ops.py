@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from plait.models.fp8 import Scaling, quantized_gradient, quantized_inputs
 from plait.parallel import tensor
 from plait.parallel.context import attend
 from plait.parallel.context import positions as sequence_positions
@@ -24,16 +25,24 @@ def _letters(n: int, skip: str = "") -> list[str]:
     return [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in skip][:n]
 
 
-def dense(x: jax.Array, w: nnx.Variable) -> jax.Array:
+def dense(x: jax.Array, w: nnx.Variable, fp8: Scaling | None = None) -> jax.Array:
     """x [..., *fan_in] times weight `w` (contracting its `fan_in` dimensions).
 
     The output has x's leading dimensions followed by w's other dimensions, in
     w's order. Under 1-D (or no) tensor parallelism this is an einsum that GSPMD
     partitions; under 2-D / 2.5-D / 3-D it is the explicit gathered matmul of
-    `parallel.tensor`, laid out by the active rules.
+    `parallel.tensor`, laid out by the active rules. With `fp8` (the matmul's
+    scaling state, models.fp8) the operands are quantised around it, in the global
+    view, whichever layer runs it.
     """
+    if fp8 is None:
+        return _dense(x, w, w[...])
+    x, value = quantized_inputs(x, w[...], fp8)
+    return quantized_gradient(_dense(x, w, value), fp8)
+
+
+def _dense(x: jax.Array, w: nnx.Variable, value: jax.Array) -> jax.Array:
     logical, fan_in = param_meta(w)
-    value = w[...]
     lead = x.ndim - len(fan_in)
     names = dict(zip(logical, _letters(len(logical), skip="bs"), strict=True))
     lead_l = _letters(lead, skip="".join(names.values()))

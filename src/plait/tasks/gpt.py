@@ -25,7 +25,7 @@ from plait import data, models, sharding
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
-from plait.models import gpt
+from plait.models import fp8, gpt
 from plait.models.gpt import abstract_model
 from plait.parallel import context, experts, formulas, hierarchical, local_sgd, schedules
 from plait.tasks.base import Evaluator, Source, Task
@@ -96,6 +96,12 @@ class GPTTask(Task):
                             "and one flat gradient all-reduce (it is not traced per data "
                             "replica); set sync.method = \"allreduce\" and sync.reduce = "
                             "\"flat\"")
+        if exp.model.fp8_history and (self.local or self.data_split or self.pipeline):
+            raise UserError("precision.matmul = \"fp8\" trains without a pipeline axis and "
+                            "with sync.method = \"allreduce\", sync.reduce = \"flat\" (its "
+                            "scaling state combines by maximum over microbatches and replicas, "
+                            "which those sum); drop the pipeline axis or use precision.matmul "
+                            "= \"default\"")
         if (self.local or self.data_split) and self.context_attention == "ring":
             # The model is traced per data replica (vmap over `data`), and a shard_map
             # manual over `context` alone cannot be batched over an axis it leaves to GSPMD.
@@ -153,7 +159,9 @@ class GPTTask(Task):
         def make(given=None):
             if given is None:
                 p = self.model.init(self.exp.seed)
-            else:
+            else:  # imported weights: FP8 scaling state, if any, starts fresh
+                given = fp8.carry_over({"params": given},
+                                       {"params": self._per_layer_params[0]})["params"]
                 p = models.stack(given, "blocks") if self.stacked else given
             return self.pipeline.from_canonical(p) if self.pipeline else p
 
@@ -166,7 +174,29 @@ class GPTTask(Task):
         plan = local_sgd.restore_plan(saved_config, self.exp.sync, self.local,
                                       self._per_layer_params, optimizer(self.exp)[0],
                                       self.canonical_layout.shardings)
-        return plan or super().restore_plan(saved_config)
+        return plan or self._fp8_restore_plan(saved_config) or super().restore_plan(
+            saved_config)
+
+    def _fp8_restore_plan(self, saved_config: dict):
+        """A checkpoint of another precision.matmul (or fp8_history): the weights and
+        optimizer moments carried over, the FP8 scaling state fresh or dropped."""
+        saved = ((saved_config or {}).get("model") or {}).get("fp8_history", 0)
+        now = self.exp.model.fp8_history
+        if saved == now or self.local:
+            return None
+        other = abstract_model(self.exp.model.model_copy(
+            update={"scan_layers": False, "fp8_history": saved}))
+        written = layout(other.shapes(), sharding.param_shardings(
+            other.variables(), self.mesh, self.rules), optimizer(self.exp)[0], self.mesh)
+        target = self.canonical_layout
+        convert = jax.jit(functools.partial(fp8.carry_over, shapes=target.shapes),
+                          out_shardings=target.shardings)
+        note = ("FP8 scaling state starts afresh (the checkpoint was written with "
+                "precision.matmul = \"default\")" if not saved else
+                "the checkpoint's FP8 scaling state is dropped (precision.matmul = "
+                "\"default\" now)" if not now else
+                f"FP8 amax histories start afresh (fp8_history {saved} there, {now} now)")
+        return written.abstract(), convert, note
 
     def _map_model(self, state: dict, fn) -> dict:
         """Apply a model-params conversion to the state: per replica where there are

@@ -22,6 +22,7 @@ from plait.checkpoint import Checkpoints
 from plait.config import Experiment
 from plait.errors import RunFailed, UserError
 from plait.kinds import is_decoder
+from plait.models import fp8
 from plait.tasks import check_memory, make_task
 from plait.train import lock, rundir
 from plait.train.metrics import MetricsLog
@@ -64,6 +65,8 @@ class Run:
         self.exp, self.mesh, self.run_dir = exp, mesh, Path(run_dir)
         self.is_writer = jax.process_index() == 0
         check_memory(exp, mesh)  # before anything is built
+        if exp.precision.matmul == "fp8":
+            fp8.check_devices(mesh.devices.flat)
         self.task = make_task(exp, mesh)
         self.source = self.task.source()  # checks data files before anything is written
         self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
@@ -129,7 +132,8 @@ class Run:
             if self.exp.sync.method != "allreduce" or not is_decoder(self.exp.model):
                 raise UserError("imported weights start with sync.method = \"allreduce\" on "
                                 "a decoder; train a first checkpoint that way, then switch")
-            return ({"params": abstract["params"]}, lambda state: state,
+            # (an import holds no FP8 scaling state: the task starts it fresh)
+            return ({"params": fp8.without_state(abstract["params"])}, lambda state: state,
                     f"parameters imported from {meta.get('imported_from', 'elsewhere')}, "
                     "optimizer state fresh")
         if meta.get("config") is None:

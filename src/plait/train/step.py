@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from plait import sharding
 from plait.config import Experiment
+from plait.models import fp8
 from plait.train.state import StateLayout
 
 # loss_fn(params, microbatch) -> scalar loss of the microbatch
@@ -71,16 +72,17 @@ def accumulated(loss_fn: LossFn, pin: Callable, has_aux: bool = False) -> LossAn
         else:
             def add(carry, micro):
                 loss, grads, metrics = one(params, micro)
-                total = jax.tree.map(jnp.add, carry, (loss, grads, metrics))
-                return (total[0], pin(total[1]), total[2]), None
+                return (carry[0] + loss, pin(fp8.accumulate(carry[1], grads)),
+                        jax.tree.map(jnp.add, carry[2], metrics)), None
 
             zero_metrics = jax.tree.map(
                 lambda s: jnp.zeros(s.shape, s.dtype),
                 jax.eval_shape(one, params, jax.tree.map(lambda x: x[0], batch))[2])
             zeros = (jnp.zeros((), jnp.float32), pin(jax.tree.map(jnp.zeros_like, params)),
                      zero_metrics)
-            total, _ = jax.lax.scan(add, zeros, batch)
-            loss, grads, metrics = jax.tree.map(lambda a: a / n_micro, total)
+            (loss, grads, metrics), _ = jax.lax.scan(add, zeros, batch)
+            loss, metrics = jax.tree.map(lambda a: a / n_micro, (loss, metrics))
+            grads = fp8.mean(grads, n_micro)
         return (loss, grads, metrics) if has_aux else (loss, grads)
 
     return loss_and_grads
@@ -151,8 +153,12 @@ def make_train_step(mesh: Mesh, lay: StateLayout, batch_sharding, tx: optax.Grad
         loss, grads, *more = loss_and_grads(params, batch)
         extra = more[0] if more else {}
         grads = pin(grads)
-        norm = grad_norm(grads)
-        params, opt_state = dense_update(tx, params, state["opt_state"], grads, norm, grad_clip)
+        # FP8 scaling state (models.fp8): its "gradient" is its next value, not trained.
+        weight_grads = fp8.take(grads)
+        norm = grad_norm(weight_grads)
+        params, opt_state = dense_update(tx, params, state["opt_state"], weight_grads, norm,
+                                         grad_clip)
+        params = fp8.put(params, grads)
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         return new_state, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(state["step"]),
                            **{k: extra[k] for k in extra_metrics}}

@@ -1,0 +1,210 @@
+"""FP8 matmuls (precision.matmul = "fp8"): the quantised matmul against a NumPy
+emulation of delayed scaling, the scaling state through microbatches, meshes and
+checkpoints, and the one-line refusals. CPUs have no FP8 units: the tests run XLA's
+emulation (models.fp8.EMULATE_ENV), the same quantised numbers in float32."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import losses, make_mesh, run, tiny, write_experiment
+
+from plait.models import fp8
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    monkeypatch.setenv(fp8.EMULATE_ENV, "1")
+
+
+def _state(history: dict[str, np.ndarray]) -> fp8.Scaling:
+    """A Scaling whose amax histories are `history` and scales still 1 (a state that
+    has seen those steps but not yet taken a scale from them)."""
+    s = fp8.Scaling(len(history["x"]))
+    for k, h in history.items():
+        getattr(s, f"{k}_amax")[...] = jnp.asarray(h, jnp.float32)
+    return s
+
+
+def _np_qdq(x: np.ndarray, history: np.ndarray, fmt, fmt_max: float):
+    """NumPy delayed scaling: the scale from the history's largest amax (1 while it is
+    empty), x / scale clipped and rounded to the format, times the scale; and the next
+    history (newest first, the oldest of the window dropped)."""
+    amax = history.max()
+    scale = np.float32(amax / fmt_max) if amax > 0 else np.float32(1.0)
+    q = np.clip(x / scale, -fmt_max, fmt_max).astype(fmt).astype(np.float32) * scale
+    nxt = np.roll(history, -1)
+    nxt[0] = np.abs(x).max()
+    return q, scale, nxt
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_the_quantised_matmul_and_its_gradients_equal_a_numpy_emulation(empty):
+    from flax import nnx
+
+    from plait.parallel.ops import dense
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 2.0, (3, 5, 16)).astype(np.float32)
+    w = rng.normal(0, 0.05, (16, 24)).astype(np.float32)
+    ct = rng.normal(0, 1e-3, (3, 5, 24)).astype(np.float32)
+    H = 4
+    hist = {k: np.zeros(H, np.float32) if empty else np.array(v, np.float32)
+            for k, v in {"x": [7.5, 0.0, 9.0, 3.0], "w": [0.2, 0.15, 0.0, 0.1],
+                         "g": [4e-3, 5e-3, 1e-3, 0.0]}.items()}
+    def f(x, w, s):
+        return dense(x, nnx.Param(w, logical_axes=("embed", "mlp"), fan_in=("embed",)), s)
+
+    state = nnx.state(_state(hist))
+    y, vjp = jax.vjp(lambda x, w, st: f(x, w, nnx.merge(nnx.graphdef(_state(hist)), st)),
+                     jnp.asarray(x), jnp.asarray(w), state)
+    dx, dw, dstate = vjp(jnp.asarray(ct))
+
+    qx, sx, hx = _np_qdq(x, hist["x"], ml_dtypes.float8_e4m3fn, E4M3_MAX)
+    qw, sw, hw = _np_qdq(w, hist["w"], ml_dtypes.float8_e4m3fn, E4M3_MAX)
+    qg, sg, hg = _np_qdq(ct, hist["g"], ml_dtypes.float8_e5m2, E5M2_MAX)
+    # The operands are exact fp8 values times a scale: the products are float32-exact
+    # up to the summation's rounding.
+    np.testing.assert_allclose(y, np.einsum("bti,io->bto", qx, qw), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(dx, np.einsum("bto,io->bti", qg, qw), rtol=2e-6, atol=1e-9)
+    np.testing.assert_allclose(dw, np.einsum("bti,bto->io", qx, qg), rtol=2e-6, atol=1e-9)
+    if not empty:  # the rounding did something: the emulation is not the plain matmul
+        assert np.abs(np.asarray(y) - x @ w).max() > 1e-4
+    # The state's "gradient" is its next value: the scale used, the history with this
+    # step's amax in it.
+    got = nnx.to_pure_dict(dstate)
+    for k, (scale, nxt) in {"x": (sx, hx), "w": (sw, hw), "g": (sg, hg)}.items():
+        np.testing.assert_allclose(got[f"{k}_scale"], [scale], rtol=1e-6)
+        np.testing.assert_allclose(got[f"{k}_amax"], nxt, rtol=1e-6)
+
+
+def _fp8(**train) -> dict:
+    return {"precision": {"matmul": "fp8", "fp8_history": 4},
+            "train": {"global_batch": 8, **train}}
+
+
+def _steps(exp, mesh: str, n: int):
+    from plait.tasks import make_task
+
+    task = make_task(exp, make_mesh(mesh))
+    state, src, out = task.init_state(), task.source(), []
+    for s in range(n):
+        state, m = task.step_fn(state, task.batch(src, s))
+        out.append(float(m["loss"]))
+    return np.array(out), jax.tree.map(np.asarray, state["params"])
+
+
+def _scalings(params: dict) -> dict:
+    return {f"{i}.{m}": params["blocks"][str(i)][m]["fp8"] for i in range(2)
+            for m in ("attn", "mlp")}
+
+
+def test_microbatches_and_meshes_keep_one_scaling_state(emulate):
+    one, p1 = _steps(tiny(**_fp8(steps=3)), "data=1", 3)
+    two, p2 = _steps(tiny(**_fp8(steps=3, microbatches=2)), "data=1", 3)
+    sharded, p3 = _steps(tiny(**_fp8(steps=3)), "data=2,fsdp=2,tensor=2", 3)
+    plain, _ = _steps(tiny(train={"global_batch": 8, "steps": 3}), "data=1", 3)
+    s1, s2, s3 = _scalings(p1), _scalings(p2), _scalings(p3)
+    # History after 3 steps of 4: [step 3, unseen, step 1, step 2]. Steps 1 and 2 ran
+    # on the same weights everywhere (the first step's learning rate is 0 in warmup):
+    # two microbatches see the batch's amax by their maximum, a mesh sees it whole.
+    # Step 3's weights differ by a rounding: the amax there only nearly agrees (fp8
+    # turns a last-bit difference into a quantisation step, and Adam makes that an
+    # update of the learning rate's size).
+    for name in s1:
+        for w, s in s1[name].items():
+            assert np.all(s["x_amax"][[0, 2, 3]] > 0) and s["x_amax"][1] == 0
+            for other in (s2, s3):
+                for k in ("x_amax", "w_amax"):
+                    np.testing.assert_allclose(other[name][w][k][2:], s[k][2:], rtol=1e-5)
+                    np.testing.assert_allclose(other[name][w][k], s[k], rtol=5e-2)
+            np.testing.assert_allclose(s3[name][w]["g_amax"][2:], s["g_amax"][2:], rtol=1e-4)
+            if (name, w) == ("1.mlp", "w2"):
+                # Each microbatch's loss is a mean over half the rows: gradients twice as
+                # big (below the last matmul the first step's unscaled e5m2 rounding,
+                # where doubling moves subnormals, blurs this by a few per cent).
+                np.testing.assert_allclose(s2[name][w]["g_amax"][2:], 2 * s["g_amax"][2:],
+                                           rtol=1e-4)
+            # The scale of step 3 came from steps 1-2's amax (delayed scaling).
+            assert s["x_scale"][0] == pytest.approx(s["x_amax"][1:].max() / E4M3_MAX,
+                                                   rel=1e-6)
+    np.testing.assert_allclose(two, one, rtol=1e-3)
+    np.testing.assert_allclose(sharded, one, rtol=1e-3)
+    # Quantised, the curve stays near the unquantised one.
+    np.testing.assert_allclose(one, plain, rtol=2e-3)
+    assert not np.array_equal(one, plain)
+    # The scaling state is not a weight: the optimizer, the norm, the counts skip it.
+    from plait.models.gpt import abstract_model, param_count
+
+    exp = tiny(**_fp8())
+    assert abstract_model(exp.model).num_params() == param_count(exp.model)
+
+
+CKPT = {"enabled": True, "every_steps": 3, "keep": 3, "async_save": False}
+
+
+def test_resume_is_bit_exact_with_the_scaling_state(emulate, tmp_path, capsys):
+    exp = tiny(checkpoint=CKPT, **_fp8(steps=6))
+    full = losses(run(exp, "data=2,fsdp=2", tmp_path / "full"))
+    part = tmp_path / "part"
+    run(tiny(checkpoint=CKPT, **_fp8(steps=3)), "data=2,fsdp=2", part)
+    run(exp, "data=2,fsdp=2", part)
+    np.testing.assert_array_equal(losses(part), full)
+    from plait.sample import load
+
+    def scalings(d):  # as plait sample and export read the checkpoint
+        return _scalings(jax.tree.map(np.asarray, load(d, 6)[2]))
+
+    a, b = scalings(tmp_path / "full"), scalings(part)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert a["0.attn"]["wqkv"]["x_amax"].shape == (4,)
+    # Another precision resumes: the weights and moments carried over, the state
+    # dropped (and, back in FP8, started afresh).
+    said = {"console": "line"}
+    capsys.readouterr()
+    plain = tiny(checkpoint=CKPT, log=said, train={"global_batch": 8, "steps": 9})
+    run(plain, "data=2,fsdp=2", part)
+    assert "FP8 scaling state is dropped" in capsys.readouterr().out
+    again = tiny(checkpoint=CKPT, log=said, **_fp8(steps=12))
+    run(again, "data=2,fsdp=2", part)
+    assert "FP8 scaling state starts afresh" in capsys.readouterr().out
+    got = losses(part)
+    assert len(got) == 12 and np.all(np.isfinite(got)) and got[-1] < got[0]
+
+
+def test_refusals_are_one_line(tmp_path, capsys):
+    from plait.cli import main
+
+    # CPUs have no FP8 units: refused before the run directory is made.
+    path = write_experiment(tmp_path / "fp8.toml", tiny(**_fp8(steps=2)))
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
+                 str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "needs FP8 matrix units" in err and "cpu" in err
+    assert not (tmp_path / "run").exists()
+    from plait.config_files import load_experiment
+    from plait.errors import UserError
+
+    dlrm = tmp_path / "dlrm.toml"
+    dlrm.write_text('[model]\nkind = "dlrm"\n[precision]\nmatmul = "fp8"\n')
+    with pytest.raises(UserError, match="applies to the decoders"):
+        load_experiment(dlrm)
+    both = tmp_path / "model.toml"
+    both.write_text("[model]\nfp8_history = 16\n")
+    with pytest.raises(UserError, match="set by \\[precision\\]"):
+        load_experiment(both)
+    # Written back, an FP8 experiment reads as itself.
+    back = tmp_path / "back.toml"
+    back.write_text(tiny(**_fp8()).to_toml())
+    assert load_experiment(back).model.fp8_history == 4
+
+
+def test_a_pipeline_with_fp8_is_refused(emulate):
+    from plait.errors import UserError
+    from plait.tasks import make_task
+
+    with pytest.raises(UserError, match="without a pipeline axis"):
+        make_task(tiny(**_fp8()), make_mesh("pipeline=2"))
