@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...      (env dlrm gpt124 gpt124scan nanogpt gpt1p3b)
+#   bash benchmarks/gpu_figures.sh STAGE...      (env dlrm gpt124 gpt124scan nanogpt gpt1p3b fp8)
 #
 # Meant for a lent GPU machine with JAX (CUDA) and torch installed: plait runs from
 # src/ (PYTHONPATH), missing pure-Python dependencies may be wheels under .whl/, and
@@ -52,6 +52,11 @@ for stage in "$@"; do
         --layers 64 --rounds 1 --set train.global_batch=16 --json "$OUT/gpt1p3b-start.json"
       run gpt1p3b 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --json "$OUT/gpt1p3b.json" ;;
-    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b)"; exit 2 ;;
+    fp8)  # throughput of both precisions (20 steps); then the 300-step curves on 124M
+      run fp8-1p3b 420 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-1.3b.toml \
+        --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b.json"
+      run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
+        --steps 300 --json "$OUT/fp8-124m-curve.json" ;;
+    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b fp8)"; exit 2 ;;
   esac
 done
