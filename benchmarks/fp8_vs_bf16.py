@@ -19,28 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from throughput import step_times, timed_run  # benchmarks/ is the script's directory
 
 
 def _train(path: str, sets: list[str], matmul: str, steps: int, mesh_text: str) -> dict:
-    from plait import mesh as mesh_lib
-    from plait.config_files import load_experiment
-    from plait.train.loop import train
-
-    exp = load_experiment(path, [
-        *sets, f"train.steps={steps}", "checkpoint.enabled=false", "log.every_steps=1",
-        "log.tensorboard=false", "log.console='line'", "precision.compute='bfloat16'",
-        f"precision.matmul='{matmul}'"])
-    spec = mesh_lib.load_spec(mesh_text)
-    n = mesh_lib.provision_devices(spec)
-    mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = train(exp, mesh, Path(tmp))
-    return {"exp": exp, "records": summary["records"]}
+    exp, _, summary = timed_run(path, [*sets, "precision.compute='bfloat16'",
+                                       f"precision.matmul='{matmul}'"], steps, mesh_text)
+    return {"exp": exp, "summary": summary}
 
 
 def _smooth(x: np.ndarray, w: int) -> np.ndarray:
@@ -71,10 +60,9 @@ def main() -> int:
                  "steps": args.steps, "remat": exp.model.remat}
     curves = {}
     for m, r in runs.items():
-        times = [x["step_time_s"] for x in r["records"] if x.get("step_time_s")]
-        step = statistics.median(times[args.warmup:] or times)
+        step = statistics.median(step_times(r["summary"], args.warmup))
         out[m] = {"median_step_s": step, "tokens_per_s": tokens / step}
-        curves[m] = np.array([x["loss"] for x in r["records"]])
+        curves[m] = np.array([x["loss"] for x in r["summary"]["records"]])
         out[m]["losses"] = curves[m].tolist()
     out["fp8_speedup"] = out["fp8"]["tokens_per_s"] / out["default"]["tokens_per_s"]
     a, b = (_smooth(curves[m][args.from_step - 1:], args.window) for m in ("default", "fp8"))

@@ -115,7 +115,7 @@ def main() -> int:
 
     from plait import mesh as mesh_lib
     from plait.config_files import load_experiment
-    from plait.models import gpt
+    from plait.models import gpt_counts
     from plait.tasks.gpt import GPTTask as Job
     from plait.train.loop import train
     from plait.train.state import optimizer
@@ -225,7 +225,7 @@ def main() -> int:
         "overhead_vs_bare_pct_median_of_paired_rounds":
             100 * (statistics.median(bare_ratios) - 1),
         "plait_loop_step_ms": 1e3 * loop_med if loop_med else None,
-        "model_gflops_per_step": gpt.flops_per_token(cfg) * tokens_per_step / 1e9,
+        "model_gflops_per_step": gpt_counts.flops_per_token(cfg) * tokens_per_step / 1e9,
         "plait_rounds_ms": [1e3 * t for t in p_times],
         "hand_rounds_ms": [1e3 * t for t in h_times],
         "bare_rounds_ms": [1e3 * t for t in b_times],

@@ -19,6 +19,30 @@ import time
 from pathlib import Path
 
 
+def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str):
+    """(experiment, mesh, summary) of `steps` steps of plait train's loop (data included,
+    no checkpoints, every step logged with its time)."""
+    from plait import mesh as mesh_lib
+    from plait.config_files import load_experiment
+    from plait.train.loop import train
+
+    exp = load_experiment(experiment, [
+        *sets, f"train.steps={steps}", "checkpoint.enabled=false",
+        "log.every_steps=1", "log.tensorboard=false", "log.console='line'"])
+    spec = mesh_lib.load_spec(mesh_text)
+    n = mesh_lib.provision_devices(spec)
+    mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = train(exp, mesh, Path(tmp))
+    return exp, mesh, summary
+
+
+def step_times(summary: dict, warmup: int) -> list[float]:
+    """The logged step times after the first `warmup` (all of them if that is none)."""
+    times = [r["step_time_s"] for r in summary["records"] if r.get("step_time_s")]
+    return times[warmup:] or times
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment")
@@ -32,21 +56,12 @@ def main() -> int:
     import jax
 
     from plait import mesh as mesh_lib
-    from plait.config_files import load_experiment
     from plait.hardware import peak_flops
-    from plait.models.gpt import flops_per_token
-    from plait.train.loop import train
+    from plait.models.gpt_counts import flops_per_token
 
-    exp = load_experiment(args.experiment, [
-        *args.sets, f"train.steps={args.steps}", "checkpoint.enabled=false",
-        "log.every_steps=1", "log.tensorboard=false", "log.console='line'"])
-    spec = mesh_lib.load_spec(args.mesh)
-    n = mesh_lib.provision_devices(spec)
-    mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = train(exp, mesh, Path(tmp))
-    times = [r["step_time_s"] for r in summary["records"] if r.get("step_time_s")]
-    times = times[args.warmup:] or times
+    exp, mesh, summary = timed_run(args.experiment, args.sets, args.steps, args.mesh)
+    n = mesh.devices.size
+    times = step_times(summary, args.warmup)
     step = statistics.median(times)
     tokens = exp.train.global_batch * exp.model.seq_len
     device = jax.devices()[0]

@@ -10,7 +10,7 @@ from helpers import make_mesh, plait_cmd, tiny, write_experiment
 
 from plait import analysis, hlo
 from plait.inspect import inspect_step
-from plait.models import build, gpt
+from plait.models import build, gpt, gpt_counts
 
 
 def _bsd_bytes(exp):
@@ -46,7 +46,8 @@ def test_hlo_flops_equal_model_flops_with_accumulation_loop():
     """Matmuls inside the gradient-accumulation loop are counted once per microbatch."""
     exp = tiny(train={"microbatches": 4})
     r = inspect_step(exp, make_mesh("tensor=8"))
-    expected = gpt.flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len / 8
+    tokens = exp.train.global_batch * exp.model.seq_len
+    expected = gpt_counts.flops_per_token(exp.model) * tokens / 8
     assert r["flops_per_device"] == pytest.approx(expected, rel=1e-9)
     per_micro = [op for op in r["collective_ops"] if op["kind"] == "all-reduce"
                  and op["shape"].startswith(f"f32[4,{exp.model.seq_len},{exp.model.d_model}]")]

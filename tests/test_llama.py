@@ -69,16 +69,16 @@ def test_formulas_count_gqa_and_swiglu():
     """param_count equals the built model's parameters; the compiled step's matmul FLOPs
     equal flops_per_token (no remat)."""
     from plait.inspect import inspect_step
-    from plait.models import gpt
+    from plait.models import gpt_counts
     from plait.tasks.gpt import GPTTask
 
     for model in ({}, {"tie_embeddings": True, "qkv_bias": False, "kv_heads": 1},
                   {"kv_heads": 8}):  # fused q/k/v when every head has its own
         exp = llama(model=model)
         mesh = make_mesh("data=1")
-        assert gpt.param_count(exp.model) == GPTTask(exp, mesh).num_params(), model
+        assert gpt_counts.param_count(exp.model) == GPTTask(exp, mesh).num_params(), model
         got = inspect_step(exp, mesh)["flops_per_device"]
-        want = gpt.flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len
+        want = gpt_counts.flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len
         assert got == pytest.approx(want, rel=1e-9), model
 
 

@@ -241,19 +241,20 @@ def test_parameter_and_flop_formulas():
     """param_count equals the built model for the Llama and GPT-2 layouts, sparse in every
     layer or every other one, with and without a shared expert; the FLOPs count a
     token's top_k experts, not all of them."""
-    from plait.models import gpt
+    from plait.models import gpt_counts
     from plait.tasks.gpt import GPTTask
 
     mesh = make_mesh("data=1")
     for model, moe in (({}, {}), ({"kind": "gpt", "layers": 3}, {"every": 2, "d_ff": 48}),
                        ({"kind": "gpt"}, {"shared_d_ff": 0})):
         exp = experiment(moe, model=model)
-        assert gpt.param_count(exp.model) == GPTTask(exp, mesh).num_params(), (model, moe)
+        assert gpt_counts.param_count(exp.model) == GPTTask(exp, mesh).num_params(), (model, moe)
     exp = experiment({"shared_d_ff": 0})
     m, d = exp.model, exp.model.d_model
     dense = exp.model.model_copy(update={"moe": None})
     per_layer_extra = (2 - 1) * 3 * d * 64 + d * 4  # a second expert and the router
-    assert gpt.flops_per_token(m) == gpt.flops_per_token(dense) + 6 * m.layers * per_layer_extra
+    assert gpt_counts.flops_per_token(m) == \
+        gpt_counts.flops_per_token(dense) + 6 * m.layers * per_layer_extra
 
 
 def test_the_sweep_enumerates_the_expert_axis_for_experts_with_a_capacity():

@@ -26,7 +26,8 @@ from plait.config import ModelSection
 from plait.models.keys import ParamKeys
 
 
-def _key(k: Any) -> str:
+def path_key(k: Any) -> str:
+    """One entry of a pytree path (DictKey, GetAttrKey, ...) as the dict key it names."""
     return str(getattr(k, "key", k))
 
 
@@ -35,14 +36,14 @@ def flat_to_pure(flat) -> dict:
     for path, leaf in flat:
         node = out
         for k in path[:-1]:
-            node = node.setdefault(_key(k), {})
-        node[_key(path[-1])] = leaf
+            node = node.setdefault(path_key(k), {})
+        node[path_key(path[-1])] = leaf
     return out
 
 
 def _lookup(tree: dict, path) -> Any:
     for k in path:
-        tree = tree[_key(k)]
+        tree = tree[path_key(k)]
     return tree
 
 

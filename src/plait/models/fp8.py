@@ -26,6 +26,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 from plait.errors import UserError
+from plait.models import path_key
 
 KEY = "fp8"  # the attribute (and parameter key) of a module's scaling state
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -78,7 +79,7 @@ def quantized_gradient(y: jax.Array, s: Scaling) -> jax.Array:
 
 
 def _is_state(path) -> bool:
-    return any(str(getattr(k, "key", k)) == KEY for k in path)
+    return any(path_key(k) == KEY for k in path)
 
 
 def take(grads: dict) -> dict:
@@ -108,10 +109,6 @@ def mean(total: dict, n: int) -> dict:
         lambda p, a: a if _is_state(p) else a / n, total)
 
 
-def has_state(tree: dict) -> bool:
-    return any(_is_state(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-
-
 def check_devices(devices) -> None:
     """One line when the devices have no FP8 matrix units (unless emulating for tests)."""
     if os.environ.get(EMULATE_ENV) == "1":
@@ -137,7 +134,7 @@ def without_state(tree: dict) -> dict:
 def _fresh(path, shape: jax.ShapeDtypeStruct) -> jax.Array:
     """A new leaf of a state that had none there: a parameter's scales start at 1, its
     amax histories empty; an optimizer's moments at zero."""
-    first, last = (str(getattr(k, "key", k)) for k in (path[0], path[-1]))
+    first, last = path_key(path[0]), path_key(path[-1])
     one = first == "params" and _is_state(path) and last.endswith("_scale")
     return (jnp.ones if one else jnp.zeros)(shape.shape, shape.dtype)
 

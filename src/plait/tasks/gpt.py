@@ -25,14 +25,16 @@ from plait import data, models, sharding
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
-from plait.models import fp8, gpt
+from plait.models import fp8, gpt, gpt_counts
 from plait.models.gpt import abstract_model
-from plait.parallel import context, experts, formulas, hierarchical, local_sgd, schedules
+from plait.parallel import context, experts, formulas, hierarchical, local_sgd
+from plait.tasks import gpt_sweep
 from plait.tasks.base import Evaluator, Source, Task
+from plait.tasks.gpt_checkpoint import DecoderCheckpoints
 from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules
 from plait.tasks.gpt_runtime import attention_for, scan_for
 from plait.train.pipelined import Pipelined
-from plait.train.state import StateLayout, init_state, layout, map_params, optimizer
+from plait.train.state import StateLayout, init_state, layout, optimizer
 from plait.train.step import (
     accumulated,
     compute_dtype,
@@ -47,10 +49,6 @@ from plait.train.step import (
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_tokens_max", "moe_tokens_mean",
                "moe_dropped_fraction")
 
-# The sweep tries a context axis only where each rank keeps at least this many tokens of
-# a sequence.
-SWEEP_MIN_CONTEXT_CHUNK = 1024
-
 
 class HeldOutLoss:
     """Mean loss (and its exp, perplexity) of the state on fixed held-out batches."""
@@ -64,7 +62,7 @@ class HeldOutLoss:
         return {"eval_loss": mean, "eval_perplexity": float(np.exp(min(mean, 80.0)))}
 
 
-class GPTTask(Task):
+class GPTTask(DecoderCheckpoints, Task):
     unit = "tokens"
     sweep_axes = mesh_lib.AXES
 
@@ -131,28 +129,6 @@ class GPTTask(Task):
     def layout(self) -> StateLayout:
         return self._layout
 
-    @property
-    def _converts(self) -> bool:
-        """Whether memory and checkpoints lay the layers out differently."""
-        return self.pipeline is not None or self.stacked
-
-    @functools.cached_property
-    def canonical_layout(self) -> StateLayout:
-        """One entry per layer, whatever the pipeline or the stacked layers do in memory."""
-        if not self._converts:
-            return self.layout
-        shapes, shardings = self._per_layer_params
-        if self.local:
-            return self.local.state_layout(shapes, shardings, optimizer(self.exp)[0])
-        return layout(shapes, shardings, optimizer(self.exp)[0], self.mesh)
-
-    @functools.cached_property
-    def _per_layer_params(self) -> tuple[dict, dict]:
-        """(shapes, shardings) of the parameters with one entry per layer (on disk)."""
-        per_layer = abstract_model(self.exp.model.model_copy(update={"scan_layers": False}))
-        return (per_layer.shapes(),
-                sharding.param_shardings(per_layer.variables(), self.mesh, self.rules))
-
     def init_state(self, params: dict | None = None) -> dict:
         """A fresh state: new parameters, or `params` (canonical, one entry per layer:
         imported weights) with a fresh optimizer state."""
@@ -169,74 +145,6 @@ class GPTTask(Task):
             return jax.jit(lambda g: self.local.init(make(g), self.tx),
                            out_shardings=self.layout.shardings)(params)
         return init_state(make, self.tx, self.layout, params)
-
-    def restore_plan(self, saved_config: dict):
-        plan = local_sgd.restore_plan(saved_config, self.exp.sync, self.local,
-                                      self._per_layer_params, optimizer(self.exp)[0],
-                                      self.canonical_layout.shardings)
-        return plan or self._fp8_restore_plan(saved_config) or super().restore_plan(
-            saved_config)
-
-    def _fp8_restore_plan(self, saved_config: dict):
-        """A checkpoint of another precision.matmul (or fp8_history): the weights and
-        optimizer moments carried over, the FP8 scaling state fresh or dropped."""
-        saved = ((saved_config or {}).get("model") or {}).get("fp8_history", 0)
-        now = self.exp.model.fp8_history
-        if saved == now or self.local:
-            return None
-        other = abstract_model(self.exp.model.model_copy(
-            update={"scan_layers": False, "fp8_history": saved}))
-        written = layout(other.shapes(), sharding.param_shardings(
-            other.variables(), self.mesh, self.rules), optimizer(self.exp)[0], self.mesh)
-        target = self.canonical_layout
-        convert = jax.jit(functools.partial(fp8.carry_over, shapes=target.shapes),
-                          out_shardings=target.shardings)
-        note = ("FP8 scaling state starts afresh (the checkpoint was written with "
-                "precision.matmul = \"default\")" if not saved else
-                "the checkpoint's FP8 scaling state is dropped (precision.matmul = "
-                "\"default\" now)" if not now else
-                f"FP8 amax histories start afresh (fp8_history {saved} there, {now} now)")
-        return written.abstract(), convert, note
-
-    def _map_model(self, state: dict, fn) -> dict:
-        """Apply a model-params conversion to the state: per replica where there are
-        replicas (sync.method easgd / diloco), and to their center."""
-        if not self.local:
-            return map_params(state, self._model_params, fn)
-        out = map_params(state, self._model_params, jax.vmap(fn))
-        out["sync"] = {k: fn(v) for k, v in state["sync"].items()}
-        return out
-
-    def _model_params(self, tree) -> bool:
-        return isinstance(tree, dict) and "blocks" in tree
-
-    @functools.cached_property
-    def _to_checkpoint(self):
-        def convert(state):
-            if self.pipeline:
-                state = self.pipeline.map_state(state, self.pipeline.to_canonical)
-            if self.stacked:
-                state = self._map_model(state, lambda p: models.unstack(p, "blocks"))
-            return state
-
-        return jax.jit(convert, out_shardings=self.canonical_layout.shardings)
-
-    @functools.cached_property
-    def _from_checkpoint(self):
-        def convert(state):
-            if self.stacked:
-                state = self._map_model(state, lambda p: models.stack(p, "blocks"))
-            if self.pipeline:
-                state = self.pipeline.map_state(state, self.pipeline.from_canonical)
-            return state
-
-        return jax.jit(convert, out_shardings=self.layout.shardings)
-
-    def to_checkpoint(self, state: dict) -> dict:
-        return self._to_checkpoint(state) if self._converts else state
-
-    def from_checkpoint(self, state: dict) -> dict:
-        return self._from_checkpoint(state) if self._converts else state
 
     # ------------------------------------------------------------------ step
     def loss(self, params: dict, tokens: jax.Array, rules: sharding.Rules | None = None
@@ -401,10 +309,10 @@ class GPTTask(Task):
 
     @classmethod
     def param_count(cls, cfg) -> int:
-        return gpt.param_count(cfg)
+        return gpt_counts.param_count(cfg)
 
     def flops_per_unit(self) -> float:
-        return gpt.flops_per_token(self.exp.model)
+        return gpt_counts.flops_per_token(self.exp.model)
 
     def describe(self, state: dict) -> list[str]:
         layers = "scanned" if self.exp.model.scan_layers else "unrolled"
@@ -421,7 +329,7 @@ class GPTTask(Task):
                      if X > 1 else "all on every device")
             out.append(f"plait: mixture of experts in {sparse} of {m.layers} layers: "
                        f"{moe.experts} experts, {moe.top_k} per token, {routing}; {where}; "
-                       f"{gpt.active_matmul_params(m) / 1e6:.2f}M matmul weights active per "
+                       f"{gpt_counts.active_matmul_params(m) / 1e6:.2f}M matmul weights active per "
                        "token (FLOPs and MFU count those)")
         C = self.mesh.shape.get("context", 1)
         if C > 1:
@@ -463,61 +371,15 @@ class GPTTask(Task):
     # ------------------------------------------------------------------ sweep
     @classmethod
     def sweep_axes_for(cls, exp: Experiment) -> tuple[str, ...]:
-        """Every axis, but `context` only for sequences it can split into blocks of
-        SWEEP_MIN_CONTEXT_CHUNK tokens or more, and `expert` only for a mixture of
-        experts with a capacity (dropless runs every expert on every device)."""
-        skip = set()
-        if exp.model.seq_len < 2 * SWEEP_MIN_CONTEXT_CHUNK:
-            skip.add("context")
-        moe = exp.model.moe
-        if moe is None or moe.capacity_factor == 0:
-            skip.add("expert")
-        return tuple(a for a in cls.sweep_axes if a not in skip)
+        return gpt_sweep.axes_for(exp, cls.sweep_axes)
 
     @classmethod
     def sweep_variants(cls, exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:
-        """Every shape the model divides; a pipeline axis adds each schedule x microbatch
-        count (D, 2D, 4D) the layers and the batch split into."""
-        mesh_lib.tensor_mode(sizes)  # one-line errors for shapes no mode runs
-        C = sizes.get("context", 1)
-        if C > 1 and exp.model.seq_len // C < SWEEP_MIN_CONTEXT_CHUNK:
-            raise UserError(f"context={C} leaves fewer than {SWEEP_MIN_CONTEXT_CHUNK} tokens "
-                            "per rank: not swept (a block that small cannot hide the ring's "
-                            "sends; the batch axes split such sequences for less)")
-        check_fits(exp, sizes, decoder_rules(sizes, exp.model, exp.context.attention),
-                   abstract_model(exp.model))
-        D = sizes.get("pipeline", 1)
-        if D == 1:
-            return [{}]
-        rules = decoder_rules(sizes, exp.model)
-        replicas = math.lcm(*(n for _, n in sharding.batch_splits(rules, sizes)))
-        out = []
-        for name, kind in schedules.SCHEDULES.items():
-            v = kind.default_virtual
-            for N in (D, 2 * D, 4 * D):
-                if exp.model.layers % (D * v) or exp.train.global_batch % (N * replicas):
-                    continue
-                try:
-                    kind.check(D, N, v)
-                except UserError:
-                    continue
-                out.append({"pipeline.schedule": name, "pipeline.microbatches": N,
-                            "pipeline.virtual_stages": v})
-        return out
+        return gpt_sweep.variants(exp, sizes)
 
     @classmethod
     def sweep_programs(cls, exp: Experiment, sizes: dict[str, int]):
-        """Scanned layers make every per-layer cost linear in depth: without a pipeline,
-        compile at 2 and 4 layers and extrapolate. A pipeline stacks its stage parameters,
-        so its program does not grow with depth: compile it at the full depth."""
-        def scanned(layers: int) -> Experiment:
-            model = exp.model.model_copy(update={"layers": layers, "scan_layers": True})
-            return exp.model_copy(update={"model": model})
-
-        L = exp.model.layers
-        if sizes.get("pipeline", 1) > 1:
-            return [scanned(L)], None
-        return [scanned(2), scanned(4)], (L - 2) / 2
+        return gpt_sweep.programs(exp, sizes)
 
     def sweep_extras(self) -> dict:
         return {"figures": self.pipeline.figures} if self.pipeline else {}
