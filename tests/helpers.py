@@ -13,10 +13,12 @@ from plait import mesh as mesh_lib
 from plait.config import Experiment
 
 ROOT = Path(__file__).resolve().parent.parent
-# Compiled programs are cached per test worker (pytest-xdist runs two).
-CACHE_DIR = os.environ.get(
-    "PLAIT_TEST_CACHE",
-    f"/tmp/plait-test-jax-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
+# Compiled programs are cached in one directory for every test worker (pytest-xdist runs
+# two) and the processes the tests start: a program one compiled, the others load. A
+# size limit turns on JAX's file lock around each read and write of the cache, so no
+# process reads an entry another is still writing.
+CACHE_DIR = os.environ.get("PLAIT_TEST_CACHE", "/tmp/plait-test-jax-cache")
+CACHE_MAX_BYTES = 16 * 2**30
 
 
 # The tests' programs are compiled with XLA's backend (LLVM) optimisation off: the
@@ -87,6 +89,7 @@ def subprocess_env() -> dict:
     e["TF_CPP_MIN_LOG_LEVEL"] = "2"
     e["JAX_COMPILATION_CACHE_DIR"] = CACHE_DIR
     e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    e["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(CACHE_MAX_BYTES)
     return e
 
 

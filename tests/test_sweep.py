@@ -113,7 +113,7 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     assert report["rows"][0]["mesh"] == rows[0]["mesh"]
     assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     # --mesh auto sweeps the devices at hand (a one-layer model: no pipeline shapes, three
-    # programs to compile) and ranks without measuring: by the model's own time.
+    # programs to compile, one each) and ranks without measuring: by the model's own time.
     one = write_experiment(tmp_path / "one.toml", tiny(model={"layers": 1},
                                                        train={"steps": 3, "global_batch": 4}))
     assert main(["train", str(one), "--mesh", "auto", "--devices", "2",
