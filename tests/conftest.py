@@ -11,7 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).parent))
 
 # Many tests compile the same step on the same mesh: share compiled programs.
-from helpers import CACHE_DIR, CACHE_MAX_BYTES, TEST_XLA_FLAGS  # noqa: E402
+from helpers import CACHE_DIR, TEST_XLA_FLAGS  # noqa: E402
 
 # Before the backend starts (helpers.TEST_XLA_FLAGS says why).
 os.environ["XLA_FLAGS"] = " ".join(
@@ -20,7 +20,6 @@ os.environ["XLA_FLAGS"] = " ".join(
 jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
 
 # Start the backend now: every test then sees the same fixed 8-device process,
 # whatever order the tests run in.
