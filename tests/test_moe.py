@@ -1,8 +1,9 @@
 """Mixture of experts: with room for every token, loss and gradients on expert-parallel
 meshes equal the one-device run (the router losses' gradients included), through a
-pipeline too; dropless equals capacity without drops; a small capacity drops what a
-NumPy dispatch of the same routing drops; the router losses equal their formulas; the
-compiled all-to-all bytes equal the formula; the metrics reach metrics.jsonl."""
+pipeline too; dropless equals capacity without drops, over an expert axis too; a small
+capacity drops what a NumPy dispatch of the same routing drops; the router losses equal
+their formulas; the compiled bytes over the expert axis equal the formula; the metrics
+reach metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -75,10 +76,13 @@ def test_loss_and_gradients_equal_one_device(spec, model):
         np.testing.assert_allclose(got_metrics[key], value, rtol=1e-5, err_msg=key)
 
 
-def test_dropless_equals_capacity_without_drops():
+# data x fsdp: each device's rows sorted apart, every expert on every device; expert x
+# tensor x fsdp: the tokens all-gathered over `expert`, each rank's own experts (split
+# over tensor inside) run on them, the outputs reduce-scattered back.
+@pytest.mark.parametrize("spec", ["data=2,fsdp=2", "expert=2,tensor=2,fsdp=2"])
+def test_dropless_equals_capacity_without_drops(spec):
     want_loss, want, _ = loss_and_grads("data=1")
-    # each device's rows sorted apart (a shard_map over data x fsdp)
-    got_loss, got, metrics = loss_and_grads("data=2,fsdp=2", (("capacity_factor", 0.0),))
+    got_loss, got, metrics = loss_and_grads(spec, (("capacity_factor", 0.0),))
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     assert_trees_close(got, want)
     assert metrics["moe_dropped_fraction"] == 0.0
@@ -208,23 +212,27 @@ def test_small_capacity_drops_what_numpy_drops(spec):
 def test_all_to_all_bytes_equal_the_formula():
     """The compiled step's all-to-alls over `expert`: rows x seq x experts' places x
     d_model x bytes x (X - 1) / X per all-to-all, two forward and two backward per
-    sparse layer."""
+    sparse layer. Dropless: the all-gathers and reduce-scatters of the tokens and
+    their routing (formulas.expert_bytes), rematerialised too."""
     from plait.inspect import inspect_step
     from plait.parallel import formulas
 
-    exp = experiment()
-    for spec in ("expert=4", "data=2,expert=2"):
+    for spec, moe, model in (("expert=4", {}, {}), ("data=2,expert=2", {}, {}),
+                             ("data=2,expert=2", {"capacity_factor": 0.0}, {}),
+                             ("data=2,expert=2", {"capacity_factor": 0.0}, {"remat": "full"})):
+        exp = experiment(moe, model={"layers": 1, **model})  # bytes are per sparse layer
         sizes = dict(make_mesh(spec).shape)
         report = inspect_step(exp, make_mesh(spec))
         got = report["experts"]
         want = formulas.expert_bytes(exp, sizes)
-        assert got["wire_bytes"] == pytest.approx(want, rel=1e-6), spec
+        assert got["wire_bytes"] == pytest.approx(want, rel=1e-6), (spec, moe, model)
         assert got["formula_bytes"] == pytest.approx(want, rel=1e-6)
+        assert got["dispatch"] == ("all-gather" if moe else "all-to-all")
 
 
 @pytest.mark.parametrize("spec,moe,message", [
     ("expert=2", None, "has none"),
-    ("expert=2", {"capacity_factor": 0.0}, "dropless"),
+    ("data=2,pipeline=2", {"capacity_factor": 0.0}, "dropless experts .* in a pipeline"),
     ("expert=2,tensor_row=2,tensor_col=2", {}, "1-D tensor"),
     ("expert=8", {}, "model.moe.experts = 4 is not divisible"),
 ])
@@ -257,10 +265,10 @@ def test_parameter_and_flop_formulas():
         gpt_counts.flops_per_token(dense) + 6 * m.layers * per_layer_extra
 
 
-def test_the_sweep_enumerates_the_expert_axis_for_experts_with_a_capacity():
+def test_the_sweep_enumerates_the_expert_axis_for_a_mixture_of_experts():
     from plait.tasks.gpt import GPTTask
 
     assert "expert" in GPTTask.sweep_axes_for(experiment())
-    assert "expert" not in GPTTask.sweep_axes_for(experiment({"capacity_factor": 0.0}))
+    assert "expert" in GPTTask.sweep_axes_for(experiment({"capacity_factor": 0.0}))
     assert "expert" not in GPTTask.sweep_axes_for(tiny(model=MODEL))
     assert GPTTask.sweep_variants(experiment(), {"expert": 4, "data": 2}) == [{}]

@@ -15,8 +15,14 @@ Two ways, chosen by `moe.capacity_factor`:
   experts and gets theirs for its own.
 - dropless (factor 0): every assignment is kept. Each device sorts its own tokens'
   assignments by expert and runs the experts as grouped matrix products
-  (`jax.lax.ragged_dot`) over the weights gathered whole; this runs with the experts
-  on every device (no `expert` axis).
+  (`jax.lax.ragged_dot`). Without an `expert` axis the weights are gathered whole.
+  With one, the experts are split over it and the tokens are all-gathered across it
+  instead (the all-gather dispatch of Megatron-Core): each rank runs its own experts
+  on every assignment of the group routed to them, leaving the rest out of its
+  grouped matmuls, and a reduce-scatter sums each token's outputs back to the rank
+  that holds it. No sizes depend on the routing (an all-to-all of exactly the routed
+  tokens would), at X / top_k times the all-to-all's bytes and X times the sorted
+  buffer (formulas.expert_bytes).
 
 `parallel/` is the only code that writes collectives: the model hands over its router
 choices and expert weights and gets the combined output back.
@@ -155,13 +161,16 @@ def with_capacity(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
 def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str
                   ) -> jax.Array:
     """Tokens x [N, d] of one device, every assignment kept: sorted by expert, the experts
-    run as grouped matmuls over their contiguous rows, then put back and weighted."""
+    run as grouped matmuls over their contiguous rows, then put back and weighted.
+    Assignments to experts outside [0, E) (another rank's) sort last, past every group:
+    the grouped matmuls leave them out and their outputs are 0."""
     N, k = idx.shape
     E = next(iter(w.values())).shape[0]
     flat = idx.reshape(-1)
+    flat = jnp.where((flat >= 0) & (flat < E), flat, E)
     order = jnp.argsort(flat, stable=True)
     rows = jnp.take(x, order // k, axis=0)
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     if activation == "swiglu":
         w13 = w["w13"]
         gu = jax.lax.ragged_dot(rows, w13.reshape(E, w13.shape[1], -1), sizes)
@@ -177,13 +186,22 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
 def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str
              ) -> tuple[jax.Array, jax.Array]:
     """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], 0 dropped): each device's
-    tokens through `_ragged_group`, in a shard_map over the axes that split the rows."""
+    tokens through `_ragged_group`, in a shard_map over the axes that split the rows;
+    over an `expert` axis, every rank's tokens through its own experts (the module's
+    docstring)."""
     B, T, d = x.shape
+    _, X = _mesh_and_size()
 
     def local(x, idx, gate, w):
         b = x.shape[0]
-        y = _ragged_group(x.reshape(b * T, d), idx.reshape(b * T, -1),
-                          gate.reshape(b * T, -1), w, activation)
+        x, idx, gate = x.reshape(b * T, d), idx.reshape(b * T, -1), gate.reshape(b * T, -1)
+        if X > 1:
+            x, idx, gate = (jax.lax.all_gather(a, AXIS, tiled=True) for a in (x, idx, gate))
+            first = jax.lax.axis_index(AXIS) * next(iter(w.values())).shape[0]
+            y = _ragged_group(x, idx - first, gate, w, activation)
+            y = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
+        else:
+            y = _ragged_group(x, idx, gate, w, activation)
         return y.reshape(b, T, d)
 
     ctx = active()
@@ -192,7 +210,7 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
         return local(x, idx, gate, w), jnp.zeros((), jnp.int32)
     mesh = _manual_mesh(ctx[0])
     rows = P(axes)
-    specs = {key: P() for key in w}
+    specs = {key: P(AXIS if X > 1 else None) for key in w}
     y = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows,
                       axis_names=set(axes))(x, idx, gate, w)
     return y, jnp.zeros((), jnp.int32)

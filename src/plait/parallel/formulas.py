@@ -212,12 +212,25 @@ def context_wire_bytes(analysis: dict) -> dict[str, float]:
 
 
 def expert_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu") -> float:
-    """Bytes each device receives per step over the expert axis X: per sparse layer and
-    microbatch, the dispatch buffer of the device's rows (rows x experts x capacity x
-    d_model, capacity = ceil(capacity_factor x seq x top_k / experts): about
-    tokens x top_k x capacity_factor rows) crosses it by all-to-all to the experts and
-    back, (X - 1) / X of it each time; the backward sends the gradients the same two
-    ways, and a rematerialised forward sends it twice more."""
+    """Bytes each device receives per step over the expert axis X, per sparse layer and
+    microbatch:
+
+    - capacity: the dispatch buffer of the device's rows (rows x experts x capacity x
+      d_model, capacity = ceil(capacity_factor x seq x top_k / experts): about
+      tokens x top_k x capacity_factor rows) crosses it by all-to-all to the experts and
+      back, (X - 1) / X of it each time; the backward sends the gradients the same two
+      ways, and a rematerialised forward sends it twice more.
+    - dropless (all-gather dispatch): the device's N tokens are all-gathered across it
+      and the outputs reduce-scattered back, (X - 1) N d_model each; the backward
+      reduce-scatters the inputs' gradients and all-gathers the outputs'; a
+      rematerialised forward gathers the tokens again (its reduce-scatter is not
+      needed again). The routing travels too: the experts' indices and the gates
+      (4 bytes each, N x top_k) are all-gathered with the tokens (again under remat)
+      and the gates' gradients reduce-scattered back.
+
+    Where `expert` alone splits the rows, GSPMD also all-gathers the router's
+    [rows, seq, experts] probabilities over it for the top-k gradient (a few KiB;
+    not counted here)."""
     from plait.parallel.experts import capacity
 
     X, m = sizes.get("expert", 1), exp.model
@@ -226,14 +239,22 @@ def expert_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu") 
     splits = math.prod(sizes.get(a, 1) for a in ("expert", "data", "fsdp"))
     micro = exp.pipeline.microbatches if sizes.get("pipeline", 1) > 1 else exp.train.microbatches
     rows = exp.train.global_batch // micro // splits
+    width = collective_width(exp, platform)
+    remat = m.remat != "none"
+    if m.moe.capacity_factor == 0:
+        tokens = rows * m.seq_len
+        moved = (5 if remat else 4) * tokens * m.d_model * width
+        routing = (5 if remat else 3) * tokens * m.moe.top_k * 4
+        return micro * m.sparse_count * (X - 1) * (moved + routing)
     cap = capacity(m.seq_len, m.moe.top_k, m.moe.experts, m.moe.capacity_factor)
-    buffer = rows * m.moe.experts * cap * m.d_model * collective_width(exp, platform)
-    sparse = m.sparse_count
-    passes = 6 if m.remat != "none" else 4
-    return micro * sparse * passes * buffer * (X - 1) / X
+    buffer = rows * m.moe.experts * cap * m.d_model * width
+    return micro * m.sparse_count * (6 if remat else 4) * buffer * (X - 1) / X
 
 
-def expert_wire_bytes(analysis: dict) -> float:
-    """The compiled step's all-to-all wire bytes over the expert axis alone."""
+def expert_wire_bytes(analysis: dict, dropless: bool = False) -> float:
+    """The compiled step's wire bytes of the collectives that carry tokens over the
+    expert axis alone: all-to-all (capacity) or all-gather and reduce-scatter
+    (dropless). Its all-reduces are weight gradients'."""
+    kinds = ("all-gather", "reduce-scatter") if dropless else ("all-to-all",)
     return sum(op["wire_bytes"] for op in analysis["collective_ops"]
-               if op["axes"] == ["expert"] and op["kind"] == "all-to-all")
+               if op["axes"] == ["expert"] and op["kind"] in kinds)

@@ -59,7 +59,8 @@ def collective_time(kind: str, group: int, count: float, wire_bytes: float, cros
 # whatever the compute dtype.
 FP32_AXES = frozenset({"data", "fsdp"})
 # The context and expert axes split tokens like a batch axis: their all-reduces sum fp32
-# weight gradients (the expert axis's all-to-alls carry tokens in the compute dtype). The
+# weight gradients (the expert axis's all-to-alls, or a dropless model's all-gathers and
+# reduce-scatters, carry tokens in the compute dtype). The
 # context axis's gathers and ring sends carry keys and values in the compute dtype (the
 # ring's key/value gradients travel in fp32 and are priced at the compute width: at most
 # 2C / (4C - 2) of its bytes, under by 2x in bf16).

@@ -325,7 +325,9 @@ class GPTTask(DecoderCheckpoints, Task):
             routing = (f"capacity factor {moe.capacity_factor:g}" if moe.capacity_factor
                        else "dropless")
             X = self.mesh.shape.get("expert", 1)
-            where = (f"{moe.experts // X} per rank of the expert axis ({X}), all-to-all"
+            where = (f"{moe.experts // X} per rank of the expert axis ({X}), "
+                     + ("all-to-all" if moe.capacity_factor else
+                        "tokens all-gathered across it, outputs reduce-scattered back")
                      if X > 1 else "all on every device")
             out.append(f"plait: mixture of experts in {sparse} of {m.layers} layers: "
                        f"{moe.experts} experts, {moe.top_k} per token, {routing}; {where}; "
@@ -358,7 +360,10 @@ class GPTTask(DecoderCheckpoints, Task):
                "pipeline": self.pipeline.figures if self.pipeline else None}
         if sizes.get("expert", 1) > 1:
             out["experts"] = {"size": sizes["expert"],
-                              "wire_bytes": formulas.expert_wire_bytes(analysis),
+                              "dispatch": ("all-to-all" if self.exp.model.moe.capacity_factor
+                                           else "all-gather"),
+                              "wire_bytes": formulas.expert_wire_bytes(
+                                  analysis, not self.exp.model.moe.capacity_factor),
                               "formula_bytes": formulas.expert_bytes(self.exp, sizes, platform)}
         if sizes.get("context", 1) > 1:
             exp = self.exp.model_copy(update={"context": self.exp.context.model_copy(

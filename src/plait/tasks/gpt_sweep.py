@@ -23,12 +23,11 @@ SWEEP_MIN_CONTEXT_CHUNK = 1024
 def axes_for(exp: Experiment, axes: tuple[str, ...]) -> tuple[str, ...]:
     """Every axis, but `context` only for sequences it can split into blocks of
     SWEEP_MIN_CONTEXT_CHUNK tokens or more, and `expert` only for a mixture of
-    experts with a capacity (dropless runs every expert on every device)."""
+    experts."""
     skip = set()
     if exp.model.seq_len < 2 * SWEEP_MIN_CONTEXT_CHUNK:
         skip.add("context")
-    moe = exp.model.moe
-    if moe is None or moe.capacity_factor == 0:
+    if exp.model.moe is None:
         skip.add("expert")
     return tuple(a for a in axes if a not in skip)
 

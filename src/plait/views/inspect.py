@@ -62,9 +62,15 @@ def render(r: dict) -> None:
                 "weight gradients' sum over the axis)")
     if r.get("experts"):
         x = r["experts"]
-        c.print(f"expert axis {x['size']}: {size_text(x['wire_bytes'])} of all-to-all over it "
-                f"per device per step (formula {size_text(x['formula_bytes'])}: the dispatch "
-                "buffer to the experts and back, forward and backward)")
+        if x.get("dispatch") == "all-gather":
+            c.print(f"expert axis {x['size']}: {size_text(x['wire_bytes'])} of all-gather and "
+                    f"reduce-scatter over it per device per step (formula "
+                    f"{size_text(x['formula_bytes'])}: the tokens gathered to every expert "
+                    "rank and the outputs summed back, forward and backward; dropless)")
+        else:
+            c.print(f"expert axis {x['size']}: {size_text(x['wire_bytes'])} of all-to-all over "
+                    f"it per device per step (formula {size_text(x['formula_bytes'])}: the "
+                    "dispatch buffer to the experts and back, forward and backward)")
     if r.get("phases"):
         names = list(r["phases"])
         ph = Table(title="wire bytes per device, by kind of step and mesh axes")
