@@ -56,6 +56,12 @@ def tiny(**sections) -> Experiment:
     return Experiment.model_validate(raw)
 
 
+def one_layer(**sections) -> Experiment:
+    """`tiny` with one layer: for tests whose point (resume, faults, processes, local
+    SGD's exchanges) is the same per layer, at two thirds of the compile time."""
+    return tiny(**{**sections, "model": {"layers": 1, **sections.get("model", {})}})
+
+
 def make_mesh(spec: str):
     s = mesh_lib.load_spec(spec)
     n = mesh_lib.provision_devices(s)
