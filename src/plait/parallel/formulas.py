@@ -251,10 +251,14 @@ def expert_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu") 
     return micro * m.sparse_count * (6 if remat else 4) * buffer * (X - 1) / X
 
 
-def expert_wire_bytes(analysis: dict, dropless: bool = False) -> float:
-    """The compiled step's wire bytes of the collectives that carry tokens over the
-    expert axis alone: all-to-all (capacity) or all-gather and reduce-scatter
-    (dropless). Its all-reduces are weight gradients'."""
-    kinds = ("all-gather", "reduce-scatter") if dropless else ("all-to-all",)
+# The collectives that carry tokens over the expert axis, by dispatch: all-to-all
+# (capacity) or all-gather (dropless: tokens gathered, outputs reduce-scattered back).
+# The axis's all-reduces are weight gradients'.
+DISPATCH_KINDS = {"all-to-all": ("all-to-all",), "all-gather": ("all-gather", "reduce-scatter")}
+
+
+def expert_wire_bytes(analysis: dict, dispatch: str = "all-to-all") -> float:
+    """The compiled step's wire bytes of the `dispatch`'s collectives over the expert
+    axis alone."""
     return sum(op["wire_bytes"] for op in analysis["collective_ops"]
-               if op["axes"] == ["expert"] and op["kind"] in kinds)
+               if op["axes"] == ["expert"] and op["kind"] in DISPATCH_KINDS[dispatch])

@@ -359,11 +359,9 @@ class GPTTask(DecoderCheckpoints, Task):
                "param_bytes_per_device": self.param_bytes_per_device(),
                "pipeline": self.pipeline.figures if self.pipeline else None}
         if sizes.get("expert", 1) > 1:
-            out["experts"] = {"size": sizes["expert"],
-                              "dispatch": ("all-to-all" if self.exp.model.moe.capacity_factor
-                                           else "all-gather"),
-                              "wire_bytes": formulas.expert_wire_bytes(
-                                  analysis, not self.exp.model.moe.capacity_factor),
+            dispatch = "all-to-all" if self.exp.model.moe.capacity_factor else "all-gather"
+            out["experts"] = {"size": sizes["expert"], "dispatch": dispatch,
+                              "wire_bytes": formulas.expert_wire_bytes(analysis, dispatch),
                               "formula_bytes": formulas.expert_bytes(self.exp, sizes, platform)}
         if sizes.get("context", 1) > 1:
             exp = self.exp.model_copy(update={"context": self.exp.context.model_copy(
