@@ -88,7 +88,7 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     from plait.cli import main
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    exp = tiny(train={"steps": 3, "global_batch": 4})  # pipeline variants of 2 and 4 microbatches
+    exp = tiny(train={"steps": 3, "global_batch": 2})  # pipeline variants of 2 microbatches
     path = write_experiment(tmp_path / "tiny.toml", exp)
     out = tmp_path / "sw"
     assert main(["sweep", str(path), "--devices", "2", "--out", str(out), "--top", "2",
