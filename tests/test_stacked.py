@@ -28,21 +28,60 @@ def _ops(hlo: str) -> collections.Counter:
     return collections.Counter(m.group(1) for m in re.finditer(r"= \S+ ([\w-]+)\(", hlo))
 
 
+def _run_as_trained(fn):
+    """`fn()` compiled with XLA:CPU's fusion emitters, as outside the tests: the legacy
+    emitters that tests use for compile speed (helpers.TEST_XLA_FLAGS) round the
+    truncated normal's transcendentals by loop shape, 1 ulp apart between two programs."""
+    return jax.jit(fn).lower().compile(compiler_options={"xla_cpu_use_fusion_emitters": True})()
+
+
 def _step(layers: int, spec: str = "data=1", scan: bool = True):
     task = GPTTask(tiny(model={"layers": layers, "scan_layers": scan, **SHAPE}), make_mesh(spec))
     return task, task.step_fn.lower(task.layout.abstract(), task.abstract_batch())
 
 
-def test_init_program_does_not_grow_with_depth():
-    sizes = {}
+@pytest.mark.parametrize("scan", [True, False])
+def test_init_program_does_not_grow_with_depth(scan):
+    """Stacked: the whole init program. Per-layer: its random numbers (each layer kind's
+    init is vmapped over its layers; only the slices handing out layers grow)."""
+    sizes, xors = {}, {}
     for layers in (4, 32):
-        model = build(gpt.GPT, tiny(model={"layers": layers, "scan_layers": True, **SHAPE}).model)
+        model = build(gpt.GPT, tiny(model={"layers": layers, "scan_layers": scan, **SHAPE}).model)
         lowered = jax.jit(lambda m=model: m.init(0)).lower()
-        sizes[layers] = (_instructions(lowered.as_text(dialect="hlo")),
-                         _instructions(lowered.compile().as_text()))
-    assert sizes[4][0] == sizes[32][0], sizes
-    # XLA's CPU backend fuses a few random-number ops differently by size.
-    assert abs(sizes[4][1] - sizes[32][1]) <= 0.01 * sizes[4][1], sizes
+        hlo = lowered.as_text(dialect="hlo")
+        xors[layers] = _ops(hlo)["xor"]
+        if scan:
+            sizes[layers] = (_instructions(hlo), _instructions(lowered.compile().as_text()))
+    assert xors[4] == xors[32] > 0, xors
+    if scan:
+        assert sizes[4][0] == sizes[32][0], sizes
+        # XLA's CPU backend fuses a few random-number ops differently by size.
+        assert abs(sizes[4][1] - sizes[32][1]) <= 0.01 * sizes[4][1], sizes
+
+
+def test_per_layer_init_equals_layers_built_one_after_another():
+    """layer_list's vmapped init draws each layer's keys as sequential construction does:
+    sparse layers 0 and 2 share a vmapped init, dense layer 1 is built alone."""
+    from plait.models import layer_list, module_values
+    from plait.models.keys import ParamKeys
+
+    cfg = tiny(model={"layers": 3, "moe": {"experts": 2, "top_k": 1, "every": 2,
+                                           "capacity_factor": 2.0}}).model
+    kinds = [cfg.is_sparse(i) for i in range(cfg.layers)]
+    assert kinds == [True, False, True]
+
+    def values(vmapped: bool):
+        keys = ParamKeys(7, 5)  # a start past 0, as after the embeddings
+        if vmapped:
+            blocks = layer_list(lambda k, sparse: gpt.Block(cfg, k, sparse), keys, kinds)
+        else:
+            blocks = [gpt.Block(cfg, keys, sparse) for sparse in kinds]
+        return [module_values(b) for b in blocks], keys.count
+
+    (got, got_count), (want, want_count) = (_run_as_trained(lambda: values(True)),
+                                            _run_as_trained(lambda: values(False)))
+    assert got_count == want_count
+    jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 @pytest.mark.parametrize("spec", ["data=1", "data=2,fsdp=2,tensor=2"])
@@ -76,9 +115,10 @@ def test_step_neither_stacks_nor_copies_the_parameters():
 
 def test_stacked_init_equals_the_per_layer_init():
     exp = tiny(model={"layers": 4})
-    per_layer = jax.jit(lambda: build(gpt.GPT, exp.model).init(0))()
+    per_layer_model = build(gpt.GPT, exp.model)
+    per_layer = _run_as_trained(lambda: per_layer_model.init(0))
     stacked_model = build(gpt.GPT, exp.model.model_copy(update={"scan_layers": True}))
-    stacked = jax.jit(lambda: stacked_model.init(0))()
+    stacked = _run_as_trained(lambda: stacked_model.init(0))
     assert stacked["blocks"]["attn"]["wqkv"].shape[0] == 4
     jax.tree.map(np.testing.assert_array_equal, unstack(stacked, "blocks"), per_layer)
 

@@ -107,11 +107,24 @@ class ModelDef:
 LAYERS = "layers"  # the logical name of a stacked layer axis; no rule splits it
 
 
-def keys_per_layer(layer_cls: type, cfg: ModelSection) -> int:
-    """How many parameter keys one `layer_cls(cfg, keys)` draws."""
+def keys_per_layer(make: Callable[[ParamKeys], nnx.Module]) -> int:
+    """How many parameter keys one layer `make(keys)` draws."""
     counter = ParamKeys(0)
-    nnx.eval_shape(lambda: layer_cls(cfg, counter))
+    nnx.eval_shape(lambda: make(counter))
     return counter.count
+
+
+def _vmapped_values(make: Callable[[ParamKeys], nnx.Module], key: jax.Array,
+                    starts: jax.Array) -> list[jax.Array]:
+    """The values of `make(ParamKeys(key, s))` for each s in `starts`, stacked on a
+    leading axis, in flat-state order: one layer's init program vmapped over the
+    layers, so the init program holds each layer kind's random-number program once
+    (compiling one per layer grows with depth)."""
+    def one(start):
+        _, state = nnx.split(make(ParamKeys(key, start)))
+        return [v.get_value() for _, v in nnx.to_flat_state(state)]
+
+    return jax.vmap(one)(starts)
 
 
 def stacked_layers(layer_cls: type, cfg: ModelSection, keys: ParamKeys, n: int) -> nnx.Module:
@@ -121,18 +134,45 @@ def stacked_layers(layer_cls: type, cfg: ModelSection, keys: ParamKeys, n: int) 
     size at any depth. Layer i draws the keys the i-th of `n` layers built one
     after another would, so the values equal the unstacked model's.
     """
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: layer_cls(cfg, ParamKeys(0))))
-    per, base, start = keys_per_layer(layer_cls, cfg), keys.key, keys.count
+    def make(k: ParamKeys) -> nnx.Module:
+        return layer_cls(cfg, k)
 
-    def one(i):
-        _, state = nnx.split(layer_cls(cfg, ParamKeys(base, start + i * per)))
-        return [v.get_value() for _, v in nnx.to_flat_state(state)]
-
-    values = jax.vmap(one)(jnp.arange(n))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(ParamKeys(0))))
+    per, start = keys_per_layer(make), keys.count
+    values = _vmapped_values(make, keys.key, start + jnp.arange(n) * per)
     keys.count = start + n * per
     flat = [(path, var.replace(value, logical_axes=(LAYERS, *var.get_metadata()["logical_axes"])))
             for (path, var), value in zip(nnx.to_flat_state(abstract), values, strict=True)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def layer_list(make: Callable[[ParamKeys, Any], nnx.Module], keys: ParamKeys,
+               kinds: list) -> list[nnx.Module]:
+    """Layers `make(keys, kind)` for each kind in `kinds`, with the values of building
+    them one after another, each kind's init vmapped over its layers: the per-layer
+    layout's init program does not grow with depth either (its random numbers were
+    most of the compile time of a fresh run's start: a threefry program per parameter
+    per layer)."""
+    per = {kind: keys_per_layer(lambda k, kind=kind: make(k, kind)) for kind in set(kinds)}
+    starts, count = [], keys.count
+    for kind in kinds:
+        starts.append(count)
+        count += per[kind]
+    layers: list[nnx.Module | None] = [None] * len(kinds)
+    for kind in dict.fromkeys(kinds):
+        at = [i for i, k in enumerate(kinds) if k == kind]
+        if len(at) == 1:  # nothing to share: built as is
+            layers[at[0]] = make(ParamKeys(keys.key, starts[at[0]]), kind)
+            continue
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda kind=kind: make(ParamKeys(0), kind)))
+        values = _vmapped_values(lambda k, kind=kind: make(k, kind), keys.key,
+                                 jnp.asarray([starts[i] for i in at], jnp.int32))
+        for j, i in enumerate(at):
+            flat = [(path, var.replace(value[j])) for (path, var), value
+                    in zip(nnx.to_flat_state(abstract), values, strict=True)]
+            layers[i] = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    keys.count = count
+    return layers
 
 
 def module_values(module: nnx.Module) -> dict:

@@ -23,6 +23,7 @@ from plait.models import (
     ModelDef,
     build,
     fp8,
+    layer_list,
     layer_stack,
     module_values,
     remat_policy,
@@ -307,8 +308,8 @@ class GPT(nnx.Module):
             # for the scan body's one-layer graph
             self.config_cls, self.config_json = type(cfg), cfg.model_dump_json()
         else:
-            self.blocks = nnx.List([Block(cfg, rngs, cfg.is_sparse(i))
-                                    for i in range(cfg.layers)])
+            self.blocks = nnx.List(layer_list(lambda k, sparse: Block(cfg, k, sparse), rngs,
+                                              [cfg.is_sparse(i) for i in range(cfg.layers)]))
         self.sparse_layers = sparse_layers(cfg)
         self.ln_f = norm(cfg, rngs)
         if not cfg.tie_embeddings:
