@@ -29,11 +29,15 @@ CACHE_DIR = os.environ.get(
 # largest compile cost in a profile of the suite (chimera pipeline=4 step: 5.2-6.3 s ->
 # 2.8-3.8 s); they round transcendentals by loop shape, so a test claiming bit-equal
 # values across two programs compiles those with the fusion emitters
-# (test_stacked._run_as_trained). Training outside the tests keeps XLA's defaults. Set
+# (AS_TRAINED). Training outside the tests keeps XLA's defaults. Set
 # PLAIT_TEST_XLA_OPT=1 to test with them.
 TEST_XLA_FLAGS = ("" if os.environ.get("PLAIT_TEST_XLA_OPT") == "1" else
                   "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
                   " --xla_cpu_use_fusion_emitters=false")
+# Compiler options for a test that claims something of the compiled program users get
+# (no while loop, no concatenate, bit-equal values across two programs): the legacy
+# emitters fuse differently (a scatter becomes a while loop; a stack a concatenate).
+AS_TRAINED = {"xla_cpu_use_fusion_emitters": True}
 
 
 # Log every step to the console as plain lines (for tests that read stdout).

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import losses, make_mesh, run, tiny
+from helpers import AS_TRAINED, losses, make_mesh, run, tiny
 
 from plait.models import build, gpt, unstack
 from plait.tasks.gpt import GPTTask
@@ -29,10 +29,10 @@ def _ops(hlo: str) -> collections.Counter:
 
 
 def _run_as_trained(fn):
-    """`fn()` compiled with XLA:CPU's fusion emitters, as outside the tests: the legacy
-    emitters that tests use for compile speed (helpers.TEST_XLA_FLAGS) round the
-    truncated normal's transcendentals by loop shape, 1 ulp apart between two programs."""
-    return jax.jit(fn).lower().compile(compiler_options={"xla_cpu_use_fusion_emitters": True})()
+    """`fn()` compiled as outside the tests: the legacy emitters the tests use for
+    compile speed (helpers.TEST_XLA_FLAGS) round the truncated normal's transcendentals
+    by loop shape, 1 ulp apart between two programs."""
+    return jax.jit(fn).lower().compile(AS_TRAINED)()
 
 
 def _step(layers: int, spec: str = "data=1", scan: bool = True):
@@ -102,7 +102,7 @@ def test_step_neither_stacks_nor_copies_the_parameters():
     """No concatenate builds a stacked parameter, and no copy takes one: the only
     full-stack copies are the zero-initialised gradient buffers of the scan."""
     task, lowered = _step(32)
-    hlo = lowered.compile().as_text()
+    hlo = lowered.compile(AS_TRAINED).as_text()
     stacked = {tuple(s.shape) for s in jax.tree.leaves(task.layout.shapes["params"]["blocks"])}
     assert all(s[0] == 32 for s in stacked)
     assert _ops(hlo)["concatenate"] == 0
