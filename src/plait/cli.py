@@ -183,7 +183,7 @@ def cmd_sweep(args) -> int:
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
     t0 = time.perf_counter()
-    rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers)
+    rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers, kernels=args.run)
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
     fit = None

@@ -18,6 +18,11 @@ from plait.sweep.shapes import Candidate
 # What the sweep reads (partitioned HLO, buffer assignment) is fixed before LLVM
 # runs; optimising the machine code only costs compile time (about 30%).
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# XLA:CPU's legacy emitters in place of its MLIR fusion emitters compile 1.7-2.4x faster
+# with the same FLOPs and collectives and memory within 1% (docs/architecture.md
+# "XLA flags"), but fuse less: a kernel count is read only from the fusion emitters'
+# program, which `--run`'s per-kernel calibration needs.
+FAST_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
 
 def _figures(r: dict) -> dict:
@@ -35,11 +40,12 @@ def _figures(r: dict) -> dict:
 
 
 def read_program(exp: Experiment, sizes: dict[str, int], n: int,
-                 per_node: int | None = None) -> dict:
+                 per_node: int | None = None, kernels: bool = False) -> dict:
     """Figures of one compiled step, plus the task's own (`Task.sweep_extras`). With
     `per_node` devices a node, the mesh is laid over n / per_node simulated hosts (its
     outer axes across them), so the step is the one plait runs there (a hierarchical
-    reduction) and each collective is classed by the links it crosses."""
+    reduction) and each collective is classed by the links it crosses. `kernels`:
+    compile as plait train does and count its kernels (else None, compiled faster)."""
     import numpy as np
 
     from plait import analysis, hosts
@@ -51,9 +57,12 @@ def read_program(exp: Experiment, sizes: dict[str, int], n: int,
     layout = (hosts.host_layout(mesh).ravel() if dcn or nodes == 1
               else np.arange(n) // per_node)  # axes that do not split by node: by order
     task = make_task(exp, mesh)
-    r = analysis.analyze(task.compile(COMPILER_OPTIONS), dict(mesh.shape),
-                         task.branch_weights(), layout)
-    return {**_figures(r), "units_per_step": task.units_per_step, **task.sweep_extras()}
+    r = analysis.analyze(task.compile(COMPILER_OPTIONS if kernels else FAST_OPTIONS),
+                         dict(mesh.shape), task.branch_weights(), layout)
+    figures = _figures(r)
+    if not kernels:
+        figures["kernels"] = None
+    return {**figures, "units_per_step": task.units_per_step, **task.sweep_extras()}
 
 
 def extrapolate(a: dict, b: dict, t: float) -> dict:
@@ -74,22 +83,23 @@ def extrapolate(a: dict, b: dict, t: float) -> dict:
     temp = max(mem("temp_bytes"), float(m1.get("temp_bytes", 0.0)))
     memory = mem("argument_bytes") + mem("output_bytes") + temp - mem("alias_bytes")
     return {**b, "flops": lerp(a["flops"], b["flops"]), "groups": groups, "memory": memory,
-            "kernels": lerp(a["kernels"], b["kernels"])}
+            "kernels": None if a["kernels"] is None else lerp(a["kernels"], b["kernels"])}
 
 
-def measure(exp: Experiment, c: Candidate, n: int, per_node: int | None = None) -> dict:
+def measure(exp: Experiment, c: Candidate, n: int, per_node: int | None = None,
+            kernels: bool = False) -> dict:
     """Per-device FLOPs, collectives and memory of the candidate's step at full size."""
     from plait import tasks
 
     programs, t = tasks.task_class(exp.model.kind).sweep_programs(c.experiment(exp), c.sizes)
-    points = [read_program(e, c.sizes, n, per_node) for e in programs]
+    points = [read_program(e, c.sizes, n, per_node, kernels) for e in programs]
     return points[0] if t is None else extrapolate(points[0], points[1], t)
 
 
-def timed_measure(exp: Experiment, c: Candidate, n: int,
-                  per_node: int | None = None) -> tuple[dict, float]:
+def timed_measure(exp: Experiment, c: Candidate, n: int, per_node: int | None = None,
+                  kernels: bool = False) -> tuple[dict, float]:
     t0 = time.perf_counter()
-    return measure(exp, c, n, per_node), time.perf_counter() - t0
+    return measure(exp, c, n, per_node, kernels), time.perf_counter() - t0
 
 
 def worker_init(n: int) -> None:

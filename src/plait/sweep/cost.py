@@ -130,7 +130,7 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
             "compute_s": compute, "comm_s": comm,
             "comm_across_nodes_s": links["across_hosts"]["s"], "bubble_ratio": bubble,
             "predicted_step_s": step, "model_step_s": model_step,
-            "kernels": measured.get("kernels", 0.0),
+            "kernels": measured.get("kernels"),
             "predicted_units_per_s": measured["units_per_step"] / step,
             "memory_bytes": measured["memory"], "fits": measured["memory"] <= hw.memory(n)}
 

@@ -46,7 +46,7 @@ def _label(program: Program) -> str:
 
 
 def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int, progress: bool,
-                 per_node: int | None = None):
+                 per_node: int | None = None, kernels: bool = False):
     """Yield (program, figures, seconds) as each program is compiled and read."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
@@ -69,7 +69,7 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
         if workers == 1:
             for prog in programs:
                 bar.update(task, description=f"compiling {_label(prog)}")
-                figures, seconds = compiled.timed_measure(exp, prog[0][0], n, per_node)
+                figures, seconds = compiled.timed_measure(exp, prog[0][0], n, per_node, kernels)
                 note(prog, seconds)
                 yield prog, figures, seconds
                 bar.advance(task)
@@ -77,7 +77,8 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
         bar.update(task, description=f"compiling {len(programs)} programs in {workers} processes")
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
                                  initializer=compiled.worker_init, initargs=(n,)) as pool:
-            futures = {pool.submit(compiled.timed_measure, exp, prog[0][0], n, per_node): prog
+            futures = {pool.submit(compiled.timed_measure, exp, prog[0][0], n, per_node,
+                                   kernels): prog
                        for prog in programs}
             for fut in as_completed(futures):
                 figures, seconds = fut.result()
@@ -88,13 +89,14 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
 
 
 def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
-              workers: int | None = None) -> list[dict]:
-    """Compile every distinct program once, predict every shape, rank (fitting first)."""
+              workers: int | None = None, kernels: bool = False) -> list[dict]:
+    """Compile every distinct program once, predict every shape, rank. `kernels`: count
+    each program's kernels, for `--run`'s calibration (compiles slower)."""
     programs = list(programs_of(exp, n).values())
     workers = workers or compiled.default_workers(len(programs))
     rows: list[dict] = []
     for prog, figures, seconds in _compile_all(exp, n, programs, workers, progress,
-                                               hw.devices_per_node):
+                                               hw.devices_per_node, kernels):
         for group in prog:
             for r in cost.predict_group(exp, group, figures, hw, n):
                 r["compile_s"] = seconds
