@@ -94,8 +94,9 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     exp = tiny(train={"steps": 3, "global_batch": 2})  # pipeline variants of 2 microbatches
     path = write_experiment(tmp_path / "tiny.toml", exp)
     out = tmp_path / "sw"
+    # --schedules: one pipeline program (of five) to compile.
     assert main(["sweep", str(path), "--devices", "2", "--out", str(out), "--top", "2",
-                 "--run"]) == 0
+                 "--run", "--schedules", "1f1b,"]) == 0
     rows = list(csv.DictReader((out / "sweep.csv").read_text().splitlines()))
     # --run trained the top two shapes here and put their step times beside the prediction,
     # then fitted the overheads to them and re-ranked every row with them added.
@@ -111,6 +112,7 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     assert "overheads fitted to the 2 measured shapes" in capsys.readouterr().out
     meshes = {r["mesh"] for r in rows}
     assert meshes == {"data=2", "fsdp=2", "tensor=2", "pipeline=2"}
+    assert {r["pipeline_schedule"] for r in rows if r["mesh"] == "pipeline=2"} == {"1f1b"}
     times = [float(r["predicted_step_s"]) for r in rows if r["fits"] == "True"]
     assert times == sorted(times)
     assert report["rows"][0]["mesh"] == rows[0]["mesh"]
@@ -148,6 +150,9 @@ def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
     assert main(["sweep", str(path), "--devices", "4096"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "more than plait simulates on one CPU" in err
+    assert main(["sweep", str(path), "--devices", "2", "--schedules", "1f1b,zb"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "unknown schedule 'zb'; known: gpipe, 1f1b" in err
 
 
 def test_dlrm_sweep_ranks_meshes_and_embedding_placements():

@@ -179,11 +179,13 @@ def cmd_sweep(args) -> int:
                         f"({sweep.MAX_SIMULATED}); sweep a smaller slice")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
+    schedules = sweep.schedule_names(args.schedules)
     hw = load_hardware(args.hardware or "cpu-2core")
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
     t0 = time.perf_counter()
-    rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers, kernels=args.run)
+    rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers, kernels=args.run,
+                           schedules=schedules)
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
     fit = None

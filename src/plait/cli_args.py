@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                                                 "(default: sweeps/<experiment>-<N>)")
     sw.add_argument("--workers", type=int, default=None,
                     help="processes compiling in parallel (default: up to 4, by core count)")
+    sw.add_argument("--schedules", default=None, metavar="NAMES",
+                    help="pipeline schedules to try, comma-separated, e.g. 1f1b,chimera "
+                         "(default: every one; each is a program to compile per mesh)")
 
     pl = sub.add_parser("plan", help="print a DLRM's embedding plan (kind and place of each "
                                       "table) and each device's memory")

@@ -11,8 +11,16 @@ Tables and plots of the results are in `plait.views.sweep`.
 
 from plait.sweep.compiled import COMPILER_OPTIONS, measure
 from plait.sweep.cost import calibrate, predict
-from plait.sweep.run import MAX_SIMULATED, candidate_of, measure_runs, rank, run_sweep
+from plait.sweep.run import (
+    MAX_SIMULATED,
+    candidate_of,
+    measure_runs,
+    rank,
+    run_sweep,
+    schedule_names,
+)
 from plait.sweep.shapes import Candidate, enumerate_shapes
 
 __all__ = ["COMPILER_OPTIONS", "MAX_SIMULATED", "Candidate", "calibrate", "candidate_of",
-           "enumerate_shapes", "measure", "measure_runs", "predict", "rank", "run_sweep"]
+           "enumerate_shapes", "measure", "measure_runs", "predict", "rank", "run_sweep",
+           "schedule_names"]

@@ -20,12 +20,31 @@ MAX_SIMULATED = 512
 Program = list[list[Candidate]]  # groups of candidates sharing one compile
 
 
-def programs_of(exp: Experiment, n: int) -> dict[tuple, Program]:
-    """The distinct programs to compile for n devices, each with the candidates it prices."""
+def schedule_names(text: str | None) -> tuple[str, ...] | None:
+    """`--schedules gpipe,1f1b`: the pipeline schedules a sweep tries (None: all)."""
+    from plait.parallel.schedules import SCHEDULES
+
+    if text is None:
+        return None
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in SCHEDULES]
+    if unknown or not names:
+        raise UserError(f"--schedules {text!r}: unknown schedule "
+                        f"{unknown[0] if unknown else '(none given)'!r}; known: "
+                        f"{', '.join(SCHEDULES)}")
+    return names
+
+
+def programs_of(exp: Experiment, n: int,
+                schedules: tuple[str, ...] | None = None) -> dict[tuple, Program]:
+    """The distinct programs to compile for n devices, each with the candidates it prices
+    (pipeline shapes only of `schedules`, when given)."""
     if n > MAX_SIMULATED:
         raise UserError(f"--devices {n} is more than plait simulates on one CPU "
                         f"({MAX_SIMULATED}); sweep a smaller slice or on the target machine")
     cands, reasons = enumerate_shapes(exp, n)
+    if schedules is not None:
+        cands = [c for c in cands if not c.pipeline or c.pipeline["schedule"] in schedules]
     if not cands:
         why = "; ".join(reasons[:3]) or "no factorisation"
         raise UserError(f"no mesh shape of {n} devices fits {exp.name}: {why}")
@@ -89,10 +108,11 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
 
 
 def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
-              workers: int | None = None, kernels: bool = False) -> list[dict]:
+              workers: int | None = None, kernels: bool = False,
+              schedules: tuple[str, ...] | None = None) -> list[dict]:
     """Compile every distinct program once, predict every shape, rank. `kernels`: count
     each program's kernels, for `--run`'s calibration (compiles slower)."""
-    programs = list(programs_of(exp, n).values())
+    programs = list(programs_of(exp, n, schedules).values())
     workers = workers or compiled.default_workers(len(programs))
     rows: list[dict] = []
     for prog, figures, seconds in _compile_all(exp, n, programs, workers, progress,
