@@ -107,11 +107,12 @@ class ModelDef:
 LAYERS = "layers"  # the logical name of a stacked layer axis; no rule splits it
 
 
-def keys_per_layer(make: Callable[[ParamKeys], nnx.Module]) -> int:
-    """How many parameter keys one layer `make(keys)` draws."""
+def _abstract_layer(make: Callable[[ParamKeys], nnx.Module]) -> tuple[Any, Any, int]:
+    """One layer `make(keys)`'s graph, abstract state and how many parameter keys it
+    draws, from one abstract build."""
     counter = ParamKeys(0)
-    nnx.eval_shape(lambda: make(counter))
-    return counter.count
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(counter)))
+    return graphdef, abstract, counter.count
 
 
 def _vmapped_values(make: Callable[[ParamKeys], nnx.Module], key: jax.Array,
@@ -137,8 +138,8 @@ def stacked_layers(layer_cls: type, cfg: ModelSection, keys: ParamKeys, n: int) 
     def make(k: ParamKeys) -> nnx.Module:
         return layer_cls(cfg, k)
 
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(ParamKeys(0))))
-    per, start = keys_per_layer(make), keys.count
+    graphdef, abstract, per = _abstract_layer(make)
+    start = keys.count
     values = _vmapped_values(make, keys.key, start + jnp.arange(n) * per)
     keys.count = start + n * per
     flat = [(path, var.replace(value, logical_axes=(LAYERS, *var.get_metadata()["logical_axes"])))
@@ -153,18 +154,18 @@ def layer_list(make: Callable[[ParamKeys, Any], nnx.Module], keys: ParamKeys,
     layout's init program does not grow with depth either (its random numbers were
     most of the compile time of a fresh run's start: a threefry program per parameter
     per layer)."""
-    per = {kind: keys_per_layer(lambda k, kind=kind: make(k, kind)) for kind in set(kinds)}
+    shapes = {kind: _abstract_layer(lambda k, kind=kind: make(k, kind))
+              for kind in dict.fromkeys(kinds)}
     starts, count = [], keys.count
     for kind in kinds:
         starts.append(count)
-        count += per[kind]
+        count += shapes[kind][2]
     layers: list[nnx.Module | None] = [None] * len(kinds)
-    for kind in dict.fromkeys(kinds):
+    for kind, (graphdef, abstract, _) in shapes.items():
         at = [i for i, k in enumerate(kinds) if k == kind]
         if len(at) == 1:  # nothing to share: built as is
             layers[at[0]] = make(ParamKeys(keys.key, starts[at[0]]), kind)
             continue
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda kind=kind: make(ParamKeys(0), kind)))
         values = _vmapped_values(lambda k, kind=kind: make(k, kind), keys.key,
                                  jnp.asarray([starts[i] for i in at], jnp.int32))
         for j, i in enumerate(at):
