@@ -21,17 +21,18 @@ Program = list[list[Candidate]]  # groups of candidates sharing one compile
 
 
 def schedule_names(text: str | None) -> tuple[str, ...] | None:
-    """`--schedules gpipe,1f1b`: the pipeline schedules a sweep tries (None: all)."""
-    from plait.parallel.schedules import SCHEDULES
+    """`--schedules gpipe,1f1b`: the pipeline schedules a sweep tries (None: all); an
+    unknown name is refused as anywhere else (`schedules.kind`)."""
+    from plait.parallel import schedules
 
     if text is None:
         return None
     names = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [x for x in names if x not in SCHEDULES]
-    if unknown or not names:
-        raise UserError(f"--schedules {text!r}: unknown schedule "
-                        f"{unknown[0] if unknown else '(none given)'!r}; known: "
-                        f"{', '.join(SCHEDULES)}")
+    if not names:
+        raise UserError(f"--schedules {text!r} names no schedule; choose from "
+                        f"{', '.join(schedules.SCHEDULES)}")
+    for name in names:
+        schedules.kind(name)
     return names
 
 
