@@ -13,9 +13,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Many tests compile the same step on the same mesh: share compiled programs.
 from helpers import CACHE_DIR, TEST_XLA_FLAGS  # noqa: E402
 
-# Before the backend starts (helpers.TEST_XLA_FLAGS says why).
-os.environ["XLA_FLAGS"] = " ".join(
-    x for x in (os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS) if x)
+from plait import xla_flags  # noqa: E402
+
+# Before the backend starts (helpers.TEST_XLA_FLAGS says why), and as a `plait`
+# subprocess of a test has them: the compile cache's key hashes every flag (one given
+# twice too: pytest-xdist's workers inherit the controller's variable) and the compile
+# options XLA read from the variable when its backend started (plait's own defaults
+# among them), so only then does a subprocess find what this process compiled.
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        x for x in (os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS) if x)
+xla_flags.apply_defaults()
 
 jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
