@@ -247,3 +247,18 @@ def test_the_sweep_lays_shapes_over_nodes_and_prices_the_links_they_cross():
     row = sweep.predict(exp, cand, measured, hw, 8)
     assert 0 < row["comm_across_nodes_s"] < row["comm_s"]
     assert row["collective_bytes_across_nodes"] < row["collective_bytes"] / 4
+
+
+def test_a_program_whose_compile_kills_its_process_is_left_out_and_the_rest_go_on():
+    """An XLA check failure aborts the compiling process and breaks the whole pool; the
+    sweep finds which program it was and compiles the others (no compiler here: stand-ins
+    in tests/sweep_abort.py)."""
+    import sweep_abort as sa
+
+    from plait.sweep.run import _compile_all
+
+    meshes = ["data=2", "fsdp=2", sa.ABORTS, "data=4", "fsdp=4", "expert=2", "context=2"]
+    got = {prog[0][0].mesh: figures for prog, figures, _ in _compile_all(
+        None, 2, [[[sa.Shape(m)]] for m in meshes], 2, False, measure=sa.measure,
+        init=sa.init)}
+    assert got == {m: None if m == sa.ABORTS else {"mesh": m} for m in meshes}

@@ -184,8 +184,9 @@ def cmd_sweep(args) -> int:
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
     t0 = time.perf_counter()
+    failed: list[str] = []
     rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers, kernels=args.run,
-                           schedules=schedules)
+                           schedules=schedules, failed=failed)
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
     fit = None
@@ -199,7 +200,7 @@ def cmd_sweep(args) -> int:
     meta = {"experiment": exp.name, "devices": args.devices, "hardware": hw.name,
             "unit": task_class(exp.model.kind).unit,
             "device_memory_bytes": hw.memory(args.devices), "sweep_s": elapsed,
-            "calibration": fit}
+            "calibration": fit, "compile_aborted": failed}
     write_outputs(rows, out, meta)
     render(top, meta)
     if fit:
@@ -211,6 +212,10 @@ def cmd_sweep(args) -> int:
             print(f"  {r['mesh']:<28} model {r['model_step_s'] * 1e3:8.3f} ms, calibrated "
                   f"{r['predicted_step_s'] * 1e3:8.3f} ms, measured "
                   f"{r['measured_step_s'] * 1e3:8.3f} ms ({r['kernels']:,.0f} kernels)")
+    if failed:
+        print(f"plait: XLA aborted compiling {len(failed)} program(s), whose shapes are not "
+              f"ranked: {'; '.join(failed)} (a compiler failure, not a shape that does not "
+              "fit; `plait inspect` on one of these meshes shows it)")
     print(f"plait: {len(rows)} shapes in {elapsed:.0f}s; wrote {out}/sweep.csv, sweep.json, "
           "sweep.png")
     return 0

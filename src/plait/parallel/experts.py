@@ -99,6 +99,38 @@ def _mesh_and_size() -> tuple[object, int]:
     return mesh, dict(mesh.shape).get(AXIS, 1)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _per_rank(w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """w, the same on every rank of `axes` inside a shard_map, used by each rank's own
+    rows; its gradient is summed over `axes` in float32. Left implicit, that sum is an
+    all-reduce in the compute dtype whose reducer JAX ends in a copy, and XLA:CPU aborts
+    compiling a bfloat16 one (its AllReducePromotion cannot clone such a reducer: a
+    bf16 MoE with an expert axis beside data or fsdp could not compile). A float32 sum
+    of bf16 gradients also rounds once, not once per rank; it moves twice the bytes."""
+    return jax.lax.pcast(w, axes, to="varying")
+
+
+def _per_rank_fwd(w, axes):
+    return _per_rank(w, axes), None
+
+
+def _per_rank_bwd(axes, _, ct):
+    return (jax.lax.psum(ct.astype(jnp.float32), axes).astype(ct.dtype),)
+
+
+_per_rank.defvjp(_per_rank_fwd, _per_rank_bwd)
+
+
+def _weights_per_rank(w: Weights, axes: tuple[str, ...]) -> Weights:
+    """The expert weights inside a shard_map manual over `axes` (`_per_rank`), where
+    they are low-precision and an axis besides `expert` splits the rows."""
+    others = tuple(a for a in axes if a != AXIS)
+    if not others:
+        return w
+    return {k: _per_rank(v, others) if jnp.dtype(v.dtype).itemsize < 4 else v
+            for k, v in w.items()}
+
+
 def _exchange(buf: jax.Array, w: Weights, activation: str, mesh) -> jax.Array:
     """buf [rows, E, C, d], rows split over `expert` first -> expert outputs laid out
     the same way: one all-to-all to the experts' ranks, the local experts' MLPs, one
@@ -109,7 +141,7 @@ def _exchange(buf: jax.Array, w: Weights, activation: str, mesh) -> jax.Array:
     def body(b, wl):
         # b [rows here, E, C, d] -> [rows here, source rank, local experts, C, d]
         there = jax.lax.all_to_all(b[:, None], AXIS, split_axis=2, concat_axis=1, tiled=True)
-        done = _expert_mlp(wl, there, activation)
+        done = _expert_mlp(_weights_per_rank(wl, axes), there, activation)
         return jax.lax.all_to_all(done, AXIS, split_axis=1, concat_axis=2, tiled=True)[:, 0]
 
     context = jax.sharding.get_abstract_mesh()
@@ -193,6 +225,7 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
     _, X = _mesh_and_size()
 
     def local(x, idx, gate, w):
+        w = _weights_per_rank(w, axes)
         b = x.shape[0]
         x, idx, gate = x.reshape(b * T, d), idx.reshape(b * T, -1), gate.reshape(b * T, -1)
         if X > 1:

@@ -66,11 +66,11 @@ def _label(program: Program) -> str:
 
 
 def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int, progress: bool,
-                 per_node: int | None = None, kernels: bool = False):
-    """Yield (program, figures, seconds) as each program is compiled and read."""
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
-
+                 per_node: int | None = None, kernels: bool = False,
+                 measure=compiled.timed_measure, init=compiled.worker_init):
+    """Yield (program, figures, seconds) as each program is compiled and read; figures
+    None where XLA aborted compiling it (in worker processes only: in this process an
+    abort ends plait)."""
     from rich.progress import Progress
 
     # Off a terminal rich draws no bar: a line per program instead (logs, CI, nohup).
@@ -89,35 +89,91 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
         if workers == 1:
             for prog in programs:
                 bar.update(task, description=f"compiling {_label(prog)}")
-                figures, seconds = compiled.timed_measure(exp, prog[0][0], n, per_node, kernels)
+                figures, seconds = measure(exp, prog[0][0], n, per_node, kernels)
                 note(prog, seconds)
                 yield prog, figures, seconds
                 bar.advance(task)
             return
         bar.update(task, description=f"compiling {len(programs)} programs in {workers} processes")
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
-                                 initializer=compiled.worker_init, initargs=(n,)) as pool:
-            futures = {pool.submit(compiled.timed_measure, exp, prog[0][0], n, per_node,
-                                   kernels): prog
-                       for prog in programs}
-            for fut in as_completed(futures):
-                figures, seconds = fut.result()
-                note(futures[fut], seconds)
-                yield futures[fut], figures, seconds
-                bar.update(task, description=f"compiled {_label(futures[fut])}")
-                bar.advance(task)
+        for prog, figures, seconds in _compile_in_pool(exp, n, programs, workers, per_node,
+                                                       kernels, measure, init):
+            if figures is not None:
+                note(prog, seconds)
+            else:
+                print(f"plait sweep: XLA aborted compiling {_label(prog)}; left out of the "
+                      "ranking", file=sys.stderr, flush=True)
+            yield prog, figures, seconds
+            bar.update(task, description=f"compiled {_label(prog)}")
+            bar.advance(task)
+
+
+def _compile_in_pool(exp: Experiment, n: int, programs: list[Program], workers: int,
+                     per_node: int | None, kernels: bool, measure, init):
+    """Yield (program, figures, seconds) from `workers` processes, figures None for a
+    program whose compile killed its process (an XLA check failure aborts it). A dead
+    process breaks the whole pool, so at most `workers` programs run at once; those
+    running when it died are compiled again one at a time, each in a pool of its own,
+    which names the one that aborts, and a fresh pool goes on with the rest."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
+    todo = list(reversed(programs))
+    suspects: list[Program] = []
+    while todo or suspects:
+        alone = [suspects.pop()] if suspects else None
+        size = 1 if alone else workers
+        with ProcessPoolExecutor(size, mp_context=get_context("spawn"), initializer=init,
+                                 initargs=(n,)) as pool:
+            queue = alone if alone is not None else todo
+            running: dict = {}
+            job = (measure, exp, n, per_node, kernels)
+            _submit(pool, job, queue, running, size)
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                broken = False
+                for fut in done:
+                    prog = running.pop(fut)
+                    try:
+                        figures, seconds = fut.result()
+                    except BrokenProcessPool:
+                        if alone is None:
+                            suspects.append(prog)
+                            broken = True
+                        else:
+                            yield prog, None, 0.0
+                        continue
+                    yield prog, figures, seconds
+                if broken:
+                    suspects.extend(running.values())
+                    break
+                _submit(pool, job, queue, running, size)
+
+
+def _submit(pool, job: tuple, queue: list[Program], running: dict, size: int) -> None:
+    """Keep `size` programs running, taken from the end of `queue`."""
+    measure, exp, n, per_node, kernels = job
+    while queue and len(running) < size:
+        prog = queue.pop()
+        running[pool.submit(measure, exp, prog[0][0], n, per_node, kernels)] = prog
 
 
 def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
               workers: int | None = None, kernels: bool = False,
-              schedules: tuple[str, ...] | None = None) -> list[dict]:
+              schedules: tuple[str, ...] | None = None,
+              failed: list[str] | None = None) -> list[dict]:
     """Compile every distinct program once, predict every shape, rank. `kernels`: count
-    each program's kernels, for `--run`'s calibration (compiles slower)."""
+    each program's kernels, for `--run`'s calibration (compiles slower). The shapes of a
+    program XLA aborted compiling are left out; their meshes go into `failed`."""
     programs = list(programs_of(exp, n, schedules).values())
     workers = workers or compiled.default_workers(len(programs))
     rows: list[dict] = []
     for prog, figures, seconds in _compile_all(exp, n, programs, workers, progress,
                                                hw.devices_per_node, kernels):
+        if figures is None:
+            if failed is not None:
+                failed.append(_label(prog))
+            continue
         for group in prog:
             for r in cost.predict_group(exp, group, figures, hw, n):
                 r["compile_s"] = seconds

@@ -1,0 +1,30 @@
+"""Stand-ins for sweep.compiled's measure and worker init, in a module spawned workers
+import cheaply: one mesh's "compile" ends its process, as an XLA check failure does."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class Shape:
+    mesh: str
+    pipeline: dict | None = None
+
+    @property
+    def label(self) -> str:
+        return self.mesh
+
+
+ABORTS = "tensor=2"
+
+
+def init(n: int) -> None:
+    pass
+
+
+def measure(exp, c: Shape, n: int, per_node, kernels) -> tuple[dict, float]:
+    if c.mesh == ABORTS:
+        os._exit(134)  # what abort() leaves, without a core file
+    return {"mesh": c.mesh}, 0.0
