@@ -255,6 +255,20 @@ def test_mesh_mistakes_are_one_line(spec, moe, message):
         GPTTask(exp, make_mesh(spec))
 
 
+def test_across_hosts_the_gradients_reduce_flat_unless_hierarchical_is_asked_for():
+    """sync.reduce = "auto" is hierarchical only where that runs (not for a mixture of
+    experts): a data axis across and within hosts then reduces flat, as a 64-device
+    sweep's data=16 shapes need; "hierarchical" said outright is still refused."""
+    from plait.errors import UserError
+    from plait.tasks.gpt import GPTTask
+
+    assert GPTTask(experiment(), make_mesh("data=2@dcn,data=2,expert=2")).data_split is None
+    exp = experiment()
+    exp = exp.model_copy(update={"sync": exp.sync.model_copy(update={"reduce": "hierarchical"})})
+    with pytest.raises(UserError, match="one flat gradient all-reduce"):
+        GPTTask(exp, make_mesh("data=2@dcn,data=2,expert=2"))
+
+
 def test_parameter_and_flop_formulas():
     """param_count equals the built model for the Llama and GPT-2 layouts, sparse in every
     layer or every other one, with and without a shared expert; the FLOPs count a
