@@ -126,6 +126,12 @@ def for_run(exp: Experiment, mesh: Mesh, pipelined: bool) -> tuple[int, int] | N
                "declare them (data=2@dcn,data=4) or use sync.reduce = \"flat\"")
     elif cfg.method != "allreduce":
         return None
+    elif exp.model.moe is not None:
+        why = ("a mixture of experts trains with one flat gradient all-reduce (it is not "
+               "traced per data replica); use sync.reduce = \"flat\"")
+    elif exp.model.fp8_history:
+        why = ("FP8 matmuls combine their scaling state by maximum over replicas, which a "
+               "per-replica reduction would sum; use sync.reduce = \"flat\"")
     elif pipelined:
         why = "it does not run with a pipeline yet; use pipeline = 1 or sync.reduce = \"flat\""
     elif mode not in (None, "1d"):

@@ -89,15 +89,12 @@ class GPTTask(DecoderCheckpoints, Task):
         self.stacked = exp.model.scan_layers is True and exp.model.layers > 0
         self.local = local_sgd.for_run(exp, mesh, pipelined=self.pipeline is not None)
         self.data_split = hierarchical.for_run(exp, mesh, pipelined=self.pipeline is not None)
-        if self.data_split and exp.sync.reduce == "auto" and (
-                exp.model.moe is not None or exp.model.fp8_history):
-            self.data_split = None  # "auto" is hierarchical only where that runs
-        if (self.local or self.data_split) and exp.model.moe is not None:
+        if self.local and exp.model.moe is not None:
             raise UserError("a mixture of experts trains with sync.method = \"allreduce\" "
                             "and one flat gradient all-reduce (it is not traced per data "
                             "replica); set sync.method = \"allreduce\" and sync.reduce = "
                             "\"flat\"")
-        if exp.model.fp8_history and (self.local or self.data_split or self.pipeline):
+        if exp.model.fp8_history and (self.local or self.pipeline):
             raise UserError("precision.matmul = \"fp8\" trains without a pipeline axis and "
                             "with sync.method = \"allreduce\", sync.reduce = \"flat\" (its "
                             "scaling state combines by maximum over microbatches and replicas, "
