@@ -111,7 +111,7 @@ def _per_rank(w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def _per_rank_fwd(w, axes):
-    return _per_rank(w, axes), None
+    return jax.lax.pcast(w, axes, to="varying"), None
 
 
 def _per_rank_bwd(axes, _, ct):

@@ -111,51 +111,47 @@ def _compile_in_pool(exp: Experiment, n: int, programs: list[Program], workers: 
                      per_node: int | None, kernels: bool, measure, init):
     """Yield (program, figures, seconds) from `workers` processes, figures None for a
     program whose compile killed its process (an XLA check failure aborts it). A dead
-    process breaks the whole pool, so at most `workers` programs run at once; those
-    running when it died are compiled again one at a time, each in a pool of its own,
-    which names the one that aborts, and a fresh pool goes on with the rest."""
+    process breaks the whole pool, so those running then are compiled again one at a
+    time, each in a pool of its own, which names the one that aborts, and a fresh pool
+    goes on with the rest."""
+    def submit(pool, prog: Program):
+        return pool.submit(measure, exp, prog[0][0], n, per_node, kernels)
+
+    todo = list(reversed(programs))
+    while todo:
+        lost = yield from _run_pool(todo, workers, submit, init, n)
+        for prog in lost:
+            if (yield from _run_pool([prog], 1, submit, init, n)):
+                yield prog, None, 0.0
+
+
+def _run_pool(queue: list[Program], size: int, submit, init, n: int):
+    """Yield (program, figures, seconds) of the programs popped from `queue`, `size` at
+    a time (no more: a process's death fails every call in flight), until it is empty;
+    return the programs in flight when a process died (none if none did)."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
     from multiprocessing import get_context
 
-    todo = list(reversed(programs))
-    suspects: list[Program] = []
-    while todo or suspects:
-        alone = [suspects.pop()] if suspects else None
-        size = 1 if alone else workers
-        with ProcessPoolExecutor(size, mp_context=get_context("spawn"), initializer=init,
-                                 initargs=(n,)) as pool:
-            queue = alone if alone is not None else todo
-            running: dict = {}
-            job = (measure, exp, n, per_node, kernels)
-            _submit(pool, job, queue, running, size)
-            while running:
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                broken = False
-                for fut in done:
-                    prog = running.pop(fut)
-                    try:
-                        figures, seconds = fut.result()
-                    except BrokenProcessPool:
-                        if alone is None:
-                            suspects.append(prog)
-                            broken = True
-                        else:
-                            yield prog, None, 0.0
-                        continue
-                    yield prog, figures, seconds
-                if broken:
-                    suspects.extend(running.values())
-                    break
-                _submit(pool, job, queue, running, size)
-
-
-def _submit(pool, job: tuple, queue: list[Program], running: dict, size: int) -> None:
-    """Keep `size` programs running, taken from the end of `queue`."""
-    measure, exp, n, per_node, kernels = job
-    while queue and len(running) < size:
-        prog = queue.pop()
-        running[pool.submit(measure, exp, prog[0][0], n, per_node, kernels)] = prog
+    with ProcessPoolExecutor(size, mp_context=get_context("spawn"), initializer=init,
+                             initargs=(n,)) as pool:
+        running: dict = {}
+        while queue or running:
+            while queue and len(running) < size:
+                prog = queue.pop()
+                running[submit(pool, prog)] = prog
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            broken = False
+            for fut in done:
+                try:
+                    figures, seconds = fut.result()
+                except BrokenProcessPool:
+                    broken = True
+                    continue
+                yield running.pop(fut), figures, seconds
+            if broken:
+                return list(running.values())
+    return []
 
 
 def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
