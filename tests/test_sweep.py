@@ -262,3 +262,44 @@ def test_a_program_whose_compile_kills_its_process_is_left_out_and_the_rest_go_o
         None, 2, [[[sa.Shape(m)]] for m in meshes], 2, False, measure=sa.measure,
         init=sa.init)}
     assert got == {m: None if m == sa.ABORTS else {"mesh": m} for m in meshes}
+
+
+def test_a_sweep_cut_short_resumes_from_its_journal(tmp_path, monkeypatch, capsys):
+    """Each program's figures are journaled as read; a rerun reads back what the file
+    holds for the same sweep (a line a kill cut short is skipped) and ranks exactly what
+    an uninterrupted sweep ranks; another experiment compiles everything again."""
+    from plait.sweep import compiled
+
+    exp = tiny(model={"layers": 1}, train={"global_batch": 4})  # 3 programs on 2 devices
+    hw = load_hardware("cpu-2core")
+    journal = tmp_path / "sw" / sweep.JOURNAL
+    compiles: list[str] = []
+    real = compiled.measure
+
+    def counted(e, c, *args):
+        compiles.append(c.mesh)
+        return real(e, c, *args)
+
+    monkeypatch.setattr(compiled, "measure", counted)
+
+    def ranked(e=exp, fresh=False) -> list[dict]:
+        rows = sweep.run_sweep(e, 2, hw, progress=False, workers=1, journal=journal,
+                               fresh=fresh)
+        return [{k: v for k, v in r.items() if k != "compile_s"} for r in rows]
+
+    whole = ranked()
+    assert sorted(compiles) == ["data=2", "fsdp=2", "tensor=2"]
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 3
+    journal.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # killed mid-line
+    compiles.clear()
+    assert ranked() == whole
+    assert len(compiles) == 2 and json.loads(lines[0])["label"] not in compiles
+    assert "1 of 3 programs read from" in capsys.readouterr().err
+    compiles.clear()
+    assert ranked() == whole and compiles == []  # all three journaled now
+    assert ranked(fresh=True) == whole and len(compiles) == 3
+    compiles.clear()
+    other = exp.model_copy(update={"model": exp.model.model_copy(update={"d_ff": 64})})
+    ranked(other)
+    assert len(compiles) == 3 and len(journal.read_text().splitlines()) == 3

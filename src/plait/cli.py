@@ -183,10 +183,12 @@ def cmd_sweep(args) -> int:
     hw = load_hardware(args.hardware or "cpu-2core")
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
+    out = Path(args.out or f"sweeps/{exp.name}-{args.devices}")
     t0 = time.perf_counter()
     failed: list[str] = []
     rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers, kernels=args.run,
-                           schedules=schedules, failed=failed)
+                           schedules=schedules, failed=failed,
+                           journal=out / sweep.JOURNAL, fresh=args.fresh)
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
     fit = None
@@ -196,7 +198,6 @@ def cmd_sweep(args) -> int:
         if fit:
             rows = sweep.rank(rows)
             top = rows[: args.top] if args.top else rows
-    out = Path(args.out or f"sweeps/{exp.name}-{args.devices}")
     meta = {"experiment": exp.name, "devices": args.devices, "hardware": hw.name,
             "unit": task_class(exp.model.kind).unit,
             "device_memory_bytes": hw.memory(args.devices), "sweep_s": elapsed,

@@ -5,12 +5,14 @@
 - `compiled`: compile on simulated CPU devices, read FLOPs, collectives and
   memory, extrapolate what the task says is linear;
 - `cost`: the stated cost model on a hardware description (`plait.hardware`);
-- `run`: the whole sweep, worker processes, `--run` measurements.
+- `run`: the whole sweep, worker processes, `--run` measurements;
+- `journal`: each program's figures appended as read, so a sweep cut short resumes.
 Tables and plots of the results are in `plait.views.sweep`.
 """
 
 from plait.sweep.compiled import COMPILER_OPTIONS, measure
 from plait.sweep.cost import calibrate, predict
+from plait.sweep.journal import NAME as JOURNAL
 from plait.sweep.run import (
     MAX_SIMULATED,
     candidate_of,
@@ -21,6 +23,6 @@ from plait.sweep.run import (
 )
 from plait.sweep.shapes import Candidate, enumerate_shapes
 
-__all__ = ["COMPILER_OPTIONS", "MAX_SIMULATED", "Candidate", "calibrate", "candidate_of",
+__all__ = ["COMPILER_OPTIONS", "JOURNAL", "MAX_SIMULATED", "Candidate", "calibrate", "candidate_of",
            "enumerate_shapes", "measure", "measure_runs", "predict", "rank", "run_sweep",
            "schedule_names"]

@@ -157,15 +157,42 @@ def _run_pool(queue: list[Program], size: int, submit, init, n: int):
 def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
               workers: int | None = None, kernels: bool = False,
               schedules: tuple[str, ...] | None = None,
-              failed: list[str] | None = None) -> list[dict]:
+              failed: list[str] | None = None, journal: Path | None = None,
+              fresh: bool = False) -> list[dict]:
     """Compile every distinct program once, predict every shape, rank. `kernels`: count
     each program's kernels, for `--run`'s calibration (compiles slower). The shapes of a
-    program XLA aborted compiling are left out; their meshes go into `failed`."""
-    programs = list(programs_of(exp, n, schedules).values())
-    workers = workers or compiled.default_workers(len(programs))
+    program XLA aborted compiling are left out; their meshes go into `failed`. With a
+    `journal` file, each program's figures are appended to it as they are read and
+    those it already holds for this sweep are read back, not compiled (`fresh`: none
+    are)."""
+    programs = programs_of(exp, n, schedules)
+    book = None
+    if journal is not None:
+        from plait.sweep.journal import Journal, sweep_identity
+
+        book = Journal(journal, sweep_identity(exp, n, hw.devices_per_node, kernels), fresh)
+    keys = {id(prog): key for key, prog in programs.items()}
+    known = {key: book.get(key) for key in programs} if book else {}
+    todo = [prog for key, prog in programs.items() if known.get(key) is None]
+    if book and len(todo) < len(programs):
+        print(f"plait sweep: {len(programs) - len(todo)} of {len(programs)} programs read "
+              f"from {journal} (compiled by an earlier run of this sweep; --fresh compiles "
+              "them again)", file=sys.stderr, flush=True)
+
+    def results():
+        for key, prog in programs.items():
+            if known.get(key) is not None:
+                yield prog, *known[key]
+        if todo:
+            for prog, figures, seconds in _compile_all(
+                    exp, n, todo, workers or compiled.default_workers(len(todo)), progress,
+                    hw.devices_per_node, kernels):
+                if book:
+                    book.add(keys[id(prog)], _label(prog), figures, seconds)
+                yield prog, figures, seconds
+
     rows: list[dict] = []
-    for prog, figures, seconds in _compile_all(exp, n, programs, workers, progress,
-                                               hw.devices_per_node, kernels):
+    for prog, figures, seconds in results():
         if figures is None:
             if failed is not None:
                 failed.append(_label(prog))
