@@ -77,11 +77,16 @@ def test_loss_and_gradients_equal_one_device(spec, model):
         np.testing.assert_allclose(got_metrics[key], value, rtol=1e-5, err_msg=key)
 
 
-def test_bfloat16_experts_beside_a_data_axis_compile_and_train_like_one_device():
-    """The expert weights' gradient sum over data (and fsdp) runs in float32: JAX's
-    bfloat16 one aborts XLA:CPU's compiler (parallel.experts._per_rank)."""
+@pytest.mark.parametrize("spec,moe", [("data=2,expert=4", ()),
+                                      ("data=2,expert=2", (("capacity_factor", 0.0),))],
+                         ids=["capacity", "dropless"])
+def test_bfloat16_experts_beside_a_data_axis_compile_and_train_like_one_device(spec, moe):
+    """The expert weights' gradient sum over data (and fsdp) runs in float32, and so do
+    dropless's sums over `expert` (all-to-all, then added): JAX's bfloat16 all-reduce
+    and reduce-scatter abort XLA:CPU's compiler (parallel.experts._per_rank,
+    _sum_scatter)."""
     want_loss, want, _ = loss_and_grads("data=1", compute="bfloat16")
-    got_loss, got, _ = loss_and_grads("data=2,expert=4", compute="bfloat16")
+    got_loss, got, _ = loss_and_grads(spec, moe, compute="bfloat16")
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-2)
     assert_trees_close(got, want, rtol=5e-2)
 
@@ -227,14 +232,18 @@ def test_all_to_all_bytes_equal_the_formula():
     from plait.inspect import inspect_step
     from plait.parallel import formulas
 
-    for spec, moe, model in (("expert=4", {}, {}), ("data=2,expert=2", {}, {}),
-                             ("data=2,expert=2", {"capacity_factor": 0.0}, {}),
-                             ("data=2,expert=2", {"capacity_factor": 0.0}, {"remat": "full"})):
-        exp = experiment(moe, model={"layers": 1, **model})  # bytes are per sparse layer
+    dropless = {"capacity_factor": 0.0}
+    for spec, moe, model, compute in (
+            ("expert=4", {}, {}, "float32"), ("data=2,expert=2", {}, {}, "float32"),
+            ("data=2,expert=2", dropless, {}, "float32"),
+            ("data=2,expert=2", dropless, {"remat": "full"}, "float32"),
+            ("data=2,expert=2", dropless, {}, "bfloat16")):  # sums by all-to-all
+        exp = experiment(moe, model={"layers": 1, **model},  # bytes are per sparse layer
+                         precision={"compute": compute})
         sizes = dict(make_mesh(spec).shape)
         report = inspect_step(exp, make_mesh(spec))
         got = report["experts"]
-        want = formulas.expert_bytes(exp, sizes)
+        want = formulas.expert_bytes(exp, sizes, "cpu")
         assert got["wire_bytes"] == pytest.approx(want, rel=1e-6), (spec, moe, model)
         assert got["formula_bytes"] == pytest.approx(want, rel=1e-6)
         assert got["dispatch"] == ("all-gather" if moe else "all-to-all")

@@ -20,7 +20,7 @@ Two ways, chosen by `moe.capacity_factor`:
   instead (the all-gather dispatch of Megatron-Core): each rank runs its own experts
   on every assignment of the group routed to them, leaving the rest out of its
   grouped matmuls, and a reduce-scatter sums each token's outputs back to the rank
-  that holds it. No sizes depend on the routing (an all-to-all of exactly the routed
+  that holds it (in bf16 an all-to-all and a float32 sum: `_sum_scatter`). No sizes depend on the routing (an all-to-all of exactly the routed
   tokens would), at X / top_k times the all-to-all's bytes and X times the sorted
   buffer (formulas.expert_bytes).
 
@@ -119,6 +119,39 @@ def _per_rank_bwd(axes, _, ct):
 
 
 _per_rank.defvjp(_per_rank_fwd, _per_rank_bwd)
+
+
+def _narrow(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4
+
+
+def _sum_scatter(y: jax.Array, axis: str) -> jax.Array:
+    """psum_scatter(y, axis, scatter_dimension=0, tiled=True). In a narrow float the same
+    bytes go by one all-to-all (each rank's slice for every other) and are summed here in
+    float32: XLA:CPU aborts compiling a bfloat16 reduce-scatter as JAX writes it (the
+    reducer `_per_rank` avoids), and the sum rounds once, not once per rank."""
+    if not _narrow(y):
+        return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+    X = jax.lax.axis_size(axis)
+    parts = jax.lax.all_to_all(y.reshape(X, -1, *y.shape[1:]), axis, 0, 0, tiled=True)
+    return jnp.sum(parts, axis=0, dtype=jnp.float32).astype(y.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather(a: jax.Array, axis: str) -> jax.Array:
+    """all_gather(a, axis, tiled=True), whose gradient is summed back by `_sum_scatter`."""
+    return jax.lax.all_gather(a, axis, tiled=True)
+
+
+def _gather_fwd(a, axis):
+    return _gather(a, axis), None
+
+
+def _gather_bwd(axis, _, ct):
+    return (_sum_scatter(ct, axis),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def _weights_per_rank(w: Weights, axes: tuple[str, ...]) -> Weights:
@@ -229,10 +262,10 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
         b = x.shape[0]
         x, idx, gate = x.reshape(b * T, d), idx.reshape(b * T, -1), gate.reshape(b * T, -1)
         if X > 1:
-            x, idx, gate = (jax.lax.all_gather(a, AXIS, tiled=True) for a in (x, idx, gate))
+            x, gate = _gather(x, AXIS), _gather(gate, AXIS)
+            idx = jax.lax.all_gather(idx, AXIS, tiled=True)
             first = jax.lax.axis_index(AXIS) * next(iter(w.values())).shape[0]
-            y = _ragged_group(x, idx - first, gate, w, activation)
-            y = jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
+            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation), AXIS)
         else:
             y = _ragged_group(x, idx, gate, w, activation)
         return y.reshape(b, T, d)

@@ -252,9 +252,11 @@ def expert_bytes(exp: Experiment, sizes: dict[str, int], platform: str = "gpu") 
 
 
 # The collectives that carry tokens over the expert axis, by dispatch: all-to-all
-# (capacity) or all-gather (dropless: tokens gathered, outputs reduce-scattered back).
-# The axis's all-reduces are weight gradients'.
-DISPATCH_KINDS = {"all-to-all": ("all-to-all",), "all-gather": ("all-gather", "reduce-scatter")}
+# (capacity) or all-gather (dropless: tokens gathered, outputs reduce-scattered back;
+# in bf16 those sums go by all-to-all, the same bytes, and are added here: experts.
+# _sum_scatter). The axis's all-reduces are weight gradients'.
+DISPATCH_KINDS = {"all-to-all": ("all-to-all",),
+                  "all-gather": ("all-gather", "reduce-scatter", "all-to-all")}
 
 
 def expert_wire_bytes(analysis: dict, dispatch: str = "all-to-all") -> float:
