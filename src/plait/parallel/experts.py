@@ -20,9 +20,10 @@ Two ways, chosen by `moe.capacity_factor`:
   instead (the all-gather dispatch of Megatron-Core): each rank runs its own experts
   on every assignment of the group routed to them, leaving the rest out of its
   grouped matmuls, and a reduce-scatter sums each token's outputs back to the rank
-  that holds it (in bf16 an all-to-all and a float32 sum: `_sum_scatter`). No sizes depend on the routing (an all-to-all of exactly the routed
-  tokens would), at X / top_k times the all-to-all's bytes and X times the sorted
-  buffer (formulas.expert_bytes).
+  that holds it (in bf16 an all-to-all and a float32 sum: `_sum_scatter`). No sizes
+  depend on the routing (an all-to-all of exactly the routed tokens would), at
+  X / top_k times the all-to-all's bytes and X times the sorted buffer
+  (formulas.expert_bytes).
 
 `parallel/` is the only code that writes collectives: the model hands over its router
 choices and expert weights and gets the combined output back.
