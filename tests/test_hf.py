@@ -19,7 +19,7 @@ from plait.cli import main
 from plait.sample import generator, load
 
 FIXTURES = Path(__file__).parent / "data" / "hf"
-NAMES = ("gpt2", "llama3", "mistral", "qwen2", "mixtral")
+NAMES = ("gpt2", "llama3", "mistral", "qwen2", "mixtral", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,28 @@ def test_import_writes_the_experiment_and_a_params_only_checkpoint(imported):
     llama = (imported["llama3"] / "config.toml").read_text()
     assert "original_context = 16" in llama and "rope_theta = 500000.0" in llama
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0"]
+    qmoe = (imported["qwen2_moe"] / "config.toml").read_text()
+    for line in ("experts = 4", "d_ff = 48", "shared_d_ff = 40", "shared_gate = true",
+                 "renormalize = false", "capacity_factor = 0.0", "qkv_bias = true"):
+        assert line in qmoe, line
+
+
+@pytest.mark.parametrize("name,arch", [("mixtral", "MixtralForCausalLM"),
+                                       ("qwen2_moe", "Qwen2MoeForCausalLM")])
+def test_mixtures_of_experts_export_and_import_again_bit_for_bit(imported, tmp_path,
+                                                                  name, arch):
+    out = tmp_path / "hf-out"
+    assert main(["export", str(imported[name]), "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == [arch]
+    again = tmp_path / "again"
+    assert main(["import", str(out), "--run-dir", str(again)]) == 0
+    from plait.toml_files import read_toml
+
+    def model(run: Path) -> dict:
+        return read_toml(run / "config.toml", "run config")["model"]
+
+    assert model(again) == model(imported[name])
+    jax.tree.map(np.testing.assert_array_equal, _params(again), _params(imported[name]))
 
 
 def _params(run_dir: Path, step: int | None = None) -> dict:
@@ -112,9 +134,9 @@ def test_export_loads_in_transformers_with_plaits_logits(imported, tmp_path):
         assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(theirs).max(), name
 
 
-def _broken(tmp_path: Path, edit) -> Path:
+def _broken(tmp_path: Path, edit, name: str = "mistral") -> Path:
     src = tmp_path / "model"
-    shutil.copytree(FIXTURES / "mistral", src)
+    shutil.copytree(FIXTURES / name, src)
     edit(src)
     return src
 
@@ -172,6 +194,13 @@ def test_import_errors_are_one_line(tmp_path, capsys, edit, message):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert not run.exists() and not any(tmp_path.glob(".run.partial"))
+
+
+def test_a_qwen2_moe_with_dense_layers_is_refused_in_one_line(tmp_path, capsys):
+    src = _broken(tmp_path, _config_edit(decoder_sparse_step=2), "qwen2_moe")
+    assert main(["import", str(src), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "decoder_sparse_step = 2" in err, err
 
 
 def test_import_refuses_a_run_directory_in_use(imported, capsys, tmp_path):

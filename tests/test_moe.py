@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from helpers import losses, make_mesh, run, tiny
 
-# Llama layout, 4 experts, 2 per token, a shared expert; capacity factor 2 = E / k gives
-# every expert room for every token of a sequence, so nothing is dropped.
+# Llama layout, 4 experts, 2 per token, a shared expert behind its gate (Qwen-MoE's);
+# capacity factor 2 = E / k gives every expert room for every token of a sequence, so
+# nothing is dropped.
 MOE = {"experts": 4, "top_k": 2, "capacity_factor": 2.0, "shared_d_ff": 32,
-       "aux_weight": 0.1, "z_weight": 0.01}
+       "shared_gate": True, "aux_weight": 0.1, "z_weight": 0.01}
+UNSHARED = {"shared_d_ff": 0, "shared_gate": False}
 MODEL = {"kind": "llama", "heads": 8, "kv_heads": 2, "d_ff": 64, "rope_theta": 10000.0}
 
 
@@ -280,17 +282,17 @@ def test_across_hosts_the_gradients_reduce_flat_unless_hierarchical_is_asked_for
 
 def test_parameter_and_flop_formulas():
     """param_count equals the built model for the Llama and GPT-2 layouts, sparse in every
-    layer or every other one, with and without a shared expert; the FLOPs count a
+    layer or every other one, with and without a shared expert (gated or not); the FLOPs count a
     token's top_k experts, not all of them."""
     from plait.models import gpt_counts
     from plait.tasks.gpt import GPTTask
 
     mesh = make_mesh("data=1")
     for model, moe in (({}, {}), ({"kind": "gpt", "layers": 3}, {"every": 2, "d_ff": 48}),
-                       ({"kind": "gpt"}, {"shared_d_ff": 0})):
+                       ({"kind": "gpt"}, UNSHARED), ({}, {"shared_gate": False})):
         exp = experiment(moe, model=model)
         assert gpt_counts.param_count(exp.model) == GPTTask(exp, mesh).num_params(), (model, moe)
-    exp = experiment({"shared_d_ff": 0})
+    exp = experiment(UNSHARED)
     m, d = exp.model, exp.model.d_model
     dense = exp.model.model_copy(update={"moe": None})
     per_layer_extra = (2 - 1) * 3 * d * 64 + d * 4  # a second expert and the router

@@ -51,7 +51,8 @@ class MoEConfig(Section):
     by a softmax router (the chosen probabilities renormalised to sum to 1 unless
     `renormalize` is false, as OLMoE), in every `every`-th layer (layers 0, every,
     2 x every, ...); an optional shared expert every token passes through
-    (`shared_d_ff`, 0 = none). `capacity_factor` > 0 caps each expert's assignments
+    (`shared_d_ff`, 0 = none), its output scaled per token by a sigmoid gate if
+    `shared_gate` (Qwen-MoE). `capacity_factor` > 0 caps each expert's assignments
     per sequence (the rest dropped and counted); 0 = dropless. The router's
     load-balancing loss (Switch) and z-loss join the gradient with their weights."""
 
@@ -60,6 +61,7 @@ class MoEConfig(Section):
     every: PosInt = 1
     d_ff: PosInt | None = None
     shared_d_ff: NonNegInt = 0
+    shared_gate: bool = False
     renormalize: bool = True
     capacity_factor: NonNegFloat = 0.0
     aux_weight: NonNegFloat = 0.01
@@ -70,6 +72,9 @@ class MoEConfig(Section):
         if self.top_k > self.experts:
             raise ValueError(f"model.moe.top_k = {self.top_k} exceeds model.moe.experts = "
                              f"{self.experts}; choose top_k <= experts")
+        if self.shared_gate and not self.shared_d_ff:
+            raise ValueError("model.moe.shared_gate = true gates a shared expert, and "
+                             "model.moe.shared_d_ff = 0 makes none; set shared_d_ff")
         return self
 
 
@@ -125,7 +130,8 @@ class GPTConfig(ModelSection):
     shape_keys: ClassVar[tuple[str, ...]] = (
         "layers", "d_model", "heads", "kv_heads", "head_dim", "d_ff", "vocab", "seq_len",
         "tie_embeddings", "vocab_multiple", "norm", "position", "mlp", "bias", "qkv_bias",
-        "moe.experts", "moe.every", "moe.d_ff", "moe.shared_d_ff")
+        "moe.experts", "moe.every", "moe.d_ff", "moe.shared_d_ff",
+        "moe.shared_gate")
 
     @field_validator("remat", mode="before")
     @classmethod

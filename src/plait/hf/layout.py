@@ -7,7 +7,11 @@ LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (kind "llama": RMSNorm,
 rotary positions in the half-split layout, SwiGLU, grouped-query attention,
 Qwen2's q/k/v biases; torch Linear weights stored [out, in]); MixtralForCausalLM is
 the Llama layout with a dropless mixture of experts in every layer (its router
-`block_sparse_moe.gate` [E, d], each expert's w1 (gate), w3 (up), w2 (down)). Every conversion
+`block_sparse_moe.gate` [E, d], each expert's w1 (gate), w3 (up), w2 (down)), and
+Qwen2MoeForCausalLM Qwen2's with one in every layer (router `mlp.gate`, experts'
+gate/up/down_proj, the top-k probabilities as they are unless `norm_topk_prob`, and
+a shared expert every token passes through, scaled by a sigmoid gate
+`mlp.shared_expert_gate` [1, d]). Every conversion
 is a reshape, a transpose, a stack or a vocabulary pad of one layer's tensors,
 so import and export read and write one tensor (or one layer's q/k/v) at a
 time.
@@ -29,6 +33,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "llama",
 }
 DEFAULT_SEQ_LEN = 2048  # a RoPE model's training length unless --seq-len says otherwise
 
@@ -101,7 +106,8 @@ def model_table(hf: dict, where: str, seq_len: int | None = None) -> dict[str, A
         "kv_heads": hf.get("num_key_value_heads") or heads, "d_ff": hf["intermediate_size"],
         "vocab": hf["vocab_size"], "seq_len": n, "norm_eps": hf.get("rms_norm_eps", 1e-6),
         "rope_theta": theta, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": arch == "Qwen2ForCausalLM"}
+        "qkv_bias": arch == "Qwen2ForCausalLM" or (
+            arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)))}
     head_dim = hf.get("head_dim")
     if head_dim and head_dim != d // heads:
         table["head_dim"] = head_dim
@@ -113,7 +119,26 @@ def model_table(hf: dict, where: str, seq_len: int | None = None) -> dict[str, A
                         "capacity_factor": 0.0,
                         "aux_weight": float(hf.get("router_aux_loss_coef", 0.001)),
                         "z_weight": 0.0}
+    if arch == "Qwen2MoeForCausalLM":
+        table["moe"] = _qwen_moe(hf, where)
     return table
+
+
+def _qwen_moe(hf: dict, where: str) -> dict[str, Any]:
+    """A Qwen2-MoE's `[model.moe]`: dropless, as transformers runs it."""
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise UserError(f"{where}: dense layers among the sparse ones (decoder_sparse_step = "
+                        f"{step}, mlp_only_layers = {dense}) are not a layout plait imports; "
+                        "it imports experts in every layer (step 1, no mlp_only_layers)")
+    if not hf.get("shared_expert_intermediate_size"):
+        raise UserError(f"{where}: shared_expert_intermediate_size = 0 leaves Qwen2-MoE's "
+                        "shared expert gate nothing to gate; plait imports a shared expert")
+    return {"experts": hf["num_experts"], "top_k": hf["num_experts_per_tok"],
+            "d_ff": hf["moe_intermediate_size"],
+            "shared_d_ff": hf["shared_expert_intermediate_size"], "shared_gate": True,
+            "renormalize": bool(hf.get("norm_topk_prob", False)), "capacity_factor": 0.0,
+            "aux_weight": float(hf.get("router_aux_loss_coef", 0.001)), "z_weight": 0.0}
 
 
 def _family(cfg: GPTConfig) -> str:
@@ -132,7 +157,8 @@ def _family(cfg: GPTConfig) -> str:
 
 def hf_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
     """config.json for `transformers` (GPT2LMHeadModel, or Qwen2ForCausalLM with q/k/v
-    biases, else LlamaForCausalLM)."""
+    biases, else LlamaForCausalLM; with experts MixtralForCausalLM, or
+    Qwen2MoeForCausalLM with a gated shared expert)."""
     if _family(cfg) == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 "n_layer": cfg.layers, "n_embd": cfg.d_model, "n_head": cfg.heads,
@@ -142,12 +168,7 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
                 "attn_pdrop": 0.0, "tie_word_embeddings": True, "torch_dtype": dtype}
     qwen, moe = cfg.qkv_bias, cfg.moe
     if moe is not None:
-        if qwen or moe.every > 1 or moe.shared_d_ff or not moe.renormalize or (
-                moe.d_ff not in (None, cfg.d_ff)):
-            raise UserError("Mixtral holds experts in every layer (moe.every = 1), no shared "
-                            "expert, renormalised gates, moe.d_ff = d_ff and no q/k/v biases; "
-                            "this mixture of experts has no Hugging Face layout plait writes")
-        arch, model_type = "MixtralForCausalLM", "mixtral"
+        arch, model_type = _moe_family(cfg)
     else:
         arch = "Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"
         model_type = "qwen2" if qwen else "llama"
@@ -160,7 +181,15 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta, "hidden_act": "silu",
         "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
         "torch_dtype": dtype}
-    if moe is not None:
+    if moe is not None and model_type == "qwen2_moe":
+        out.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k,
+                   moe_intermediate_size=cfg.expert_d_ff,
+                   shared_expert_intermediate_size=moe.shared_d_ff,
+                   norm_topk_prob=moe.renormalize, decoder_sparse_step=1, mlp_only_layers=[],
+                   qkv_bias=qwen,
+                   router_aux_loss_coef=moe.aux_weight, use_sliding_window=False,
+                   sliding_window=None)
+    elif moe is not None:
         out.update(num_local_experts=moe.experts, num_experts_per_tok=moe.top_k,
                    router_aux_loss_coef=moe.aux_weight, router_jitter_noise=0.0,
                    sliding_window=None)
@@ -173,6 +202,22 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
                                "high_freq_factor": sc.high_freq_factor,
                                "original_max_position_embeddings": sc.original_context}
     return out
+
+
+def _moe_family(cfg: GPTConfig) -> tuple[str, str]:
+    """(architecture, model_type) of a mixture of experts, or a one-line refusal."""
+    m = cfg.moe
+    assert m is not None
+    if m.every == 1 and m.shared_d_ff and m.shared_gate:
+        return "Qwen2MoeForCausalLM", "qwen2_moe"
+    if m.every == 1 and not cfg.qkv_bias and not m.shared_d_ff and m.renormalize and (
+            m.d_ff in (None, cfg.d_ff)):
+        return "MixtralForCausalLM", "mixtral"
+    raise UserError("Mixtral holds experts in every layer (moe.every = 1), no shared expert, "
+                    "renormalised gates, moe.d_ff = d_ff and no q/k/v biases; Qwen2-MoE "
+                    "experts in every layer and a gated shared expert (moe.shared_d_ff, "
+                    "moe.shared_gate = true); this mixture of experts is neither, so there "
+                    "is no Hugging Face layout plait writes")
 
 
 def _pad(a: np.ndarray, rows: int, axis: int = 0) -> np.ndarray:
@@ -237,7 +282,7 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
                 yield (*blk, "attn", "bkv"), np.stack([bk, bv])
         yield (*blk, "attn", "wo"), read(f"{a}o_proj.weight").T.reshape(h, hd, d)
         if cfg.moe is not None:
-            yield from _experts_to_plait(cfg, read, b, blk)
+            yield from _experts_to_plait(cfg, read, b, blk, arch)
         else:
             gate, up = (read(f"{b}mlp.{n}_proj.weight").T for n in ("gate", "up"))
             yield (*blk, "mlp", "w13"), np.stack([gate, up], axis=1)
@@ -250,23 +295,36 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
         yield ("head",), _pad(read("lm_head.weight").T, V, axis=1)
 
 
-def _experts_to_plait(cfg: GPTConfig, read: Read, b: str, blk: Path
+# Where each MoE family keeps a layer's router and experts: (module prefix, the
+# experts' gate, up and down projections).
+MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
+             "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _experts_to_plait(cfg: GPTConfig, read: Read, b: str, blk: Path, arch: str
                       ) -> Iterator[tuple[Path, np.ndarray]]:
-    """A Mixtral layer's router and experts: each of plait's stacked expert tensors read
-    from the experts' own, one at a time."""
+    """A sparse layer's router and experts (and shared expert): each of plait's stacked
+    expert tensors read from the experts' own, one at a time."""
     assert cfg.moe is not None
-    m, E = f"{b}block_sparse_moe.", cfg.moe.experts
+    where, (g, u, dn) = MOE_NAMES[arch]
+    m, E = f"{b}{where}", cfg.moe.experts
     yield (*blk, "mlp", "router"), read(f"{m}gate.weight").T
     w13 = None
     for e in range(E):
-        gate, up = (read(f"{m}experts.{e}.{n}.weight").T for n in ("w1", "w3"))
+        gate, up = (read(f"{m}experts.{e}.{n}.weight").T for n in (g, u))
         if w13 is None:
             w13 = np.empty((E, gate.shape[0], 2, gate.shape[1]), gate.dtype)
         w13[e, :, 0], w13[e, :, 1] = gate, up
     yield (*blk, "mlp", "w13"), w13
     del w13
-    down = [read(f"{m}experts.{e}.w2.weight").T for e in range(E)]
+    down = [read(f"{m}experts.{e}.{dn}.weight").T for e in range(E)]
     yield (*blk, "mlp", "w2"), np.stack(down)
+    if cfg.moe.shared_d_ff:
+        s = f"{m}shared_expert."
+        gate, up = (read(f"{s}{n}_proj.weight").T for n in ("gate", "up"))
+        yield (*blk, "mlp", "shared", "w13"), np.stack([gate, up], axis=1)
+        yield (*blk, "mlp", "shared", "w2"), read(f"{s}down_proj.weight").T
+        yield (*blk, "mlp", "shared_gate"), read(f"{m}shared_expert_gate.weight").reshape(-1)
 
 
 def to_hf(cfg: GPTConfig, params: dict) -> Iterator[tuple[str, np.ndarray]]:
@@ -327,14 +385,22 @@ def to_hf(cfg: GPTConfig, params: dict) -> Iterator[tuple[str, np.ndarray]]:
             get(*blk, "attn", "wo").reshape(h * hd, d).T)
         w13 = get(*blk, "mlp", "w13")
         if cfg.moe is not None:
-            m = f"{b}block_sparse_moe."
+            where, (g, u, dn) = MOE_NAMES[_moe_family(cfg)[0]]
+            m = f"{b}{where}"
             yield f"{m}gate.weight", np.ascontiguousarray(get(*blk, "mlp", "router").T)
             w2 = get(*blk, "mlp", "w2")
             for e in range(cfg.moe.experts):
                 x = f"{m}experts.{e}."
-                yield f"{x}w1.weight", np.ascontiguousarray(w13[e, :, 0].T)
-                yield f"{x}w3.weight", np.ascontiguousarray(w13[e, :, 1].T)
-                yield f"{x}w2.weight", np.ascontiguousarray(w2[e].T)
+                yield f"{x}{g}.weight", np.ascontiguousarray(w13[e, :, 0].T)
+                yield f"{x}{u}.weight", np.ascontiguousarray(w13[e, :, 1].T)
+                yield f"{x}{dn}.weight", np.ascontiguousarray(w2[e].T)
+            if cfg.moe.shared_d_ff:
+                s, sw13 = f"{m}shared_expert.", get(*blk, "mlp", "shared", "w13")
+                yield f"{s}gate_proj.weight", np.ascontiguousarray(sw13[:, 0].T)
+                yield f"{s}up_proj.weight", np.ascontiguousarray(sw13[:, 1].T)
+                yield f"{s}down_proj.weight", np.ascontiguousarray(
+                    get(*blk, "mlp", "shared", "w2").T)
+                yield f"{m}shared_expert_gate.weight", get(*blk, "mlp", "shared_gate")[None]
         else:
             yield f"{b}mlp.gate_proj.weight", np.ascontiguousarray(w13[:, 0].T)
             yield f"{b}mlp.up_proj.weight", np.ascontiguousarray(w13[:, 1].T)

@@ -21,12 +21,12 @@ def _mats(cfg: GPTConfig) -> int:
 
 def _sparse_mlp(cfg: GPTConfig, experts: int) -> int:
     """Matmul weights of a sparse layer's MLP side with `experts` of its experts: theirs,
-    the router's and the shared expert's."""
+    the router's and the shared expert's (and its gate's)."""
     m = cfg.moe
     assert m is not None
     d = cfg.d_model
     return experts * _mats(cfg) * d * cfg.expert_d_ff + d * m.experts \
-        + _mats(cfg) * d * m.shared_d_ff
+        + _mats(cfg) * d * m.shared_d_ff + (d if m.shared_gate else 0)
 
 
 def _mlp_biases(cfg: GPTConfig, f: int) -> int:

@@ -56,7 +56,8 @@ def router_stats(logits: jax.Array, idx: jax.Array, experts_n: int) -> dict[str,
 
 class MoE(nnx.Module):
     """`experts` MLPs (the model's activation: SwiGLU or GELU, no biases), a router
-    [d, E], and the optional shared expert (a dense MLP every token passes through)."""
+    [d, E], and the optional shared expert (a dense MLP every token passes through,
+    optionally gated per token)."""
 
     def __init__(self, cfg: GPTConfig, rngs: ParamKeys, shared=None):
         m = cfg.moe
@@ -74,6 +75,8 @@ class MoE(nnx.Module):
                          0.02 / math.sqrt(2 * cfg.layers), fan_in=("mlp",))
         if shared is not None:
             self.shared = shared
+            if m.shared_gate:  # Qwen-MoE: sigmoid(x . g) scales the shared expert per token
+                self.shared_gate = _param(rngs, (d,), ("norm",), 0.02)
         self.top_k, self.renormalize = m.top_k, m.renormalize
         self.capacity_factor = m.capacity_factor
         n = sparse_layers(cfg)
@@ -100,7 +103,11 @@ class MoE(nnx.Module):
         y = experts.add_aux_gradient(
             y, self.aux_weight * stats["aux_loss"] + self.z_weight * stats["z_loss"])
         if hasattr(self, "shared"):
-            y = y + self.shared(x)
+            shared = self.shared(x)
+            if hasattr(self, "shared_gate"):
+                g = jnp.einsum("btd,d->bt", x, self.shared_gate[...].astype(x.dtype))
+                shared = shared * jax.nn.sigmoid(g)[..., None].astype(shared.dtype)
+            y = y + shared
         return constrain(y, BATCH_SEQ_EMBED), {**stats, "dropped": dropped.astype(jnp.float32)}
 
 

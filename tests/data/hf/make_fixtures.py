@@ -50,6 +50,14 @@ MODELS = {
         intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64,
         num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
         tie_word_embeddings=False, rope_theta=1000000.0),
+    # Qwen2-MoE: q/k/v biases, 4 experts of 48, 2 per token with their probabilities as
+    # they are (no renormalisation), a shared expert of 40 behind its sigmoid gate
+    "qwen2_moe": tf.Qwen2MoeConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=40,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[], vocab_size=VOCAB, max_position_embeddings=64,
+        tie_word_embeddings=False, rope_theta=1000000.0, use_sliding_window=False),
 }
 
 
