@@ -196,6 +196,25 @@ def test_import_errors_are_one_line(tmp_path, capsys, edit, message):
     assert not run.exists() and not any(tmp_path.glob(".run.partial"))
 
 
+def test_an_import_written_in_small_chunks_reads_back_the_same(imported, tmp_path,
+                                                               monkeypatch):
+    """The import writes each array in chunks (TensorStore encodes one at a time); chunks
+    far smaller than the arrays read back as the same weights."""
+    from plait.hf import convert
+
+    monkeypatch.setattr(convert, "IMPORT_CHUNK_BYTES", 4096)
+    run = tmp_path / "chunked"
+    assert main(["import", str(FIXTURES / "llama3"), "--run-dir", str(run)]) == 0
+    import tensorstore as ts
+
+    state = run / "checkpoints" / "0" / "state"
+    embed = ts.open({"driver": "zarr", "kvstore": {
+        "driver": "ocdbt", "base": f"file://{state}", "path": "params.tok_embed"}}).result()
+    chunk = embed.chunk_layout.write_chunk.shape
+    assert np.prod(chunk) * 4 <= 4096 < embed.size * 4, chunk
+    jax.tree.map(np.testing.assert_array_equal, _params(run), _params(imported["llama3"]))
+
+
 def test_a_qwen2_moe_with_dense_layers_is_refused_in_one_line(tmp_path, capsys):
     src = _broken(tmp_path, _config_edit(decoder_sparse_step=2), "qwen2_moe")
     assert main(["import", str(src), "--run-dir", str(tmp_path / "run")]) == 2

@@ -87,14 +87,19 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps(), reverse=True)
 
-    def save(self, step: int, state: dict, meta: dict) -> None:
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=(ocp.args.PyTreeSave(state) if self._limited
-                                           else ocp.args.StandardSave(state)),
-                                    meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+    def save(self, step: int, state: dict, meta: dict, chunk_bytes: int | None = None
+             ) -> None:
+        """chunk_bytes (with save_concurrent_gb): write each array in chunks of at most
+        this many bytes, so that TensorStore encodes a chunk at a time, not a whole
+        array (the import's peak; docs/benchmarks.md)."""
+        if self._limited:
+            save_args = None if chunk_bytes is None else jax.tree.map(
+                lambda _: ocp.SaveArgs(chunk_byte_size=chunk_bytes), state)
+            item = ocp.args.PyTreeSave(state, save_args=save_args)
+        else:
+            item = ocp.args.StandardSave(state)
+        self.manager.save(step, args=ocp.args.Composite(state=item, meta=ocp.args.JsonSave(meta)),
+                          force=True)
 
     def read_meta(self, step: int) -> dict:
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))

@@ -31,6 +31,7 @@ from plait.hf import layout
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+IMPORT_CHUNK_BYTES = 64 * 2**20  # the checkpoint's chunks: TensorStore encodes one at a time
 
 
 class Tensors:
@@ -188,11 +189,12 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
                          "samples_seen": 0},
                 "config": json.loads(exp.model_dump_json())}
         # orbax copies arrays out to write them: a cap just above the largest array keeps
-        # the host near one copy of the model (docs/benchmarks.md, import memory).
+        # the host near one copy of the model, and chunks keep TensorStore's encoding to
+        # one chunk of it at a time (docs/benchmarks.md, import memory).
         largest = max(a.nbytes for a in jax.tree.leaves(params))
         ckpts = Checkpoints(tmp / "checkpoints", keep=exp.checkpoint.keep, async_save=False,
                             save_concurrent_gb=(largest + 2**20) / 1e9)
-        ckpts.save(0, {"params": params}, meta)
+        ckpts.save(0, {"params": params}, meta, chunk_bytes=IMPORT_CHUNK_BYTES)
         ckpts.wait()
         ckpts.close()
         del params
