@@ -47,7 +47,16 @@ def plot(rows: list[dict], path: Path, meta: dict, top: int = 25) -> None:
     ax2.axvline(meta["device_memory_bytes"] / 2**30, color="black", linestyle="--", linewidth=1)
     # Logarithmic: a small model's bars stay visible beside the device's memory.
     ax2.set_xscale("log")
-    ax2.set_xlabel("memory per device (GiB, log scale); dashed: device memory; red: does not fit")
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 40, not 4 x 10^1
+    ax2.xaxis.set_major_formatter(plain)
+    ax2.xaxis.set_minor_formatter(plain)
+    ax2.tick_params(axis="x", which="minor", labelsize=7)
+    # Bars start at the axis's left end: well below the smallest, so lengths compare.
+    gib = [r["memory_bytes"] / 2**30 for r in shown] + [meta["device_memory_bytes"] / 2**30]
+    ax2.set_xlim(left=min(gib) / 4)
+    ax2.set_xlabel("memory per device (GiB, log scale)\ndashed: device memory; red: does not fit")
     fig.suptitle(f"{meta['experiment']} on {meta['devices']} x {meta['hardware']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
