@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...      (env dlrm gpt124 gpt124scan nanogpt gpt1p3b fp8)
+#   bash benchmarks/gpu_figures.sh STAGE...      (env dlrm gpt124 gpt124scan nanogpt gpt1p3b fp8 moe)
 #
 # Meant for a lent GPU machine with JAX (CUDA) and torch installed: plait runs from
 # src/ (PYTHONPATH), missing pure-Python dependencies may be wheels under .whl/, and
@@ -57,6 +57,19 @@ for stage in "$@"; do
         --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b.json"
       run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
         --steps 300 --json "$OUT/fp8-124m-curve.json" ;;
-    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b fp8)"; exit 2 ;;
+    moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s:
+      # dropless as XLA lowers ragged_dot by default (it may expand it to a dense dot over
+      # every expert, as XLA:CPU does), dropless through cuDNN's grouped GEMM (an XLA flag
+      # of recent versions; an unknown flag fails only this run), then capacity 1.25
+      run moe-dropless 200 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
+        --rounds 2 --steps 12 --warmup 4 --json "$OUT/moe-dropless.json"
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" \
+        run moe-dropless-cudnn 200 python3 benchmarks/moe_vs_dense.py \
+        experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
+        --json "$OUT/moe-dropless-cudnn.json"
+      run moe-capacity 180 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
+        --set model.moe.capacity_factor=1.25 --rounds 2 --steps 12 --warmup 4 \
+        --json "$OUT/moe-capacity.json" ;;
+    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b fp8 moe)"; exit 2 ;;
   esac
 done
