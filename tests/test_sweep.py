@@ -303,3 +303,21 @@ def test_a_sweep_cut_short_resumes_from_its_journal(tmp_path, monkeypatch, capsy
     other = exp.model_copy(update={"model": exp.model.model_copy(update={"d_ff": 64})})
     ranked(other)
     assert len(compiles) == 3 and len(journal.read_text().splitlines()) == 3
+
+
+def test_an_interrupted_sweep_says_what_it_kept(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the compiles: one line naming the journal and how to resume."""
+    from plait.cli import main
+
+    def interrupted(*args, journal, **kwargs):
+        journal.parent.mkdir(parents=True)
+        journal.write_text("{}\n{}\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    out = tmp_path / "sw"
+    path = write_experiment(tmp_path / "tiny.toml", tiny())
+    assert main(["sweep", str(path), "--devices", "2", "--out", str(out)]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (f"plait: interrupted; 2 compiled programs are kept in {out / sweep.JOURNAL}; "
+                   "the same command resumes from them")

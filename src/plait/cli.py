@@ -186,9 +186,15 @@ def cmd_sweep(args) -> int:
     out = Path(args.out or f"sweeps/{exp.name}-{args.devices}")
     t0 = time.perf_counter()
     failed: list[str] = []
-    rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers, kernels=args.run,
-                           schedules=schedules, failed=failed,
-                           journal=out / sweep.JOURNAL, fresh=args.fresh)
+    journal = out / sweep.JOURNAL
+    try:
+        rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers, kernels=args.run,
+                               schedules=schedules, failed=failed, journal=journal,
+                               fresh=args.fresh)
+    except KeyboardInterrupt:
+        kept = len(journal.read_text().splitlines()) if journal.is_file() else 0
+        raise KeyboardInterrupt(f"{kept} compiled programs are kept in {journal}; the same "
+                                "command resumes from them") from None
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
     fit = None
@@ -307,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         print(f"plait: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("plait: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print("plait: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr)
         return 130
 
 
