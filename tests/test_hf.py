@@ -19,7 +19,7 @@ from plait.cli import main
 from plait.sample import generator, load
 
 FIXTURES = Path(__file__).parent / "data" / "hf"
-NAMES = ("gpt2", "llama3", "mistral", "qwen2", "mixtral", "qwen2_moe")
+NAMES = ("gpt2", "llama3", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe")
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +65,13 @@ def test_import_writes_the_experiment_and_a_params_only_checkpoint(imported):
     for line in ("experts = 4", "d_ff = 48", "shared_d_ff = 40", "shared_gate = true",
                  "renormalize = false", "capacity_factor = 0.0", "qkv_bias = true"):
         assert line in qmoe, line
+    olmoe = (imported["olmoe"] / "config.toml").read_text()
+    assert "qk_norm = true" in olmoe and "renormalize = false" in olmoe
 
 
 @pytest.mark.parametrize("name,arch", [("mixtral", "MixtralForCausalLM"),
-                                       ("qwen2_moe", "Qwen2MoeForCausalLM")])
+                                       ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                       ("olmoe", "OlmoeForCausalLM")])
 def test_mixtures_of_experts_export_and_import_again_bit_for_bit(imported, tmp_path,
                                                                   name, arch):
     out = tmp_path / "hf-out"
@@ -215,11 +218,15 @@ def test_an_import_written_in_small_chunks_reads_back_the_same(imported, tmp_pat
     jax.tree.map(np.testing.assert_array_equal, _params(run), _params(imported["llama3"]))
 
 
-def test_a_qwen2_moe_with_dense_layers_is_refused_in_one_line(tmp_path, capsys):
-    src = _broken(tmp_path, _config_edit(decoder_sparse_step=2), "qwen2_moe")
+@pytest.mark.parametrize("name,edit,message", [
+    ("qwen2_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step = 2"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv = 8.0 clamps")], ids=["qwen2_moe", "olmoe"])
+def test_moe_layouts_plait_does_not_run_are_refused_in_one_line(tmp_path, capsys, name, edit,
+                                                                message):
+    src = _broken(tmp_path, _config_edit(**edit), name)
     assert main(["import", str(src), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "decoder_sparse_step = 2" in err, err
+    assert len(err.splitlines()) == 1 and message in err, err
 
 
 def test_import_refuses_a_run_directory_in_use(imported, capsys, tmp_path):

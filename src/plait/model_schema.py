@@ -111,6 +111,9 @@ class GPTConfig(ModelSection):
     # gives the query/key/value projections theirs (Qwen2).
     bias: bool = True
     qkv_bias: bool = False
+    # An RMS norm over the whole query projection and one over the whole key projection
+    # (every head's values together), before rotary positions (OLMoE).
+    qk_norm: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     # Recompute activations in the backward: none, full (keep each block's input only)
     # or save_dots (keep the matmul outputs, recompute the rest); true/false read as
@@ -130,6 +133,7 @@ class GPTConfig(ModelSection):
     shape_keys: ClassVar[tuple[str, ...]] = (
         "layers", "d_model", "heads", "kv_heads", "head_dim", "d_ff", "vocab", "seq_len",
         "tie_embeddings", "vocab_multiple", "norm", "position", "mlp", "bias", "qkv_bias",
+        "qk_norm",
         "moe.experts", "moe.every", "moe.d_ff", "moe.shared_d_ff",
         "moe.shared_gate")
 

@@ -11,7 +11,10 @@ the Llama layout with a dropless mixture of experts in every layer (its router
 Qwen2MoeForCausalLM Qwen2's with one in every layer (router `mlp.gate`, experts'
 gate/up/down_proj, the top-k probabilities as they are unless `norm_topk_prob`, and
 a shared expert every token passes through, scaled by a sigmoid gate
-`mlp.shared_expert_gate` [1, d]). Every conversion
+`mlp.shared_expert_gate` [1, d]), and OlmoeForCausalLM the Llama layout with
+RMS norms over the whole query and key projections (`self_attn.q_norm` /
+`k_norm`) and experts in every layer (Qwen2-MoE's names, no shared expert, the
+top-k probabilities as they are unless `norm_topk_prob`). Every conversion
 is a reshape, a transpose, a stack or a vocabulary pad of one layer's tensors,
 so import and export read and write one tensor (or one layer's q/k/v) at a
 time.
@@ -34,6 +37,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "llama",
+    "OlmoeForCausalLM": "llama",
 }
 DEFAULT_SEQ_LEN = 2048  # a RoPE model's training length unless --seq-len says otherwise
 
@@ -121,6 +125,17 @@ def model_table(hf: dict, where: str, seq_len: int | None = None) -> dict[str, A
                         "z_weight": 0.0}
     if arch == "Qwen2MoeForCausalLM":
         table["moe"] = _qwen_moe(hf, where)
+    if arch == "OlmoeForCausalLM":
+        if hf.get("clip_qkv") is not None:
+            raise UserError(f"{where}: clip_qkv = {hf['clip_qkv']} clamps the query/key/value "
+                            "projections, which plait's decoder does not; it imports OLMoE "
+                            "with clip_qkv = null")
+        table["qk_norm"] = True
+        table["moe"] = {"experts": hf["num_experts"], "top_k": hf["num_experts_per_tok"],
+                        "renormalize": bool(hf.get("norm_topk_prob", False)),
+                        "capacity_factor": 0.0,
+                        "aux_weight": float(hf.get("router_aux_loss_coef", 0.01)),
+                        "z_weight": 0.0}
     return table
 
 
@@ -146,7 +161,10 @@ def _family(cfg: GPTConfig) -> str:
     gpt2 = ("layernorm", "learned", "gelu", True, True, True)
     llama = ("rmsnorm", "rope", "swiglu", False)
     got = (cfg.norm, cfg.position, cfg.mlp, cfg.bias, cfg.fused_qkv, cfg.tie_embeddings)
-    if got == gpt2 and not cfg.qkv_bias:
+    if cfg.qk_norm and cfg.moe is None:
+        raise UserError("model.qk_norm without experts has no Hugging Face layout plait "
+                        "writes (OLMoE, which it exports, has experts in every layer)")
+    if got == gpt2 and not cfg.qkv_bias and not cfg.qk_norm:
         return "gpt2"
     if got[:4] == llama:
         return "llama"
@@ -181,7 +199,11 @@ def hf_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
         "rope_theta": cfg.rope_theta, "hidden_act": "silu",
         "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
         "torch_dtype": dtype}
-    if moe is not None and model_type == "qwen2_moe":
+    if model_type == "olmoe":
+        out.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k,
+                   norm_topk_prob=moe.renormalize, router_aux_loss_coef=moe.aux_weight,
+                   clip_qkv=None, attention_bias=False)
+    elif moe is not None and model_type == "qwen2_moe":
         out.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k,
                    moe_intermediate_size=cfg.expert_d_ff,
                    shared_expert_intermediate_size=moe.shared_d_ff,
@@ -208,16 +230,19 @@ def _moe_family(cfg: GPTConfig) -> tuple[str, str]:
     """(architecture, model_type) of a mixture of experts, or a one-line refusal."""
     m = cfg.moe
     assert m is not None
-    if m.every == 1 and m.shared_d_ff and m.shared_gate:
+    plain = m.every == 1 and not m.shared_d_ff and m.d_ff in (None, cfg.d_ff)
+    if m.every == 1 and m.shared_d_ff and m.shared_gate and not cfg.qk_norm:
         return "Qwen2MoeForCausalLM", "qwen2_moe"
-    if m.every == 1 and not cfg.qkv_bias and not m.shared_d_ff and m.renormalize and (
-            m.d_ff in (None, cfg.d_ff)):
+    if plain and cfg.qk_norm and not cfg.qkv_bias and cfg.heads * cfg.head_size == cfg.d_model:
+        return "OlmoeForCausalLM", "olmoe"
+    if plain and not cfg.qk_norm and not cfg.qkv_bias and m.renormalize:
         return "MixtralForCausalLM", "mixtral"
     raise UserError("Mixtral holds experts in every layer (moe.every = 1), no shared expert, "
-                    "renormalised gates, moe.d_ff = d_ff and no q/k/v biases; Qwen2-MoE "
-                    "experts in every layer and a gated shared expert (moe.shared_d_ff, "
-                    "moe.shared_gate = true); this mixture of experts is neither, so there "
-                    "is no Hugging Face layout plait writes")
+                    "renormalised gates, moe.d_ff = d_ff and no q/k/v biases or q/k norms; "
+                    "OLMoE the same with model.qk_norm and gates as they are or not; "
+                    "Qwen2-MoE experts in every layer and a gated shared expert "
+                    "(moe.shared_d_ff, moe.shared_gate = true); this mixture of experts is "
+                    "none of them, so there is no Hugging Face layout plait writes")
 
 
 def _pad(a: np.ndarray, rows: int, axis: int = 0) -> np.ndarray:
@@ -281,6 +306,9 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
                 yield (*blk, "attn", "bq"), bq
                 yield (*blk, "attn", "bkv"), np.stack([bk, bv])
         yield (*blk, "attn", "wo"), read(f"{a}o_proj.weight").T.reshape(h, hd, d)
+        if cfg.qk_norm:
+            yield (*blk, "attn", "q_norm"), read(f"{a}q_norm.weight").reshape(h, hd)
+            yield (*blk, "attn", "k_norm"), read(f"{a}k_norm.weight").reshape(kv, hd)
         if cfg.moe is not None:
             yield from _experts_to_plait(cfg, read, b, blk, arch)
         else:
@@ -298,7 +326,8 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
 # Where each MoE family keeps a layer's router and experts: (module prefix, the
 # experts' gate, up and down projections).
 MOE_NAMES = {"MixtralForCausalLM": ("block_sparse_moe.", ("w1", "w3", "w2")),
-             "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+             "Qwen2MoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+             "OlmoeForCausalLM": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _experts_to_plait(cfg: GPTConfig, read: Read, b: str, blk: Path, arch: str
@@ -383,6 +412,9 @@ def to_hf(cfg: GPTConfig, params: dict) -> Iterator[tuple[str, np.ndarray]]:
             yield f"{a}v_proj.bias", bv.reshape(kv * hd)
         yield f"{a}o_proj.weight", np.ascontiguousarray(
             get(*blk, "attn", "wo").reshape(h * hd, d).T)
+        if cfg.qk_norm:
+            yield f"{a}q_norm.weight", get(*blk, "attn", "q_norm").reshape(h * hd)
+            yield f"{a}k_norm.weight", get(*blk, "attn", "k_norm").reshape(kv * hd)
         w13 = get(*blk, "mlp", "w13")
         if cfg.moe is not None:
             where, (g, u, dn) = MOE_NAMES[_moe_family(cfg)[0]]

@@ -133,6 +133,16 @@ def _scaling(module: nnx.Module, name: str) -> fp8.Scaling | None:
     return None if module.fp8 is None else getattr(module.fp8, name)
 
 
+def _projection_rms(x: jax.Array, scale: nnx.Param, eps: float) -> jax.Array:
+    """RMSNorm of x [batch, T, heads, head] over every head's values together (the whole
+    projection, OLMoE's q_norm / k_norm), as RMSNorm computes it; split heads make it an
+    all-reduce across their devices (GSPMD's)."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean((-2, -1), keepdims=True) + eps)
+    return y.astype(dtype) * scale[...].astype(dtype)
+
+
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
 
@@ -167,6 +177,11 @@ class Attention(nnx.Module):
                          fan_in=("heads", "head_dim"))
         if cfg.bias:
             self.bo = _param(rngs, (d,), ("norm",), 0.0)
+        if cfg.qk_norm:
+            k_heads = "heads" if cfg.fused_qkv else "kv_heads"
+            self.q_norm = _param(rngs, (h, hd), ("heads", "head_dim"), None)
+            self.k_norm = _param(rngs, (kv, hd), (k_heads, "head_dim"), None)
+            self.norm_eps = cfg.norm_eps
         # "auto" is resolved by the task for the device (tasks.gpt_runtime.attention_for).
         self.implementation = None if cfg.attention == "auto" else cfg.attention
         self.fused = cfg.fused_qkv
@@ -184,6 +199,9 @@ class Attention(nnx.Module):
             q = dense(x, self.wq, _scaling(self, "wq")) + _bias(self, "bq")
             kv = dense(x, self.wkv, _scaling(self, "wkv")) + _bias(self, "bkv")
             k, v = kv[:, :, 0], kv[:, :, 1]
+        if hasattr(self, "q_norm"):
+            q, k = (_projection_rms(a, getattr(self, n), self.norm_eps)
+                    for a, n in ((q, "q_norm"), (k, "k_norm")))
         if self.rope is not None:
             q, k = rotate(q, positions, self.rope), rotate(k, positions, self.rope)
         kv_names = HEADS if self.fused else KV_HEADS

@@ -42,7 +42,8 @@ def param_count(cfg: GPTConfig) -> int:
     attn, mlp = _matmul_params(cfg)
     norm_params = d * (2 if cfg.bias and cfg.norm == "layernorm" else 1)
     qkv_bias = (cfg.heads + 2 * cfg.n_kv_heads) * hd if cfg.bias or cfg.qkv_bias else 0
-    attn_block = attn + qkv_bias + (d if cfg.bias else 0) + 2 * norm_params  # + out bias
+    qk_norm = (cfg.heads + cfg.n_kv_heads) * hd if cfg.qk_norm else 0
+    attn_block = attn + qkv_bias + qk_norm + (d if cfg.bias else 0) + 2 * norm_params
     S = cfg.sparse_count
     total = L * attn_block + (L - S) * (mlp + _mlp_biases(cfg, cfg.d_ff))
     if cfg.moe is not None:

@@ -58,6 +58,13 @@ MODELS = {
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
         mlp_only_layers=[], vocab_size=VOCAB, max_position_embeddings=64,
         tie_word_embeddings=False, rope_theta=1000000.0, use_sliding_window=False),
+    # OLMoE: RMS norms over the whole query and key projections (grouped-query here, 2 kv
+    # heads), 4 experts of 48, 2 per token, probabilities as they are
+    "olmoe": tf.OlmoeConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+        vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False,
+        rope_theta=10000.0),
 }
 
 
