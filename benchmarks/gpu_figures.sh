@@ -58,15 +58,15 @@ for stage in "$@"; do
       run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
         --steps 300 --json "$OUT/fp8-124m-curve.json" ;;
     moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s:
-      # dropless as XLA lowers ragged_dot by default (it may expand it to a dense dot over
-      # every expert, as XLA:CPU does), dropless through cuDNN's grouped GEMM (an XLA flag
-      # of recent versions; an unknown flag fails only this run), then capacity 1.25
+      # dropless with plait's tiled grouped matmuls (the default), dropless with
+      # jax.lax.ragged_dot handed to cuDNN's grouped GEMM (an XLA flag of recent versions;
+      # an unknown flag fails only this run), then capacity 1.25
       run moe-dropless 200 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
         --rounds 2 --steps 12 --warmup 4 --json "$OUT/moe-dropless.json"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" \
         run moe-dropless-cudnn 200 python3 benchmarks/moe_vs_dense.py \
-        experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
-        --json "$OUT/moe-dropless-cudnn.json"
+        experiments/mixtral-mini.toml --set 'model.moe.grouped="ragged_dot"' --rounds 2 \
+        --steps 12 --warmup 4 --json "$OUT/moe-dropless-cudnn.json"
       run moe-capacity 180 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
         --set model.moe.capacity_factor=1.25 --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-capacity.json" ;;

@@ -226,6 +226,46 @@ def test_small_capacity_drops_what_numpy_drops(spec):
     np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sizes", [[10, 0, 50, 30], [0, 0, 64, 0], [1, 2, 3, 4]])
+def test_tiled_grouped_matmul_equals_ragged_dot(sizes):
+    """Dropless's grouped matmuls as tiles in a scan: the values and both gradients of
+    jax.lax.ragged_dot, empty groups and rows past the groups (another rank's, zeros)
+    included."""
+    from plait.parallel.grouped import grouped_matmul
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((100, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 16, 24)), jnp.float32)
+    s = jnp.asarray(sizes, jnp.int32)
+
+    def f(x, w, how):
+        y = grouped_matmul(x, w, s, how)
+        return jnp.sum(jnp.sin(y)), y
+
+    (_, got), got_g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w, "tiles")
+    (_, want), want_g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w, "ragged_dot")
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert not np.asarray(got[sum(sizes):]).any()
+    for a, b in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_dropless_tiles_compile_to_the_routed_flops():
+    """The compiled step's matmul FLOPs: tiles are the active weights' (flops_per_token)
+    plus at most the tiles' padding; XLA:CPU's ragged_dot multiplies every expert."""
+    from plait.inspect import inspect_step
+    from plait.models.gpt_counts import flops_per_token
+
+    flops = {}
+    for how in ("tiles", "ragged_dot"):
+        exp = experiment({"capacity_factor": 0.0, "grouped": how, **UNSHARED},
+                         model={"layers": 1})
+        flops[how] = inspect_step(exp, make_mesh("data=1"))["flops_per_device"]
+    model = flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len
+    assert model <= flops["tiles"] <= 1.25 * model
+    assert flops["ragged_dot"] > 1.8 * model
+
+
 def test_all_to_all_bytes_equal_the_formula():
     """The compiled step's all-to-alls over `expert`: rows x seq x experts' places x
     d_model x bytes x (X - 1) / X per all-to-all, two forward and two backward per

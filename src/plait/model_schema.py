@@ -64,6 +64,9 @@ class MoEConfig(Section):
     shared_gate: bool = False
     renormalize: bool = True
     capacity_factor: NonNegFloat = 0.0
+    # Dropless's grouped matmuls: tiles of one expert's rows in a scan (at the routed
+    # FLOPs everywhere) or jax.lax.ragged_dot (whatever the backend makes of it).
+    grouped: Literal["tiles", "ragged_dot"] = "tiles"
     aux_weight: NonNegFloat = 0.01
     z_weight: NonNegFloat = 0.0
 

@@ -15,7 +15,8 @@ Two ways, chosen by `moe.capacity_factor`:
   experts and gets theirs for its own.
 - dropless (factor 0): every assignment is kept. Each device sorts its own tokens'
   assignments by expert and runs the experts as grouped matrix products
-  (`jax.lax.ragged_dot`). Without an `expert` axis the weights are gathered whole.
+  (`parallel.grouped`: tiles of one expert's rows in a scan, or `jax.lax.ragged_dot`,
+  by `moe.grouped`). Without an `expert` axis the weights are gathered whole.
   With one, the experts are split over it and the tokens are all-gathered across it
   instead (the all-gather dispatch of Megatron-Core): each rank runs its own experts
   on every assignment of the group routed to them, leaving the rest out of its
@@ -41,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from plait.parallel.grouped import grouped_matmul
 from plait.sharding import active, axes_tuple
 
 AXIS = "expert"
@@ -224,8 +226,8 @@ def with_capacity(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
     return y, jnp.sum(pos >= cap)
 
 
-def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str
-                  ) -> jax.Array:
+def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
+                  how: str) -> jax.Array:
     """Tokens x [N, d] of one device, every assignment kept: sorted by expert, the experts
     run as grouped matmuls over their contiguous rows, then put back and weighted.
     Assignments to experts outside [0, E) (another rank's) sort last, past every group:
@@ -239,18 +241,18 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     if activation == "swiglu":
         w13 = w["w13"]
-        gu = jax.lax.ragged_dot(rows, w13.reshape(E, w13.shape[1], -1), sizes)
+        gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how)
         gu = gu.reshape(gu.shape[0], 2, -1)
         hidden = jax.nn.silu(gu[:, 0]) * gu[:, 1]
     else:
-        hidden = jax.nn.gelu(jax.lax.ragged_dot(rows, w["w1"], sizes), approximate=True)
-    out = jax.lax.ragged_dot(hidden, w["w2"], sizes)
+        hidden = jax.nn.gelu(grouped_matmul(rows, w["w1"], sizes, how), approximate=True)
+    out = grouped_matmul(hidden, w["w2"], sizes, how)
     back = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
 
 
-def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str
-             ) -> tuple[jax.Array, jax.Array]:
+def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
+             how: str = "tiles") -> tuple[jax.Array, jax.Array]:
     """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], 0 dropped): each device's
     tokens through `_ragged_group`, in a shard_map over the axes that split the rows;
     over an `expert` axis, every rank's tokens through its own experts (the module's
@@ -266,9 +268,9 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
             x, gate = _gather(x, AXIS), _gather(gate, AXIS)
             idx = jax.lax.all_gather(idx, AXIS, tiled=True)
             first = jax.lax.axis_index(AXIS) * next(iter(w.values())).shape[0]
-            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation), AXIS)
+            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how), AXIS)
         else:
-            y = _ragged_group(x, idx, gate, w, activation)
+            y = _ragged_group(x, idx, gate, w, activation, how)
         return y.reshape(b, T, d)
 
     ctx = active()
