@@ -175,8 +175,8 @@ def _family(cfg: GPTConfig) -> str:
 
 def hf_config(cfg: GPTConfig, dtype: str) -> dict[str, Any]:
     """config.json for `transformers` (GPT2LMHeadModel, or Qwen2ForCausalLM with q/k/v
-    biases, else LlamaForCausalLM; with experts MixtralForCausalLM, or
-    Qwen2MoeForCausalLM with a gated shared expert)."""
+    biases, else LlamaForCausalLM; with experts MixtralForCausalLM,
+    Qwen2MoeForCausalLM with a gated shared expert, OlmoeForCausalLM with q/k norms)."""
     if _family(cfg) == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
                 "n_layer": cfg.layers, "n_embd": cfg.d_model, "n_head": cfg.heads,
