@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
+
+from throughput import step_times, train_loop  # benchmarks/ is the script's directory
 
 
 def dense_twin(exp):
@@ -32,17 +33,8 @@ def dense_twin(exp):
 
 
 def timed(exp, mesh, steps: int, warmup: int) -> dict:
-    from plait.train.loop import train
-
-    run = exp.model_copy(update={
-        "train": exp.train.model_copy(update={"steps": steps}),
-        "checkpoint": exp.checkpoint.model_copy(update={"enabled": False}),
-        "log": exp.log.model_copy(update={"every_steps": 1, "tensorboard": False,
-                                          "console": "line"})})
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = train(run, mesh, Path(tmp))
-    times = [r["step_time_s"] for r in summary["records"] if r.get("step_time_s")]
-    times = times[warmup:] or times
+    summary = train_loop(exp, mesh, steps)
+    times = step_times(summary, warmup)
     step = statistics.median(times)
     return {"median_step_s": step, "tokens_per_s": exp.train.global_batch * exp.model.seq_len
             / step, "compile_s": summary["compile_s"], "steps_timed": len(times)}

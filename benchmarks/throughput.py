@@ -24,7 +24,6 @@ def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str):
     no checkpoints, every step logged with its time)."""
     from plait import mesh as mesh_lib
     from plait.config_files import load_experiment
-    from plait.train.loop import train
 
     exp = load_experiment(experiment, [
         *sets, f"train.steps={steps}", "checkpoint.enabled=false",
@@ -32,9 +31,21 @@ def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str):
     spec = mesh_lib.load_spec(mesh_text)
     n = mesh_lib.provision_devices(spec)
     mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
+    return exp, mesh, train_loop(exp, mesh, steps)
+
+
+def train_loop(exp, mesh, steps: int) -> dict:
+    """The summary of `steps` steps of plait train's loop for `exp` on `mesh`: data
+    included, no checkpoints, every step logged with its time, in a scratch directory."""
+    from plait.train.loop import train
+
+    run = exp.model_copy(update={
+        "train": exp.train.model_copy(update={"steps": steps}),
+        "checkpoint": exp.checkpoint.model_copy(update={"enabled": False}),
+        "log": exp.log.model_copy(update={"every_steps": 1, "tensorboard": False,
+                                          "console": "line"})})
     with tempfile.TemporaryDirectory() as tmp:
-        summary = train(exp, mesh, Path(tmp))
-    return exp, mesh, summary
+        return train(run, mesh, Path(tmp))
 
 
 def step_times(summary: dict, warmup: int) -> list[float]:
