@@ -31,54 +31,13 @@ from plait.models import (
 )
 from plait.models.keys import ParamKeys
 from plait.models.moe import MoE, no_stats, sparse_layers, summarize
+from plait.models.norms import norm, rms
 from plait.models.params import param as _param
 from plait.parallel.ops import attend, dense, lookup, sequence_positions
 from plait.sharding import constrain
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, for sampling
-
-
-class LayerNorm(nnx.Module):
-    """LayerNorm with statistics in float32 whatever the compute dtype (a bias unless the
-    model has none)."""
-
-    def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = True):
-        self.scale = _param(rngs, (d,), ("norm",), None)
-        if bias:
-            self.bias = _param(rngs, (d,), ("norm",), 0.0)
-        self.eps = eps
-
-    def __call__(self, x):
-        dtype = x.dtype
-        x = x.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
-        if hasattr(self, "bias"):
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(dtype)
-
-
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm (Llama): statistics in float32, the scale applied in the
-    compute dtype after the cast back, as Llama's reference code does."""
-
-    def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = False):
-        del bias  # an RMS norm has none
-        self.scale = _param(rngs, (d,), ("norm",), None)
-        self.eps = eps
-
-    def __call__(self, x):
-        dtype = x.dtype
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
-        return y.astype(dtype) * self.scale[...].astype(dtype)
-
-
-def norm(cfg: GPTConfig, rngs: ParamKeys) -> LayerNorm | RMSNorm:
-    cls = RMSNorm if cfg.norm == "rmsnorm" else LayerNorm
-    return cls(cfg.d_model, cfg.norm_eps, rngs, bias=cfg.bias)
 
 
 Rope = tuple[int, float, tuple[float, float, float, int] | None]  # head, theta, scaling
@@ -131,16 +90,6 @@ def _bias(module: nnx.Module, name: str) -> jax.Array | float:
 def _scaling(module: nnx.Module, name: str) -> fp8.Scaling | None:
     """The FP8 scaling state of the module's matmul `name`, or None (precision.matmul)."""
     return None if module.fp8 is None else getattr(module.fp8, name)
-
-
-def _projection_rms(x: jax.Array, scale: nnx.Param, eps: float) -> jax.Array:
-    """RMSNorm of x [batch, T, heads, head] over every head's values together (the whole
-    projection, OLMoE's q_norm / k_norm), as RMSNorm computes it; split heads make it an
-    all-reduce across their devices (GSPMD's)."""
-    dtype = x.dtype
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean((-2, -1), keepdims=True) + eps)
-    return y.astype(dtype) * scale[...].astype(dtype)
 
 
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -200,7 +149,9 @@ class Attention(nnx.Module):
             kv = dense(x, self.wkv, _scaling(self, "wkv")) + _bias(self, "bkv")
             k, v = kv[:, :, 0], kv[:, :, 1]
         if hasattr(self, "q_norm"):
-            q, k = (_projection_rms(a, getattr(self, n), self.norm_eps)
+            # OLMoE's q_norm / k_norm: every head's values together (split heads: an
+            # all-reduce across their devices, GSPMD's)
+            q, k = (rms(a, getattr(self, n), self.norm_eps, (-2, -1))
                     for a, n in ((q, "q_norm"), (k, "k_norm")))
         if self.rope is not None:
             q, k = rotate(q, positions, self.rope), rotate(k, positions, self.rope)

@@ -163,8 +163,7 @@ def _weights_per_rank(w: Weights, axes: tuple[str, ...]) -> Weights:
     others = tuple(a for a in axes if a != AXIS)
     if not others:
         return w
-    return {k: _per_rank(v, others) if jnp.dtype(v.dtype).itemsize < 4 else v
-            for k, v in w.items()}
+    return {k: _per_rank(v, others) if _narrow(v) else v for k, v in w.items()}
 
 
 def _exchange(buf: jax.Array, w: Weights, activation: str, mesh) -> jax.Array:

@@ -43,13 +43,13 @@ def tiles(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     padded = -(-sizes // tile) * tile
-    pstarts = jnp.cumsum(padded) - padded
+    pends = jnp.cumsum(padded)
     i = jnp.arange(M)
     g = _group_of(i, ends)  # G past the last group
-    dest = jnp.where(g < G, pstarts[jnp.minimum(g, G - 1)] + i - starts[jnp.minimum(g, G - 1)],
-                     T * tile)
+    gi = jnp.minimum(g, G - 1)
+    dest = jnp.where(g < G, pends[gi] - padded[gi] + i - starts[gi], T * tile)
     xp = jnp.zeros((T * tile, K), x.dtype).at[dest].set(x, mode="drop", unique_indices=True)
-    tile_group = _group_of(jnp.arange(T) * tile, jnp.cumsum(padded))
+    tile_group = _group_of(jnp.arange(T) * tile, pends)
 
     def step(_, inputs):
         xt, gt = inputs
