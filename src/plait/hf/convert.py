@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from plait.errors import UserError
-from plait.hf import layout
+from plait.hf import config_json, layout
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -158,9 +158,9 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
     except ValueError as e:
         raise UserError(f"{config} is not JSON ({e})") from None
     where = str(config)
-    arch = layout.architecture(hf, where)
+    arch = config_json.architecture(hf, where)
     try:
-        table = layout.model_table(hf, where, seq_len)
+        table = config_json.model_table(hf, where, seq_len)
     except KeyError as e:
         raise UserError(f"{where} lacks {e.args[0]}, which {arch} needs") from None
     exp = _experiment(hf, table, run_dir.name or "imported")
@@ -221,7 +221,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
     run_dir, out = Path(run_dir), Path(out)
     exp, _, params, at = load(run_dir, step)
     cfg = exp.model
-    config = layout.hf_config(cfg, dtype)  # refuses layouts no architecture holds
+    config = config_json.hf_config(cfg, dtype)  # refuses layouts no architecture holds
     tmp = _fresh_dir(out, "--out")
     np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     try:
