@@ -53,12 +53,17 @@ def _one_replica_writes_each_shard() -> None:
 
 class Checkpoints:
     def __init__(self, directory: Path, keep: int, async_save: bool = True,
-                 read_only: bool = False, save_concurrent_gb: float | None = None):
+                 read_only: bool = False, save_concurrent_gb: float | None = None,
+                 file_per_chunk: bool = False):
         """read_only: for readers beside a run that may be training (plait sample): nothing
         is created, renamed or cleaned up. save_concurrent_gb: at most this many GB of
         arrays copied out of jax and being written at once (orbax copies every array at
         once by default: twice the state in memory at the peak of a save); it must exceed
-        the largest array. The format on disk is the same either way."""
+        the largest array. file_per_chunk (with save_concurrent_gb): each chunk of an array
+        is its own file instead of a record in one OCDBT database per checkpoint; OCDBT
+        holds a whole array's encoded chunks in memory until the array is committed (a
+        1 GiB array: +1.02 GiB at the peak of its write, +0.27 GiB file per chunk; the
+        import's peak, docs/benchmarks.md). Restores read either layout."""
         self.directory = Path(directory).absolute()
         self.read_only = read_only
         _one_replica_writes_each_shard()
@@ -77,6 +82,7 @@ class Checkpoints:
             self._limited = save_concurrent_gb is not None
             handlers = ({} if not self._limited else {"item_handlers": {
                 "state": ocp.PyTreeCheckpointHandler(
+                    use_ocdbt=not file_per_chunk,
                     save_concurrent_gb=save_concurrent_gb,
                     save_device_host_concurrent_gb=save_concurrent_gb),
                 "meta": ocp.JsonCheckpointHandler()}})

@@ -7,8 +7,9 @@ step-0 checkpoint holding only the parameters, in the dtype they were stored in,
 which `plait train` restores (cast to float32 master weights on load) with a
 fresh optimizer state. Tensors are read one at a time through `safetensors`
 (each file's mapping closed after the read) and each is converted into the
-checkpoint's tree at once, so the host holds the model about once
-(docs/benchmarks.md has the measured peak). The run directory is written under
+checkpoint's tree at once, so the host holds the model about once, and the
+checkpoint is written an array and a few chunks at a time (docs/benchmarks.md
+has the measured peak). The run directory is written under
 a temporary name and renamed when complete: an interrupted import leaves
 nothing that looks like a run.
 
@@ -188,12 +189,14 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
                 "data": {"source": exp.data.source, "seed": exp.seed, "next_step": 0,
                          "samples_seen": 0},
                 "config": json.loads(exp.model_dump_json())}
-        # orbax copies arrays out to write them: a cap just above the largest array keeps
-        # the host near one copy of the model, and chunks keep TensorStore's encoding to
-        # one chunk of it at a time (docs/benchmarks.md, import memory).
+        # The host holds the model once while orbax writes it: a cap just above the
+        # largest array keeps orbax to one array in flight, and chunks written one file
+        # each (not into OCDBT, which keeps a whole array's encoded chunks until it is
+        # committed) keep TensorStore's encoding to a few chunks of it at a time
+        # (docs/benchmarks.md, import memory).
         largest = max(a.nbytes for a in jax.tree.leaves(params))
         ckpts = Checkpoints(tmp / "checkpoints", keep=exp.checkpoint.keep, async_save=False,
-                            save_concurrent_gb=(largest + 2**20) / 1e9)
+                            save_concurrent_gb=(largest + 2**20) / 1e9, file_per_chunk=True)
         ckpts.save(0, {"params": params}, meta, chunk_bytes=IMPORT_CHUNK_BYTES)
         ckpts.wait()
         ckpts.close()
