@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,15 +36,9 @@ def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str):
 def train_loop(exp, mesh, steps: int) -> dict:
     """The summary of `steps` steps of plait train's loop for `exp` on `mesh`: data
     included, no checkpoints, every step logged with its time, in a scratch directory."""
-    from plait.train.loop import train
+    from plait.train.loop import train_briefly
 
-    run = exp.model_copy(update={
-        "train": exp.train.model_copy(update={"steps": steps}),
-        "checkpoint": exp.checkpoint.model_copy(update={"enabled": False}),
-        "log": exp.log.model_copy(update={"every_steps": 1, "tensorboard": False,
-                                          "console": "line"})})
-    with tempfile.TemporaryDirectory() as tmp:
-        return train(run, mesh, Path(tmp))
+    return train_briefly(exp, mesh, steps, console="line")
 
 
 def step_times(summary: dict, warmup: int) -> list[float]:

@@ -4,7 +4,6 @@ pays), predict every shape, rank; and `--run`: train the top shapes for a few st
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -223,17 +222,12 @@ def candidate_of(row: dict, n: int) -> Candidate:
 
 def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> None:
     """Train each row's shape for a few steps on the devices at hand; add its median step time."""
-    from plait.train.loop import train
+    from plait.train.loop import train_briefly
 
     for r in rows:
         cand = candidate_of(r, n)
-        short = cand.experiment(exp).model_copy(update={
-            "train": exp.train.model_copy(update={"steps": steps}),
-            "checkpoint": exp.checkpoint.model_copy(update={"enabled": False}),
-            "log": exp.log.model_copy(update={"every_steps": 1, "tensorboard": False,
-                                              "console": "none"})})
-        with tempfile.TemporaryDirectory() as tmp:
-            summary = train(short, mesh_lib.build_mesh(cand.sizes, n), Path(tmp))
+        summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n),
+                                steps)
         times = [rec["step_time_s"] for rec in summary["records"][1:]]
         r["measured_step_s"] = float(np.median(times)) if times else None
 

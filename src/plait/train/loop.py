@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -236,3 +237,16 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
     log.close()  # the progress bar ends before the summary line
     log.note(_final_line(run, log, summary, total))
     return summary
+
+
+def train_briefly(exp: Experiment, mesh: Mesh, steps: int, console: str = "none") -> dict:
+    """The summary of `steps` steps of plait train's loop for `exp` on `mesh` in a scratch
+    directory: data included, no checkpoints, every step logged with its time. What
+    `plait sweep --run` and the benchmarks time."""
+    run = exp.model_copy(update={
+        "train": exp.train.model_copy(update={"steps": steps}),
+        "checkpoint": exp.checkpoint.model_copy(update={"enabled": False}),
+        "log": exp.log.model_copy(update={"every_steps": 1, "tensorboard": False,
+                                          "console": console})})
+    with tempfile.TemporaryDirectory() as tmp:
+        return train(run, mesh, Path(tmp))
