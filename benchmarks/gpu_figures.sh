@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...      (env dlrm gpt124 gpt124scan nanogpt gpt1p3b fp8 moe)
+#   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe)
 #
 # Meant for a lent GPU machine with JAX (CUDA) and torch installed: plait runs from
 # src/ (PYTHONPATH), missing pure-Python dependencies may be wheels under .whl/, and
@@ -40,7 +40,9 @@ for stage in "$@"; do
         --warmup 10 --log-every 10 --json "$OUT/dlrm-log10.json" ;;
     gpt124)
       run gpt124-auto 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
-        --steps 30 --json "$OUT/gpt124-auto.json" ;;
+        --steps 30 --json "$OUT/gpt124-auto.json"
+      run gpt124-chunks4 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
+        --steps 30 --set model.loss_chunks=4 --json "$OUT/gpt124-chunks4.json" ;;
     gpt124scan)
       run gpt124-scan 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
         --steps 30 --set model.scan_layers=true --json "$OUT/gpt124-scan.json" ;;
@@ -52,6 +54,15 @@ for stage in "$@"; do
         --layers 64 --rounds 1 --set train.global_batch=16 --json "$OUT/gpt1p3b-start.json"
       run gpt1p3b 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --json "$OUT/gpt1p3b.json" ;;
+    llama1b)  # issue 26's MFU (16 x 2048, the loss in 8 pieces so that no remat fits),
+      # then the pieces' own effect at a batch that fits either way
+      run llama1b-chunks8 240 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
+        --steps 16 --warmup 4 --set model.loss_chunks=8 --json "$OUT/llama1b-chunks8.json"
+      run llama1b-b8-chunks1 200 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
+        --steps 16 --warmup 4 --set train.global_batch=8 --json "$OUT/llama1b-b8-chunks1.json"
+      run llama1b-b8-chunks8 200 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
+        --steps 16 --warmup 4 --set train.global_batch=8 --set model.loss_chunks=8 \
+        --json "$OUT/llama1b-b8-chunks8.json" ;;
     fp8)  # throughput of both precisions (20 steps); then the 300-step curves on 124M
       run fp8-1p3b 420 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-1.3b.toml \
         --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b.json"
@@ -70,6 +81,7 @@ for stage in "$@"; do
       run moe-capacity 180 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
         --set model.moe.capacity_factor=1.25 --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-capacity.json" ;;
-    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b fp8 moe)"; exit 2 ;;
+    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe)"
+       exit 2 ;;
   esac
 done

@@ -143,7 +143,7 @@ def main() -> int:
     hopt = tx.init(hparams)
     hstep = hand_step_fn(cfg, tx, args.gather_loss)
 
-    from plait.train.step import cross_entropy
+    from plait.models.loss import cross_entropy
 
     def bare_step(params, opt_state, toks):
         loss_fn = lambda p: cross_entropy(job.model.apply(p, toks[:, :-1]), toks[:, 1:])

@@ -168,6 +168,8 @@ def test_context_errors_are_one_line():
         GPTTask(experiment("gpt", model={"seq_len": 36}), make_mesh("context=4"))
     with pytest.raises(UserError, match="1-D tensor parallelism or none"):
         GPTTask(experiment("gpt"), make_mesh("context=2,tensor_row=2,tensor_col=2"))
+    with pytest.raises(UserError, match="leaves 4 positions per piece, which context = 8"):
+        GPTTask(experiment("gpt", model={"loss_chunks": 8}), make_mesh("context=8"))
 
 
 def test_sweep_tries_the_axis_for_long_sequences_only():

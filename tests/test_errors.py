@@ -69,6 +69,8 @@ def snapshot(run_dir: Path) -> dict:
      r"tensor_x axis"),
     (["--mesh", "tensor_x=2,tensor_y=2,tensor_z=2", "--set", "train.global_batch=6"],
      r"global_batch = 6 does not split over tensor_x x tensor_y = 4"),
+    (["--set", "model.loss_chunks=5"],
+     r"model.loss_chunks = 5 does not divide model.seq_len = 32; use a divisor of seq_len"),
     (["--mesh", "data=8", "--set", "train.global_batch=12"],
      r"global_batch = 12 does not split over data = 8"),
     (["--mesh", "data=2", "--set", "train.microbatches=3"],

@@ -1,6 +1,7 @@
 """The Llama layout of the decoder over the meshes: losses equal the one-device run on
 data x fsdp x tensor (stacked, remat), with key/value heads split over tensor where they
-divide and replicated where they do not, on a 2-D grid and through a ZB-H1 pipeline;
+divide and replicated where they do not, on a 2-D grid and through a ZB-H1 pipeline
+(most of them with the loss formed in pieces);
 FLOP and parameter formulas for GQA and SwiGLU against the built model and the
 compiled step."""
 
@@ -33,12 +34,15 @@ def test_reference_learns(reference):
     assert len(reference) == 12 and reference[-1] < reference[0] - 0.2
 
 
+# Four of them also form the loss in pieces of the tokens (model.loss_chunks,
+# tests/test_loss.py): against the reference's loss over all logits at once.
 @pytest.mark.parametrize("spec,model,extra", [
-    ("data=2,fsdp=2,tensor=2", {"scan_layers": True, "remat": "full"}, {}),
+    ("data=2,fsdp=2,tensor=2", {"scan_layers": True, "remat": "full", "loss_chunks": 2}, {}),
     ("tensor=4", {}, {}),  # 2 kv heads on 4 ranks: replicated
-    ("tensor=2", {}, {}),  # 2 kv heads on 2 ranks: one each
-    ("data=2,tensor_row=2,tensor_col=2", {}, {}),
-    ("data=2,pipeline=2", {}, {"pipeline": {"schedule": "zb-h1", "microbatches": 4}}),
+    ("tensor=2", {"loss_chunks": 4}, {}),  # 2 kv heads on 2 ranks: one each
+    ("data=2,tensor_row=2,tensor_col=2", {"loss_chunks": 2}, {}),
+    ("data=2,pipeline=2", {"loss_chunks": 2},
+     {"pipeline": {"schedule": "zb-h1", "microbatches": 4}}),
     ("data=2@dcn,data=2,tensor=2", {}, {}),  # reduced within each host first
 ], ids=["dp-fsdp-tp-stacked-remat", "tp4-kv-replicated", "tp2-kv-split", "2d", "zb-h1",
         "dcn-hierarchical"])

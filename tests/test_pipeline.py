@@ -10,9 +10,9 @@ import pytest
 from helpers import losses, make_mesh, run, tiny
 
 from plait import data, sharding
+from plait.models.loss import cross_entropy
 from plait.parallel import schedules
 from plait.tasks.gpt import GPTTask as Job
-from plait.train.step import cross_entropy
 
 SIZES = [(D, N) for D in (2, 4, 8) for N in (D, 2 * D, 4 * D)]
 
@@ -183,7 +183,7 @@ def _grads(exp, spec):
 
         def grads(params, batch):
             with sharding.use(mesh, job.rules):
-                _, g = job.pipeline.loss_and_grads(params, batch, None, cross_entropy)
+                _, g = job.pipeline.loss_and_grads(params, batch, None)
             return job.pipeline.to_canonical(g)
         g = jax.jit(grads)(state["params"], batch)
     return jax.tree.map(np.asarray, g)

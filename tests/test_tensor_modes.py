@@ -11,10 +11,10 @@ import pytest
 from helpers import losses, make_mesh, run, tiny
 
 from plait import analysis, data, hlo, sharding
+from plait.models.loss import cross_entropy
 from plait.parallel import formulas
 from plait.parallel.formulas import tensor_wire_bytes
 from plait.tasks.gpt import GPTTask as Job
-from plait.train.step import cross_entropy
 
 # Plain 2-D is covered by the gradient test below and by data x 2-D here.
 GRID_MESHES = [

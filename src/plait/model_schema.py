@@ -122,6 +122,11 @@ class GPTConfig(ModelSection):
     # or save_dots (keep the matmul outputs, recompute the rest); true/false read as
     # full/none.
     remat: Literal["none", "full", "save_dots"] = "none"
+    # The output head and the loss over the tokens in this many pieces, each piece's
+    # logits, loss and gradients computed together and freed before the next
+    # (models.loss): only one piece of the [tokens, vocabulary] logits is ever held.
+    # 1 = all at once. Divides seq_len.
+    loss_chunks: PosInt = 1
     # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
     # parameters, same results): compile time no longer grows with the number of
     # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 24 layers).
@@ -155,6 +160,9 @@ class GPTConfig(ModelSection):
             raise ValueError(f"model.d_model = {self.d_model} is not divisible by model.heads "
                              f"= {self.heads}; pick d_model a multiple of heads, or set "
                              "model.head_dim")
+        if self.seq_len % self.loss_chunks:
+            raise ValueError(f"model.loss_chunks = {self.loss_chunks} does not divide "
+                             f"model.seq_len = {self.seq_len}; use a divisor of seq_len")
         if self.position == "rope" and self.head_size % 2:
             raise ValueError(f"rotary positions need an even head size, not {self.head_size}")
         if self.moe is not None and self.moe.every > 1 and self.scan_layers is True:

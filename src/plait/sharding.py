@@ -250,7 +250,28 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    target = spec(logical, rules, mesh)
+    return pin(x, spec(logical, rules, mesh))
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes a value inside shard_map varies over (the attribute moved across JAX)."""
+    t = jax.typeof(x)
+    vma = getattr(t, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(t, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def varying_like(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """x marked varying over every manual mesh axis any of `like` varies over: a scan's
+    initial carry inside a shard_map must have the type of what the body makes of it."""
+    axes = frozenset().union(*(varying_axes(a) for a in like)) - varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
+def pin(x: jax.Array, target: P) -> jax.Array:
+    """Pin a value's layout to a PartitionSpec of the active mesh (inside `use`)."""
+    mesh = _ACTIVE.get()[0]
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
         # Inside a shard_map that is manual over some axes (the pipeline): the

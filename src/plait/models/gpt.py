@@ -30,13 +30,23 @@ from plait.models import (
     stacked_layers,
 )
 from plait.models.keys import ParamKeys
+from plait.models.loss import chunked_cross_entropy, cross_entropy
 from plait.models.moe import MoE, no_stats, sparse_layers, summarize
 from plait.models.norms import norm, rms
 from plait.models.params import param as _param
-from plait.parallel.ops import attend, dense, lookup, sequence_positions
+from plait.parallel.ops import (
+    attend,
+    dense,
+    dense_value,
+    gathered_weight,
+    lookup,
+    sequence_positions,
+    weight_grad_by_shard,
+)
 from plait.sharding import constrain
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
+LOGITS = ("act_batch", "act_seq", "act_vocab")
 KV = tuple[jax.Array, jax.Array]  # one layer's cached keys and values, for sampling
 
 
@@ -265,7 +275,7 @@ class GPT(nnx.Module):
         v, d = cfg.padded_vocab, cfg.d_model
         # fan_in: the tied output head contracts the table's embed dimension.
         # Rows past model.vocab pad the table for sharding; no token uses them, and the
-        # loss ignores their logits (train.step.cross_entropy's `vocab`).
+        # loss ignores their logits (models.loss.cross_entropy's `vocab`).
         self.tok_embed = _param(rngs, (v, d), ("vocab", "embed"), 0.02, fan_in=("embed",),
                                 used=(cfg.vocab, d))
         self.learned_positions = cfg.position == "learned"
@@ -286,6 +296,7 @@ class GPT(nnx.Module):
                                used=(d, cfg.vocab))
         self.tied = cfg.tie_embeddings
         self.remat = cfg.remat
+        self.vocab, self.loss_chunks = cfg.vocab, cfg.loss_chunks
 
     def _loop_blocks(self, x: jax.Array) -> tuple[jax.Array, dict]:
         total = no_stats()
@@ -315,7 +326,22 @@ class GPT(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """The residual stream after the last block -> logits [batch, seq, padded_vocab]."""
         logits = dense(self.ln_f(x), self.tok_embed if self.tied else self.head)
-        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+        return constrain(logits, LOGITS)
+
+    def loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """The residual stream after the last block -> mean cross-entropy against
+        targets [batch, seq], the logits formed in model.loss_chunks pieces of the
+        tokens (models.loss) or all at once."""
+        if self.loss_chunks == 1:
+            return cross_entropy(self.logits(x), targets, self.vocab)
+        w = self.tok_embed if self.tied else self.head
+
+        def project(h, value):
+            return constrain(dense_value(h, w, value), LOGITS)
+
+        return chunked_cross_entropy(project, self.ln_f(x), gathered_weight(w), targets,
+                                     self.vocab, self.loss_chunks,
+                                     weight_grad_by_shard(w, x.ndim))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> logits [batch, seq, padded_vocab] in the compute dtype."""
@@ -323,10 +349,14 @@ class GPT(nnx.Module):
 
     def forward(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
         """tokens -> (logits, the step's router metrics: empty without experts)."""
+        x, metrics = self.hidden(tokens)
+        return self.logits(x), metrics
+
+    def hidden(self, tokens: jax.Array) -> tuple[jax.Array, dict]:
+        """tokens -> (the residual stream after the last block, the router metrics)."""
         x = self.embed(tokens)
         x, stats = self._scan_blocks(x) if self.scan_layers else self._loop_blocks(x)
-        metrics = summarize(stats, self.sparse_layers) if self.sparse_layers else {}
-        return self.logits(x), metrics
+        return x, summarize(stats, self.sparse_layers) if self.sparse_layers else {}
 
     def decode(self, tokens: jax.Array, caches: list[KV], pos: jax.Array
                ) -> tuple[jax.Array, list[KV]]:

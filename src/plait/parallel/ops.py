@@ -10,15 +10,26 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from plait.models.fp8 import Scaling, quantized_gradient, quantized_inputs
 from plait.parallel import tensor
 from plait.parallel.context import attend
 from plait.parallel.context import positions as sequence_positions
-from plait.sharding import MeshAxes, active, axes_spec, axes_tuple, constrain, param_meta, spec
+from plait.sharding import (
+    MeshAxes,
+    active,
+    axes_spec,
+    axes_tuple,
+    constrain,
+    param_meta,
+    pin,
+    spec,
+)
 
-__all__ = ["attend", "dense", "lookup", "sequence_positions"]
+__all__ = ["attend", "dense", "dense_value", "gathered_weight", "lookup",
+           "sequence_positions"]
 
 
 def _letters(n: int, skip: str = "") -> list[str]:
@@ -39,6 +50,67 @@ def dense(x: jax.Array, w: nnx.Variable, fp8: Scaling | None = None) -> jax.Arra
         return _dense(x, w, w[...])
     x, value = quantized_inputs(x, w[...], fp8)
     return quantized_gradient(_dense(x, w, value), fp8)
+
+
+def gathered_weight(w: nnx.Variable) -> jax.Array:
+    """w's value with its fsdp shards gathered, for a loop that multiplies by it many
+    times (models.loss's pieces): one all-gather before the loop, and one reduce-scatter
+    of its gradient after it, rather than one of each per iteration."""
+    value = w[...]
+    ctx = active()
+    if ctx is None:
+        return value
+    mesh, rules = ctx
+    logical, fan_in = param_meta(w)
+    target = axes_spec([_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)], mesh)
+    return pin(value, target)
+
+
+def weight_grad_by_shard(w: nnx.Variable, x_ndim: int):
+    """For a loop that accumulates the gradient of dense(x, w) over pieces of the
+    tokens (models.loss): (partial, total). partial(x, g) is the gradient of w from
+    each token shard's own tokens (x [batch, seq, *fan_in], g the cotangent of
+    dense's output), stacked [batch shards, seq shards, *w.shape] in float32 and
+    laid out over the devices holding those tokens, so no device sums anything with
+    another; total(partials) sums the shards once, after the loop (the one
+    all-reduce or reduce-scatter the whole-batch gradient has). None where the tensor
+    mode's own matmul reduces w's gradient (2-D / 3-D), outside a step, or where a
+    token axis also splits w."""
+    ctx = active()
+    if ctx is None or ctx[1].mode not in (None, "1d") or x_ndim != 3:
+        return None
+    mesh, rules = ctx
+    logical, fan_in = param_meta(w)
+    w_axes = [_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)]
+    tok_b, tok_s = (axes_tuple(spec([n], rules, mesh)[0]) for n in ("act_batch", "act_seq"))
+    if set(tok_b + tok_s) & {a for ax in w_axes for a in axes_tuple(ax)}:
+        return None
+    pb = int(np.prod([mesh.shape[a] for a in tok_b]))
+    ps = int(np.prod([mesh.shape[a] for a in tok_s]))
+    names = dict(zip(logical, _letters(len(logical), skip="pbqs"), strict=True))
+    x_l = "pbqs" + "".join(names[n] for n in fan_in)
+    g_l = "pbqs" + "".join(names[n] for n in logical if n not in fan_in)
+    eq = f"{x_l},{g_l}->pq{''.join(names[n] for n in logical)}"
+    target = axes_spec([tok_b or None, tok_s or None, *w_axes], mesh)
+    w_target = axes_spec(w_axes, mesh)
+
+    def split(a: jax.Array) -> jax.Array:  # [B, S, ...] -> [pb, B / pb, ps, S / ps, ...]
+        b, s = a.shape[:2]
+        return a.reshape(pb, b // pb, ps, s // ps, *a.shape[2:])
+
+    def partial(x: jax.Array, g: jax.Array) -> jax.Array:
+        return pin(jnp.einsum(eq, split(x), split(g), preferred_element_type=jnp.float32),
+                   target)
+
+    def total(partials: jax.Array) -> jax.Array:
+        return pin(jnp.sum(partials, axis=(0, 1)), w_target)
+
+    return partial, total, (pb, ps, *w.shape)
+
+
+def dense_value(x: jax.Array, w: nnx.Variable, value: jax.Array) -> jax.Array:
+    """dense(x, w) with w's value given (gathered_weight's), laid out by w's names."""
+    return _dense(x, w, value)
 
 
 def _dense(x: jax.Array, w: nnx.Variable, value: jax.Array) -> jax.Array:

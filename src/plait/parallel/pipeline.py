@@ -53,15 +53,9 @@ from plait.parallel.tick_table import (
     RES_WRITE,
     TickTable,
 )
+from plait.sharding import varying_axes
 
 AXIS = "pipeline"
-def varying_axes(x) -> frozenset:
-    """The mesh axes a value inside shard_map varies over (the attribute moved across JAX)."""
-    t = jax.typeof(x)
-    vma = getattr(t, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(t, "manual_axis_type", None), "varying", None)
-    return frozenset(vma or ())
 
 
 @dataclass(frozen=True)

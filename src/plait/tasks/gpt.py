@@ -38,7 +38,6 @@ from plait.train.state import StateLayout, init_state, layout, optimizer
 from plait.train.step import (
     accumulated,
     compute_dtype,
-    cross_entropy,
     dense_update,
     global_norm,
     jit_step,
@@ -159,8 +158,9 @@ class GPTTask(DecoderCheckpoints, Task):
         """(the loss, the model's figures of the step: its router metrics, if any)."""
         with sharding.use(self.mesh, rules or self.rules):
             inputs, targets = context.inputs_targets(tokens)
-            logits, metrics = self.model.module(params, compute_dtype(self.exp)).forward(inputs)
-        return cross_entropy(logits, targets, self.exp.model.vocab), metrics
+            module = self.model.module(params, compute_dtype(self.exp))
+            x, metrics = module.hidden(inputs)
+            return module.loss(x, targets), metrics
 
     @property
     def model_metrics(self) -> tuple[str, ...]:
@@ -175,9 +175,7 @@ class GPTTask(DecoderCheckpoints, Task):
         # the router losses' (parallel.experts.aux_scale).
         with sharding.use(self.mesh, self.rules), \
                 experts.aux_scale(1.0 / self.pipeline.microbatches):
-            return self.pipeline.loss_and_grads(
-                params, batch, compute_dtype(self.exp),
-                functools.partial(cross_entropy, vocab=self.exp.model.vocab))
+            return self.pipeline.loss_and_grads(params, batch, compute_dtype(self.exp))
 
     def _replica_grads(self):
         """(params, batch) -> (loss, grads) of one data replica's rows, for a model

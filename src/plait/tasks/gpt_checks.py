@@ -139,3 +139,8 @@ def _check_context(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules
         raise UserError(f"model.seq_len = {seq} does not split into 2 x context = {2 * C} "
                         f"equal chunks (the balanced causal layout); make it a multiple of "
                         f"{2 * C}")
+    n = exp.model.loss_chunks
+    if n > 1 and (seq // n) % C:
+        raise UserError(f"model.loss_chunks = {n} leaves {seq // n} positions per piece, "
+                        f"which context = {C} does not divide; use loss_chunks dividing "
+                        f"seq_len / context = {seq // C}")

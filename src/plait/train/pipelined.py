@@ -141,7 +141,7 @@ class Pipelined:
             isinstance(n, dict) and self.key in n), fn)
 
     # --- the step ----------------------------------------------------------------
-    def loss_and_grads(self, params: dict, batch: jax.Array, dtype, loss_fn):
+    def loss_and_grads(self, params: dict, batch: jax.Array, dtype):
         """batch [N, b, seq + 1] -> (mean loss, grads shaped like params)."""
         shared_model, layers = self.shared_model, self.layers
 
@@ -149,8 +149,7 @@ class Pipelined:
             return shared_model.module(shared, dtype).embed(context.inputs_targets(toks)[0])
 
         def head_loss(shared, x, toks):
-            return loss_fn(shared_model.module(shared, dtype).logits(x),
-                           context.inputs_targets(toks)[1])
+            return shared_model.module(shared, dtype).loss(x, context.inputs_targets(toks)[1])
 
         b, seq = batch.shape[1], batch.shape[2] - 1
         act_dtype = dtype or jnp.float32

@@ -21,23 +21,6 @@ LossFn = Callable[[dict, object], jax.Array]
 LossAndGrads = Callable[[dict, object], tuple]
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
-    """Mean token cross-entropy in float32.
-
-    The label logit is picked with a masked sum rather than a gather, so a
-    vocabulary sharded over devices costs one small all-reduce, not a gather of
-    the logits. Logits at ids >= `vocab` (the padding of a vocabulary rounded up
-    for sharding) are left out, so padding does not change the loss.
-    """
-    logits = logits.astype(jnp.float32)
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    if vocab is not None and vocab < logits.shape[-1]:
-        logits = jnp.where(vocab_ids < vocab, logits, -jnp.inf)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    label_logit = jnp.sum(jnp.where(vocab_ids == targets[..., None], logits, 0.0), axis=-1)
-    return jnp.mean(lse - label_logit)
-
-
 # optax.tree.norm replaced optax.global_norm; keep both optax generations working.
 global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 

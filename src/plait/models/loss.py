@@ -1,0 +1,127 @@
+"""The decoder's loss: mean token cross-entropy of the output head's logits, all at
+once or in pieces of the tokens.
+
+In pieces (`model.loss_chunks`), each piece's logits exist only inside one step of
+a scan: its forward, its loss and the gradients the backward needs (of the
+residual stream and of the head's weight) are computed together, so the
+backward only scales them. The whole step then never holds more than one piece
+of the [tokens, vocabulary] logits, nor their float32 copy, nor their gradient
+(for a 128k vocabulary at 16k tokens: about 25 GB fewer at the peak), and it
+runs the head's matmuls once each, as the unfused loss does (no recomputation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from plait.sharding import varying_like
+
+
+def _masked(logits: jax.Array, vocab: int | None) -> tuple[jax.Array, jax.Array]:
+    """(float32 logits with the vocabulary's padding at -inf, the vocabulary ids)."""
+    logits = logits.astype(jnp.float32)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    if vocab is not None and vocab < logits.shape[-1]:
+        logits = jnp.where(ids < vocab, logits, -jnp.inf)
+    return logits, ids
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
+    """Mean token cross-entropy in float32.
+
+    The label logit is picked with a masked sum rather than a gather, so a
+    vocabulary sharded over devices costs one small all-reduce, not a gather of
+    the logits. Logits at ids >= `vocab` (the padding of a vocabulary rounded up
+    for sharding) are left out, so padding does not change the loss.
+    """
+    logits, ids = _masked(logits, vocab)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    label_logit = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.mean(lse - label_logit)
+
+
+def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
+                      scale: float) -> tuple[jax.Array, jax.Array]:
+    """(the summed cross-entropy of these logits, scale x its gradient in their dtype)."""
+    masked, ids = _masked(logits, vocab)
+    lse = jax.nn.logsumexp(masked, axis=-1)
+    hit = ids == targets[..., None]
+    label_logit = jnp.sum(jnp.where(hit, masked, 0.0), axis=-1)
+    grad = (jnp.exp(masked - lse[..., None]) - hit) * scale
+    return jnp.sum(lse - label_logit), grad.astype(logits.dtype)
+
+
+def _pieces(a: jax.Array, n: int) -> jax.Array:
+    """[batch, seq, ...] -> [n, batch, seq / n, ...]: position s = i n + j in piece j, so
+    a sequence dimension sharded over devices stays sharded (on its major part)."""
+    b, s = a.shape[:2]
+    return jnp.moveaxis(a.reshape(b, s // n, n, *a.shape[2:]), 2, 0)
+
+
+def _zeros(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
+    """float32 zeros of the varying type of `like` (inside a pipeline's shard_map)."""
+    return varying_like(jnp.zeros(shape, jnp.float32), *like)
+
+
+def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
+                          h: jax.Array, w: jax.Array, targets: jax.Array,
+                          vocab: int | None, chunks: int, weight_grad=None) -> jax.Array:
+    """cross_entropy(project(h, w), targets, vocab), in `chunks` pieces of the tokens.
+
+    h [batch, seq, d] (the final norm's output), w the head's weight as `project`
+    takes it, targets [batch, seq]; seq divisible by `chunks`. The gradients of h
+    and w are those of the unfused loss, w's summed over the pieces in float32.
+    `weight_grad` (parallel.ops.weight_grad_by_shard's (partial, total, shape)):
+    w's gradient is summed per token shard inside the loop and across the shards
+    once after it; without it, each piece's gradient of w is summed as its vjp
+    gives it (across devices once per piece where the tokens are split).
+    """
+    tokens = targets.size
+    h_pieces, t_pieces = _pieces(h, chunks), _pieces(targets, chunks)
+
+    def loss_only(h_pieces, w, t_pieces):
+        def body(total, xs):
+            hc, tc = xs
+            masked, ids = _masked(project(hc, w), vocab)
+            lse = jax.nn.logsumexp(masked, axis=-1)
+            label = jnp.sum(jnp.where(ids == tc[..., None], masked, 0.0), axis=-1)
+            return total + jnp.sum(lse - label), None
+
+        init = _zeros((), h_pieces, w, t_pieces)
+        total, _ = jax.lax.scan(body, init, (h_pieces, t_pieces))
+        return total / tokens
+
+    def with_gradients(h_pieces, w, t_pieces):
+        def body(carry, xs):
+            total, dw = carry
+            hc, tc = xs
+            if weight_grad is None:
+                logits, pull = jax.vjp(project, hc, w)
+            else:
+                logits, pull_h = jax.vjp(lambda hc: project(hc, w), hc)
+            s, g = _sum_and_gradient(logits, tc, vocab, 1.0 / tokens)
+            if weight_grad is None:
+                dh, dwc = pull(g)
+                dw = dw + dwc.astype(jnp.float32)
+            else:
+                (dh,) = pull_h(g)
+                dw = dw + weight_grad[0](hc, g)
+            return (total + s, dw), dh
+
+        shape = w.shape if weight_grad is None else weight_grad[2]
+        init = (_zeros((), h_pieces, w, t_pieces), _zeros(shape, h_pieces, w, t_pieces))
+        (total, dw), dh = jax.lax.scan(body, init, (h_pieces, t_pieces))
+        if weight_grad is not None:
+            dw = weight_grad[1](dw)
+        return total / tokens, (dh, dw.astype(w.dtype))
+
+    def backward(res, g):
+        dh, dw = res
+        return dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), None
+
+    fused = jax.custom_vjp(loss_only)
+    fused.defvjp(with_gradients, backward)
+    return fused(h_pieces, w, t_pieces)
