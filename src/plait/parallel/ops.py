@@ -29,7 +29,7 @@ from plait.sharding import (
 )
 
 __all__ = ["attend", "dense", "dense_value", "gathered_weight", "lookup",
-           "sequence_positions"]
+           "sequence_positions", "weight_grad_by_shard"]
 
 
 def _letters(n: int, skip: str = "") -> list[str]:
@@ -68,12 +68,13 @@ def gathered_weight(w: nnx.Variable) -> jax.Array:
 
 def weight_grad_by_shard(w: nnx.Variable, x_ndim: int):
     """For a loop that accumulates the gradient of dense(x, w) over pieces of the
-    tokens (models.loss): (partial, total). partial(x, g) is the gradient of w from
+    tokens (models.loss): (partial, total, shape). partial(x, g) is the gradient of w from
     each token shard's own tokens (x [batch, seq, *fan_in], g the cotangent of
     dense's output), stacked [batch shards, seq shards, *w.shape] in float32 and
     laid out over the devices holding those tokens, so no device sums anything with
     another; total(partials) sums the shards once, after the loop (the one
-    all-reduce or reduce-scatter the whole-batch gradient has). None where the tensor
+    all-reduce or reduce-scatter the whole-batch gradient has); shape is the stacked
+    partials' (a loop's accumulator starts as zeros of it). None where the tensor
     mode's own matmul reduces w's gradient (2-D / 3-D), outside a step, or where a
     token axis also splits w."""
     ctx = active()
