@@ -53,11 +53,16 @@ def test_pieces_give_the_loss_and_gradients_of_all_logits(layout, dtype):
 def test_a_tied_gpt_trains_in_pieces_like_one_device_all_at_once(tmp_path):
     """The GPT layout (tied head) on data x fsdp x tensor, against one device without
     pieces."""
+    from plait.tasks.gpt import GPTTask
+
     exp = tiny(train={"steps": 6})
     want = losses(run(exp, "data=1", tmp_path / "ref"))
-    got = losses(run(tiny(train={"steps": 6}, model={"loss_chunks": 4}),
-                     "data=2,fsdp=2,tensor=2", tmp_path / "chunked"))
+    chunked = tiny(train={"steps": 6}, model={"loss_chunks": 4})
+    got = losses(run(chunked, "data=2,fsdp=2,tensor=2", tmp_path / "chunked"))
     np.testing.assert_allclose(got, want, rtol=1e-5)
+    # the start-up line says so
+    line = GPTTask(chunked, make_mesh("data=2,fsdp=2,tensor=2")).describe({})[0]
+    assert "loss in 4 pieces of 8 positions per sequence" in line, line
 
 
 def test_pieces_compile_to_the_same_flops_and_bytes_in_less_memory():

@@ -314,8 +314,12 @@ class GPTTask(DecoderCheckpoints, Task):
 
     def describe(self, state: dict) -> list[str]:
         layers = "scanned" if self.exp.model.scan_layers else "unrolled"
+        n = self.exp.model.loss_chunks
+        loss = "" if n == 1 else (
+            f"; loss in {n} pieces of {self.exp.model.seq_len // n} positions per sequence "
+            "(model.loss_chunks)")
         out = [f"plait: attention {self.attention} ({self.attention_why}); layers {layers} "
-               f"({self.scan_why})"]
+               f"({self.scan_why}){loss}"]
         moe = self.exp.model.moe
         if moe is not None:
             m = self.exp.model
