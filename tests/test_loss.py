@@ -1,8 +1,8 @@
 """The decoder's loss in pieces of the tokens (model.loss_chunks, models.loss): the
 same value and gradients as the loss over all logits at once, in the same matmul
-FLOPs and collective bytes, with less memory. The meshes (1-D and 2-D tensor, fsdp,
-stacked layers, a ZB-H1 pipeline) are checked against one device in
-tests/test_llama.py."""
+FLOPs and collective bytes, with less memory. More meshes (2-D tensor, stacked
+layers, a ZB-H1 pipeline, the hierarchical reduction) are checked against one
+device in tests/test_llama.py."""
 
 from __future__ import annotations
 
@@ -50,18 +50,25 @@ def test_pieces_give_the_loss_and_gradients_of_all_logits(layout, dtype):
     np.testing.assert_allclose(jax.jit(pieces)(h, w), want[0], rtol=tol)
 
 
-def test_a_tied_gpt_trains_in_pieces_like_one_device_all_at_once(tmp_path):
-    """The GPT layout (tied head) on data x fsdp x tensor, against one device without
-    pieces."""
+@pytest.fixture(scope="module")
+def whole_loss(tmp_path_factory):
+    return losses(run(tiny(train={"steps": 6}), "data=1", tmp_path_factory.mktemp("ref")))
+
+
+@pytest.mark.parametrize("spec", ["data=2,fsdp=2,tensor=2", "data=2,fsdp=2,context=2",
+                                  "tensor_x=2,tensor_y=2,tensor_z=2"],
+                         ids=["1d", "context", "3d"])
+def test_a_tied_gpt_trains_in_pieces_like_one_device_all_at_once(whole_loss, tmp_path, spec):
+    """The GPT layout (tied head) on data x fsdp x tensor, beside a context axis (pieces
+    of its sequence shards) and on the 3-D cube (its own matmuls), against one device
+    without pieces."""
     from plait.tasks.gpt import GPTTask
 
-    exp = tiny(train={"steps": 6})
-    want = losses(run(exp, "data=1", tmp_path / "ref"))
     chunked = tiny(train={"steps": 6}, model={"loss_chunks": 4})
-    got = losses(run(chunked, "data=2,fsdp=2,tensor=2", tmp_path / "chunked"))
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    got = losses(run(chunked, spec, tmp_path))
+    np.testing.assert_allclose(got, whole_loss, rtol=1e-5)
     # the start-up line says so
-    line = GPTTask(chunked, make_mesh("data=2,fsdp=2,tensor=2")).describe({})[0]
+    line = GPTTask(chunked, make_mesh(spec)).describe({})[0]
     assert "loss in 4 pieces of 8 positions per sequence" in line, line
 
 
