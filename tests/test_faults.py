@@ -234,8 +234,10 @@ def test_a_third_ctrl_c_stops_at_once_and_leaves_no_partial_checkpoint(tmp_path)
     exp, run_dir, rc, out, err = _signals(tmp_path, 3)
     lines = err.strip().splitlines()
     assert "Traceback" not in err and all(x.startswith("plait: ") for x in lines), err
-    if rc == 130:  # stopped before the save finished: nothing half-written is left
-        assert lines[-1].startswith("plait: SIGINT: stopped without saving"), lines
+    if rc == 130:  # stopped before the save finished (or as the process wound down after
+        # it): nothing half-written is left
+        assert lines[-1].startswith(("plait: SIGINT: stopped without saving",
+                                     "plait: SIGINT: stopped while exiting")), lines
         assert not any(".orbax-checkpoint-tmp" in p.name
                        for p in (run_dir / "checkpoints").iterdir())
     else:  # the save was faster than the signals

@@ -29,29 +29,30 @@ def _masked(logits: jax.Array, vocab: int | None) -> tuple[jax.Array, jax.Array]
     return logits, ids
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
-    """Mean token cross-entropy in float32.
+def _per_token(logits: jax.Array, targets: jax.Array, vocab: int | None):
+    """(each token's cross-entropy, the float32 masked logits, their log-sum-exp, where
+    the label is): the label logit is picked with a masked sum rather than a gather, so
+    a vocabulary sharded over devices costs one small all-reduce, not a gather of the
+    logits."""
+    masked, ids = _masked(logits, vocab)
+    lse = jax.nn.logsumexp(masked, axis=-1)
+    hit = ids == targets[..., None]
+    return lse - jnp.sum(jnp.where(hit, masked, 0.0), axis=-1), masked, lse, hit
 
-    The label logit is picked with a masked sum rather than a gather, so a
-    vocabulary sharded over devices costs one small all-reduce, not a gather of
-    the logits. Logits at ids >= `vocab` (the padding of a vocabulary rounded up
-    for sharding) are left out, so padding does not change the loss.
-    """
-    logits, ids = _masked(logits, vocab)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    label_logit = jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1)
-    return jnp.mean(lse - label_logit)
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
+    """Mean token cross-entropy in float32. Logits at ids >= `vocab` (the padding of a
+    vocabulary rounded up for sharding) are left out, so padding does not change the
+    loss."""
+    return jnp.mean(_per_token(logits, targets, vocab)[0])
 
 
 def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
                       scale: float) -> tuple[jax.Array, jax.Array]:
     """(the summed cross-entropy of these logits, scale x its gradient in their dtype)."""
-    masked, ids = _masked(logits, vocab)
-    lse = jax.nn.logsumexp(masked, axis=-1)
-    hit = ids == targets[..., None]
-    label_logit = jnp.sum(jnp.where(hit, masked, 0.0), axis=-1)
+    per_token, masked, lse, hit = _per_token(logits, targets, vocab)
     grad = (jnp.exp(masked - lse[..., None]) - hit) * scale
-    return jnp.sum(lse - label_logit), grad.astype(logits.dtype)
+    return jnp.sum(per_token), grad.astype(logits.dtype)
 
 
 def _pieces(a: jax.Array, n: int) -> jax.Array:
@@ -85,10 +86,7 @@ def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
     def loss_only(h_pieces, w, t_pieces):
         def body(total, xs):
             hc, tc = xs
-            masked, ids = _masked(project(hc, w), vocab)
-            lse = jax.nn.logsumexp(masked, axis=-1)
-            label = jnp.sum(jnp.where(ids == tc[..., None], masked, 0.0), axis=-1)
-            return total + jnp.sum(lse - label), None
+            return total + jnp.sum(_per_token(project(hc, w), tc, vocab)[0]), None
 
         init = _zeros((), h_pieces, w, t_pieces)
         total, _ = jax.lax.scan(body, init, (h_pieces, t_pieces))

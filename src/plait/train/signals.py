@@ -52,7 +52,10 @@ class StopFlag:
             return
         self._abandon(name)
 
-    def _abandon(self, name: str) -> None:
+    def _late(self, signum, frame) -> None:
+        self._abandon(signal.Signals(signum).name, "stopped while exiting")
+
+    def _abandon(self, name: str, what: str = "stopped without saving") -> None:
         kept = "no checkpoint was written"
         if self.run is not None and self.run.is_writer:
             # orbax's and TensorStore's writer threads run on while this handler does: a
@@ -63,10 +66,14 @@ class StopFlag:
             if steps:
                 kept = (f"the checkpoint at step {steps[0]} is intact: rerun the same command "
                         "to resume from it")
-        self._say(f"{name}: stopped without saving; {kept}")
+        self._say(f"{name}: {what}; {kept}")
         os._exit(130)  # threads may be mid-write; the kernel drops the run's lock
 
     def restore(self) -> None:
+        """The handlers before install. Once a stop was asked for, a further signal while
+        the process winds down ends it at once in one line instead: the default handler
+        raises KeyboardInterrupt wherever the main thread is, and inside a garbage
+        collector's callback Python prints that as a traceback and goes on."""
         for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, self._late if self.count else handler)
         self._old = {}
