@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
-from throughput import step_times, timed_run  # benchmarks/ is the script's directory
+from throughput import speed, timed_run  # benchmarks/ is the script's directory
 
 
 def _train(path: str, sets: list[str], matmul: str, steps: int, mesh_text: str) -> dict:
@@ -53,15 +52,13 @@ def main() -> int:
     runs = {m: _train(args.experiment, args.sets, m, args.steps, args.mesh)
             for m in ("default", "fp8")}
     exp = runs["default"]["exp"]
-    tokens = exp.train.global_batch * exp.model.seq_len
     out: dict = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
                  "jax": jax.__version__, "experiment": exp.name, "mesh": args.mesh,
                  "global_batch": exp.train.global_batch, "seq_len": exp.model.seq_len,
                  "steps": args.steps, "remat": exp.model.remat}
     curves = {}
     for m, r in runs.items():
-        step = statistics.median(step_times(r["summary"], args.warmup))
-        out[m] = {"median_step_s": step, "tokens_per_s": tokens / step}
+        out[m] = speed(r["exp"], r["summary"], args.warmup)
         curves[m] = np.array([x["loss"] for x in r["summary"]["records"]])
         out[m]["losses"] = curves[m].tolist()
     out["fp8_speedup"] = out["fp8"]["tokens_per_s"] / out["default"]["tokens_per_s"]

@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from throughput import step_times, train_loop  # benchmarks/ is the script's directory
+from throughput import speed, train_loop  # benchmarks/ is the script's directory
 
 
 def dense_twin(exp):
@@ -33,11 +33,7 @@ def dense_twin(exp):
 
 
 def timed(exp, mesh, steps: int, warmup: int) -> dict:
-    summary = train_loop(exp, mesh, steps)
-    times = step_times(summary, warmup)
-    step = statistics.median(times)
-    return {"median_step_s": step, "tokens_per_s": exp.train.global_batch * exp.model.seq_len
-            / step, "compile_s": summary["compile_s"], "steps_timed": len(times)}
+    return speed(exp, train_loop(exp, mesh, steps), warmup)
 
 
 def main() -> int:

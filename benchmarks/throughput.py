@@ -47,6 +47,14 @@ def step_times(summary: dict, warmup: int) -> list[float]:
     return times[warmup:] or times
 
 
+def speed(exp, summary: dict, warmup: int) -> dict:
+    """The median step after `warmup` and the tokens per second it gives."""
+    times = step_times(summary, warmup)
+    step = statistics.median(times)
+    return {"median_step_s": step, "tokens_per_s": exp.train.global_batch * exp.model.seq_len
+            / step, "compile_s": summary["compile_s"], "steps_timed": len(times)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment")
@@ -65,21 +73,18 @@ def main() -> int:
 
     exp, mesh, summary = timed_run(args.experiment, args.sets, args.steps, args.mesh)
     n = mesh.devices.size
-    times = step_times(summary, args.warmup)
-    step = statistics.median(times)
-    tokens = exp.train.global_batch * exp.model.seq_len
+    measured = speed(exp, summary, args.warmup)
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind, exp.precision.compute)
-    tps = tokens / step
+    tps = measured["tokens_per_s"]
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": device.device_kind, "devices": n,
         "jax": jax.__version__, "experiment": exp.name, "mesh": mesh_lib.inline(dict(mesh.shape)),
         "precision": exp.precision.compute, "global_batch": exp.train.global_batch,
         "seq_len": exp.model.seq_len, "remat": exp.model.remat,
-        "median_step_s": step, "tokens_per_s": tps,
+        **measured,
         "model_tflops_per_s_per_device": flops_per_token(exp.model) * tps / n / 1e12,
         "mfu": flops_per_token(exp.model) * tps / (n * peak) if peak else None,
-        "compile_s": summary["compile_s"], "steps_timed": len(times),
     }
     print(json.dumps(result, indent=2))
     if args.json:

@@ -19,6 +19,7 @@ from plait.parallel.context import attend
 from plait.parallel.context import positions as sequence_positions
 from plait.sharding import (
     MeshAxes,
+    Rules,
     active,
     axes_spec,
     axes_tuple,
@@ -61,9 +62,7 @@ def gathered_weight(w: nnx.Variable) -> jax.Array:
     if ctx is None:
         return value
     mesh, rules = ctx
-    logical, fan_in = param_meta(w)
-    target = axes_spec([_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)], mesh)
-    return pin(value, target)
+    return pin(value, axes_spec(_gathered_axes(w, rules), mesh))
 
 
 def weight_grad_by_shard(w: nnx.Variable, x_ndim: int):
@@ -82,7 +81,7 @@ def weight_grad_by_shard(w: nnx.Variable, x_ndim: int):
         return None
     mesh, rules = ctx
     logical, fan_in = param_meta(w)
-    w_axes = [_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)]
+    w_axes = _gathered_axes(w, rules)
     tok_b, tok_s = (axes_tuple(spec([n], rules, mesh)[0]) for n in ("act_batch", "act_seq"))
     if set(tok_b + tok_s) & {a for ax in w_axes for a in axes_tuple(ax)}:
         return None
@@ -130,7 +129,7 @@ def _dense(x: jax.Array, w: nnx.Variable, value: jax.Array) -> jax.Array:
     x_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in fan_in], rules, mesh)
     out_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in out_names],
                     rules, mesh)
-    w_spec = axes_spec([_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)], mesh)
+    w_spec = axes_spec(_gathered_axes(w, rules), mesh)
     contracted = [logical.index(n) for n in fan_in]
     return tensor.gathered_matmul(eq, x, value, mesh=mesh, x_spec=x_spec, w_spec=w_spec,
                                   out_spec=out_spec, x_contracted=list(range(lead, x.ndim)),
@@ -144,7 +143,6 @@ def lookup(table: nnx.Variable, ids: jax.Array) -> jax.Array:
     fsdp shards and lets GSPMD do a vocabulary-parallel lookup; 2-D / 3-D use
     `parallel.tensor.sharded_lookup`, which never gathers the whole table.
     """
-    logical, fan_in = param_meta(table)
     value = table[...]
     ctx = active()
     if ctx is None or ctx[1].mode in (None, "1d"):
@@ -152,7 +150,7 @@ def lookup(table: nnx.Variable, ids: jax.Array) -> jax.Array:
         # lookup; a lookup into a table split both ways has no efficient partition.
         return jnp.take(constrain(value, ("vocab", "act_embed")), ids, axis=0)
     mesh, rules = ctx
-    t_spec = axes_spec([_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)], mesh)
+    t_spec = axes_spec(_gathered_axes(table, rules), mesh)
     out_spec = spec(["act_batch"] + [None] * (ids.ndim - 1) + ["act_embed"], rules, mesh)
     return tensor.sharded_lookup(value, ids, mesh=mesh, table_spec=t_spec, out_spec=out_spec)
 
@@ -161,3 +159,9 @@ def _without(axes: MeshAxes, drop: str) -> MeshAxes:
     """Axes minus `drop`: fsdp shards are gathered by GSPMD before a shard_map."""
     kept = tuple(a for a in axes_tuple(axes) if a != drop)
     return kept or None
+
+
+def _gathered_axes(w: nnx.Variable, rules: Rules) -> list[MeshAxes]:
+    """The mesh axes of each of w's dimensions once its fsdp shards are gathered."""
+    logical, fan_in = param_meta(w)
+    return [_without(a, "fsdp") for a in rules.param_axes(logical, fan_in)]
