@@ -24,7 +24,8 @@ Two ways, chosen by `moe.capacity_factor`:
   that holds it (in bf16 an all-to-all and a float32 sum: `_sum_scatter`). No sizes
   depend on the routing (an all-to-all of exactly the routed tokens would), at
   X / top_k times the all-to-all's bytes and X times the sorted buffer
-  (formulas.expert_bytes).
+  (formulas.expert_bytes), though each rank's grouped matmuls multiply only the tiles
+  its experts' rows fill (`parallel.grouped`), its share of the FLOPs.
 
 `parallel/` is the only code that writes collectives: the model hands over its router
 choices and expert weights and gets the combined output back.
@@ -226,12 +227,14 @@ def with_capacity(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
 
 
 def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
-                  how: str) -> jax.Array:
+                  how: str, ranks: int = 1) -> jax.Array:
     """Tokens x [N, d] of one device, every assignment kept: sorted by expert, the experts
     run as grouped matmuls over their contiguous rows, then put back and weighted.
     Assignments to experts outside [0, E) (another rank's) sort last, past every group:
-    the grouped matmuls leave them out and their outputs are 0."""
+    the grouped matmuls leave them out and their outputs are 0. `ranks`: how many ranks
+    share the assignments (a balanced routing gives this one 1 / ranks of them)."""
     N, k = idx.shape
+    expected = N * k // ranks
     E = next(iter(w.values())).shape[0]
     flat = idx.reshape(-1)
     flat = jnp.where((flat >= 0) & (flat < E), flat, E)
@@ -240,12 +243,13 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     if activation == "swiglu":
         w13 = w["w13"]
-        gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how)
+        gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how, expected)
         gu = gu.reshape(gu.shape[0], 2, -1)
         hidden = jax.nn.silu(gu[:, 0]) * gu[:, 1]
     else:
-        hidden = jax.nn.gelu(grouped_matmul(rows, w["w1"], sizes, how), approximate=True)
-    out = grouped_matmul(hidden, w["w2"], sizes, how)
+        hidden = jax.nn.gelu(grouped_matmul(rows, w["w1"], sizes, how, expected),
+                             approximate=True)
+    out = grouped_matmul(hidden, w["w2"], sizes, how, expected)
     back = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
 
@@ -267,7 +271,7 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
             x, gate = _gather(x, AXIS), _gather(gate, AXIS)
             idx = jax.lax.all_gather(idx, AXIS, tiled=True)
             first = jax.lax.axis_index(AXIS) * next(iter(w.values())).shape[0]
-            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how), AXIS)
+            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X), AXIS)
         else:
             y = _ragged_group(x, idx, gate, w, activation, how)
         return y.reshape(b, T, d)
