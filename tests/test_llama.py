@@ -51,6 +51,43 @@ def test_losses_equal_one_device(reference, tmp_path, spec, model, extra):
     np.testing.assert_allclose(got, reference, rtol=1e-4)
 
 
+# 4 query heads of 16 over 2 kv heads: the shapes at which GSPMD, left to itself, split
+# ZB-H1's k/v pair over tensor (8 heads of 8 did not show it).
+GROUPS_OF_2 = {"heads": 4}
+
+
+@pytest.mark.parametrize("spec,schedule", [
+    ("pipeline=2,tensor=2", "zb-h1"), ("pipeline=2,tensor=4", "zb-h1"),
+    ("pipeline=2,tensor=4", "chimera")])
+def test_no_collective_permute_in_a_tick(spec, schedule):
+    """The pipeline's ranks run different branches of the per-tick switch at once, and
+    XLA:CPU's collective-permute waits for every device: one inside a branch hangs the
+    step (docs/architecture.md). ZB-H1's input-gradient branch of a GQA decoder had two:
+    GSPMD split the k/v pair over tensor, and the transposes of k = kv[0], v = kv[1]
+    became halo exchanges (the run aborted after 40 s, 'Expected 4 threads to join the
+    rendezvous'); the pair is pinned whole now (models/gpt.py, KV_PAIR)."""
+    from plait import hlo
+    from plait.tasks.gpt import GPTTask
+
+    pipeline = {"schedule": schedule, "microbatches": 4}
+    task = GPTTask(llama(model=GROUPS_OF_2, pipeline=pipeline),
+                   make_mesh(spec))
+    mod = hlo.parse_hlo(task.compile().as_text())
+    assert any(i.opcode == "conditional" for c in mod.computations.values() for i in c)
+    assert not hlo.ops_in_branches(mod, "collective-permute")
+
+
+def test_zb_h1_trains_a_gqa_decoder_split_over_tensor(tmp_path):
+    """What hung: ZB-H1 on pipeline=2,tensor=2 with the kv heads split; its losses equal
+    one device's."""
+    short = {"train": {"steps": 4}}
+    want = losses(run(llama(model=GROUPS_OF_2, **short), "data=1", tmp_path / "one"))
+    got = losses(run(llama(model=GROUPS_OF_2, pipeline={"schedule": "zb-h1",
+                                                        "microbatches": 4}, **short),
+                     "pipeline=2,tensor=2", tmp_path / "zb"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_easgd_replicas_train_a_llama(tmp_path):
     """Sync EASGD over data with the kv heads split over tensor inside each replica."""
     got = losses(run(llama(sync={"method": "easgd", "period": 2}), "data=2,tensor=2",

@@ -228,3 +228,32 @@ def permute_pairs(attrs: str) -> list[list[int]]:
     if not m:
         return []
     return [[int(x) for x in g.split(",")] for g in re.findall(r"\{(\d+,\d+)", m.group(0))]
+
+
+def _called(ins: Instr) -> list[str]:
+    """The computations an instruction runs (loops, calls, fusions, branches)."""
+    keys = ("body", "condition", "calls", "to_apply", "true_computation", "false_computation")
+    names = [c for key in keys for c in re.findall(rf"\b{key}=%?([\w.\-]+)", ins.attrs)]
+    return names + (branches(ins.attrs) if ins.opcode == "conditional" else [])
+
+
+def ops_in_branches(mod: Module, opcode: str) -> list[Instr]:
+    """Every instruction of `opcode` (or its -start form) that runs inside a conditional's
+    branch, however deeply nested. A pipelined step's ranks take different branches of
+    the per-tick switch at once, so a collective there must be one that only the ranks
+    taking that branch join; XLA:CPU's collective-permute waits for every device of the
+    program, and deadlocks there."""
+    found: list[Instr] = []
+    seen: set[str] = set()
+    todo = [b for instrs in mod.computations.values() for ins in instrs
+             if ins.opcode == "conditional" for b in branches(ins.attrs)]
+    while todo:
+        comp = todo.pop()
+        if comp in seen or comp not in mod.computations:
+            continue
+        seen.add(comp)
+        for ins in mod.computations[comp]:
+            if ins.opcode in (opcode, f"{opcode}-start"):
+                found.append(ins)
+            todo += _called(ins)
+    return found

@@ -104,6 +104,7 @@ def _scaling(module: nnx.Module, name: str) -> fp8.Scaling | None:
 
 HEADS = ("act_batch", "act_seq", "act_heads", "act_head_dim")
 KV_HEADS = ("act_batch", "act_seq", "act_kv_heads", "act_head_dim")
+KV_PAIR = ("act_batch", "act_seq", None, "act_kv_heads", "act_head_dim")
 
 
 class Attention(nnx.Module):
@@ -157,6 +158,11 @@ class Attention(nnx.Module):
         else:
             q = dense(x, self.wq, _scaling(self, "wq")) + _bias(self, "bq")
             kv = dense(x, self.wkv, _scaling(self, "wkv")) + _bias(self, "bkv")
+            # split by kv head, not by the k/v pair: the slices' transposes (pads) must
+            # not cross devices (ZB-H1's input-gradient pass, left to itself, split the
+            # pair over tensor, and the pads became collective permutes inside the tick's
+            # switch, where the other stage never joins them)
+            kv = constrain(kv, KV_PAIR)
             k, v = kv[:, :, 0], kv[:, :, 1]
         if hasattr(self, "q_norm"):
             # OLMoE's q_norm / k_norm: every head's values together (split heads: an
