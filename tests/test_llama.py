@@ -88,6 +88,23 @@ def test_zb_h1_trains_a_gqa_decoder_split_over_tensor(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+def test_a_step_that_would_hang_ends_in_one_line_before_it_runs(tmp_path, monkeypatch):
+    """Without the k/v pair pinned (the model as it was), ZB-H1's step has permutes in
+    its switch: plait train says so after compiling instead of waiting 40 s for XLA to
+    abort the process."""
+    from plait.errors import RunFailed
+    from plait.models import gpt
+
+    pin = gpt.constrain
+    monkeypatch.setattr(gpt, "constrain",
+                        lambda x, names: x if names is gpt.KV_PAIR else pin(x, names))
+    with pytest.raises(RunFailed, match=r"^the compiled step would hang on XLA:CPU: 2 "
+                       r"collective-permute\(s\) inside the pipeline's per-tick switch "
+                       r"\(the first from .*pad\).*plait bug"):
+        run(llama(model=GROUPS_OF_2, pipeline={"schedule": "zb-h1", "microbatches": 4}),
+            "pipeline=2,tensor=2", tmp_path)
+
+
 def test_easgd_replicas_train_a_llama(tmp_path):
     """Sync EASGD over data with the kv heads split over tensor inside each replica."""
     got = losses(run(llama(sync={"method": "easgd", "period": 2}), "data=2,tensor=2",

@@ -136,6 +136,12 @@ class Task(abc.ABC):
         """How often each branch of a conditional in the step runs (plait.analysis)."""
         return None
 
+    def branches_diverge(self) -> bool:
+        """Whether ranks run different branches of the step's conditionals at the same
+        time (a pipeline's per-tick switch): a collective inside one then waits for
+        ranks that never reach it unless only the ranks taking that branch join it."""
+        return False
+
     def phases(self) -> dict[str, dict[int, list[float]]]:
         """Named kinds of step whose collectives differ (branch weights of each), for
         `plait inspect` to report apart; {} when every step is alike."""

@@ -235,6 +235,9 @@ class GPTTask(DecoderCheckpoints, Task):
         return (self.pipeline is not None and self.mesh.devices.flat[0].platform == "cpu"
                 and mesh_lib.tensor_mode(dict(self.mesh.shape)) not in (None, "1d"))
 
+    def branches_diverge(self) -> bool:
+        return self.pipeline is not None
+
     def branch_weights(self):
         if self.local:
             return local_sgd.phases(self.exp.sync.period)["mean_step"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import statistics
 import tempfile
 import time
@@ -174,6 +175,26 @@ def _final_line(run: Run, log: MetricsLog, summary: dict, total: int) -> str:
             + (f", checkpoint at step {run.last_saved}" if run.last_saved is not None else ""))
 
 
+def _would_hang(task, compiled) -> str | None:
+    """Why the compiled step would hang, or None. XLA:CPU runs a collective-permute only
+    when every device of the program reaches it, and a pipeline's ranks take different
+    branches of the per-tick switch at once: a permute there waits 40 s and aborts the
+    process (docs/architecture.md). Said before the first step instead."""
+    if not task.branches_diverge() or jax.default_backend() != "cpu":
+        return None
+    from plait import hlo
+
+    found = hlo.ops_in_branches(hlo.parse_hlo(compiled.as_text()), "collective-permute")
+    if not found:
+        return None
+    origin = re.search(r'op_name="([^"]*)"', found[0].attrs)
+    return (f"the compiled step would hang on XLA:CPU: {len(found)} collective-permute(s) "
+            f"inside the pipeline's per-tick switch (the first from "
+            f"{origin.group(1) if origin else found[0].name}), where ranks busy with "
+            "another action never join them; this is a plait bug (please report it with "
+            "this line); another pipeline.schedule or mesh may avoid it")
+
+
 def _close_quietly(log: MetricsLog) -> None:
     with contextlib.suppress(OSError):  # the failing disk may fail the last flush too
         log.close()
@@ -206,6 +227,11 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
     log.note("plait: compiling the train step ...")
     t0 = time.perf_counter()
     compiled = run.task.compile()
+    hang = _would_hang(run.task, compiled)
+    if hang:
+        _close_quietly(log)
+        run.abandon()
+        raise RunFailed(hang)
     compile_s = time.perf_counter() - t0
     log.note(f"plait: step compiled in {compile_s:.1f}s")
     cluster.barrier("step-compiled")  # every process starts the first step together
