@@ -144,17 +144,10 @@ def multiplicities(mod: Module, branch_weights: dict[int, list[float]] | None = 
             if ins.opcode == "while":
                 t = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
                 trip = float(t.group(1)) if t else 1.0
-            for key in ("body", "condition"):
-                for c in re.findall(rf"\b{key}=%?([\w.\-]+)", ins.attrs):
-                    callees[comp].append((c, trip))
-            for key in ("calls", "true_computation", "false_computation"):
-                for c in re.findall(rf"\b{key}=%?([\w.\-]+)", ins.attrs):
-                    callees[comp].append((c, 1.0))
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", ins.attrs):
-                branches = [c.strip().lstrip("%") for c in group.split(",")]
-                w = weights.get(len(branches), [1.0] * len(branches))
-                for c, wi in zip(branches, w, strict=True):
-                    callees[comp].append((c, wi))
+            loop, called, indexed = _callees(ins.attrs)
+            callees[comp] += [(c, trip) for c in loop] + [(c, 1.0) for c in called]
+            w = weights.get(len(indexed), [1.0] * len(indexed))
+            callees[comp] += list(zip(indexed, w, strict=True))
     mult: dict[str, float] = defaultdict(float)
 
     def visit(comp: str, times: float, depth: int = 0) -> None:
@@ -214,13 +207,24 @@ def group_ids(attrs: str, n_devices: int) -> list[list[int]] | None:
     return None
 
 
+def _named(attrs: str, *keys: str) -> list[str]:
+    return [c for key in keys for c in re.findall(rf"\b{key}=%?([\w.\-]+)", attrs)]
+
+
+def _callees(attrs: str) -> tuple[list[str], list[str], list[str]]:
+    """The computations an instruction runs: (a loop's body and condition, those it
+    calls once -- fusions, calls, a conditional's true/false --, a conditional's indexed
+    branches)."""
+    indexed = [c.strip().lstrip("%") for group in re.findall(
+        r"branch_computations=\{([^}]*)\}", attrs) for c in group.split(",")]
+    return (_named(attrs, "body", "condition"),
+            _named(attrs, "calls", "true_computation", "false_computation"), indexed)
+
+
 def branches(attrs: str) -> list[str]:
     """The computations a conditional chooses between (true/false, or indexed)."""
-    group = re.search(r"branch_computations=\{([^}]*)\}", attrs)
-    if group:
-        return [c.strip().lstrip("%") for c in group.group(1).split(",")]
-    return [m for key in ("true_computation", "false_computation")
-            for m in re.findall(rf"\b{key}=%?([\w.\-]+)", attrs)]
+    _, _, indexed = _callees(attrs)
+    return indexed or _named(attrs, "true_computation", "false_computation")
 
 
 def permute_pairs(attrs: str) -> list[list[int]]:
@@ -228,13 +232,6 @@ def permute_pairs(attrs: str) -> list[list[int]]:
     if not m:
         return []
     return [[int(x) for x in g.split(",")] for g in re.findall(r"\{(\d+,\d+)", m.group(0))]
-
-
-def _called(ins: Instr) -> list[str]:
-    """The computations an instruction runs (loops, calls, fusions, branches)."""
-    keys = ("body", "condition", "calls", "to_apply", "true_computation", "false_computation")
-    names = [c for key in keys for c in re.findall(rf"\b{key}=%?([\w.\-]+)", ins.attrs)]
-    return names + (branches(ins.attrs) if ins.opcode == "conditional" else [])
 
 
 def ops_in_branches(mod: Module, opcode: str) -> list[Instr]:
@@ -255,5 +252,5 @@ def ops_in_branches(mod: Module, opcode: str) -> list[Instr]:
         for ins in mod.computations[comp]:
             if ins.opcode in (opcode, f"{opcode}-start"):
                 found.append(ins)
-            todo += _called(ins)
+            todo += [c for part in _callees(ins.attrs) for c in part]
     return found
