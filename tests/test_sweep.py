@@ -230,6 +230,27 @@ def test_calibration_fits_per_step_and_per_kernel_overheads_and_reranks():
     assert sweep.calibrate([row("a", 0.001, 100)]) is None
 
 
+def test_the_calibration_lines_tell_one_mesh_under_two_schedules_apart(capsys):
+    """--run lists each measured shape with its rank and schedule: one mesh runs under
+    several (rows 14 and 15 of llama-tiny's sweep were both 'data=4,pipeline=2')."""
+    from plait.views.sweep import render_calibration
+
+    rows = [{"rank": i + 1, "mesh": "data=4,pipeline=2", "pipeline_schedule": s,
+             "pipeline_microbatches": n, "model_step_s": 0.005, "predicted_step_s": 0.045,
+             "measured_step_s": m, "kernels": 911}
+            for i, (s, n, m) in enumerate([("chimera", 2, 0.051), ("chimera", 4, 0.057),
+                                           ("zb-h1", 4, 0.069)])]
+    rows.append({"rank": 4, "mesh": "data=8", "model_step_s": 0.004, "kernels": 417,
+                 "predicted_step_s": 0.0225})  # not measured: not listed
+    render_calibration(rows, {"measured_shapes": 3, "per_step_s": 0.0, "per_kernel_s": 4.4e-5})
+    lines = capsys.readouterr().out.splitlines()
+    assert "overheads fitted to the 3 measured shapes" in lines[0] and len(lines) == 4
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["1", "data=4,pipeline=2", "chimera"], ["2", "data=4,pipeline=2", "chimera"],
+        ["3", "data=4,pipeline=2", "zb-h1"]]
+    assert "N=2" in lines[1] and "N=4" in lines[2] and "measured   69.000 ms" in lines[3]
+
+
 def test_the_sweep_lays_shapes_over_nodes_and_prices_the_links_they_cross():
     """On a hardware of 4 devices a node, data=8 is 2 nodes x 4: the step compiles with
     the hierarchical reduction, its reduce-scatter and all-gather stay in a node, and

@@ -169,7 +169,7 @@ def cmd_sweep(args) -> int:
     from plait.config_files import load_experiment
     from plait.hardware import load_hardware
     from plait.tasks import task_class
-    from plait.views.sweep import render, write_outputs
+    from plait.views.sweep import render, render_calibration, write_outputs
 
     exp = load_experiment(args.experiment, list(args.sets))
     if args.devices < 1:
@@ -211,14 +211,7 @@ def cmd_sweep(args) -> int:
     write_outputs(rows, out, meta)
     render(top, meta)
     if fit:
-        print(f"plait: overheads fitted to the {fit['measured_shapes']} measured shapes on "
-              f"these devices: {fit['per_step_s'] * 1e3:.3g} ms per step + "
-              f"{fit['per_kernel_s'] * 1e6:.3g} us per kernel, added to every prediction "
-              "(they describe the machine measured, whatever --hardware says)")
-        for r in [r for r in rows if r.get("measured_step_s")]:
-            print(f"  {r['mesh']:<28} model {r['model_step_s'] * 1e3:8.3f} ms, calibrated "
-                  f"{r['predicted_step_s'] * 1e3:8.3f} ms, measured "
-                  f"{r['measured_step_s'] * 1e3:8.3f} ms ({r['kernels']:,.0f} kernels)")
+        render_calibration(rows, fit)
     if failed:
         print(f"plait: XLA aborted compiling {len(failed)} program(s), whose shapes are not "
               f"ranked: {'; '.join(failed)} (a compiler failure, not a shape that does not "

@@ -26,13 +26,18 @@ def write_outputs(rows: list[dict], out: Path, meta: dict) -> None:
     plot(rows, out / "sweep.png", meta)
 
 
+def layout_of(r: dict) -> str:
+    """What besides the mesh tells two rows apart: the pipeline's schedule and
+    microbatches, or the embedding tables' placement; "" for neither."""
+    if r.get("pipeline_schedule"):
+        return f"{r['pipeline_schedule']} N={r['pipeline_microbatches']}"
+    return f"tables {r['embedding_kinds']}" if r.get("embedding_sharding") else ""
+
+
 def plot(rows: list[dict], path: Path, meta: dict, top: int = 25) -> None:
     plt = pyplot()
     shown = rows[:top]
-    labels = [r["mesh"] + (f" {r['pipeline_schedule']} N={r['pipeline_microbatches']}"
-                           if r.get("pipeline_schedule") else
-                           f" {r['embedding_sharding']}" if r.get("embedding_sharding") else "")
-              for r in shown]
+    labels = [f"{r['mesh']} {layout_of(r)}".rstrip() for r in shown]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.32 * len(shown) + 1.6), sharey=True)
     y = list(range(len(shown)))
     colors = ["#4c72b0" if r["fits"] else "#c44e52" for r in shown]
@@ -75,12 +80,13 @@ def render(rows: list[dict], meta: dict) -> None:
     if any("measured_step_s" in r for r in rows):
         cols.append("measured s")
     for col in cols:
-        t.add_column(col, justify="left" if col in ("mesh", "pipeline", "tensor") else "right")
+        # the mesh whole, the other columns narrower: cut to "data=2,pipeline=2,tens…",
+        # data=2,pipeline=2,tensor=2 and data=2,pipeline=2,fsdp=2 looked alike
+        t.add_column(col, justify="left" if col in ("mesh", "pipeline", "tensor") else "right",
+                     min_width=max((len(r["mesh"]) for r in rows), default=4)
+                     if col == "mesh" else None)
     for r in rows:
-        pipe = (f"{r['pipeline_schedule']} N={r['pipeline_microbatches']}"
-                if r.get("pipeline_schedule") else
-                f"tables {r['embedding_kinds']}" if r.get("embedding_sharding") else "-")
-        cells = [str(r["rank"]), r["mesh"], pipe, r["tensor_mode"],
+        cells = [str(r["rank"]), r["mesh"], layout_of(r) or "-", r["tensor_mode"],
                  f"{r['predicted_step_s']:.4g}", f"{r['predicted_units_per_s']:,.0f}",
                  f"{r['compute_s']:.3g}", f"{r['comm_s']:.3g}",
                  f"{r.get('comm_across_nodes_s', 0.0):.3g}", f"{r['bubble_ratio']:.3f}",
@@ -90,3 +96,17 @@ def render(rows: list[dict], meta: dict) -> None:
             cells.append(f"{m:.4g}" if m else "")
         t.add_row(*cells)
     c.print(t)
+
+
+def render_calibration(rows: list[dict], fit: dict) -> None:
+    """The overheads `--run` fitted, and each measured shape's model, calibrated and
+    measured step beside its rank and layout (one mesh runs under several schedules)."""
+    print(f"plait: overheads fitted to the {fit['measured_shapes']} measured shapes on "
+          f"these devices: {fit['per_step_s'] * 1e3:.3g} ms per step + "
+          f"{fit['per_kernel_s'] * 1e6:.3g} us per kernel, added to every prediction "
+          "(they describe the machine measured, whatever --hardware says)")
+    for r in [r for r in rows if r.get("measured_step_s")]:
+        name = f"{r['mesh']} {layout_of(r)}".rstrip()
+        print(f"  {r['rank']:>4} {name:<40} model {r['model_step_s'] * 1e3:8.3f} ms, "
+              f"calibrated {r['predicted_step_s'] * 1e3:8.3f} ms, measured "
+              f"{r['measured_step_s'] * 1e3:8.3f} ms ({r['kernels']:,.0f} kernels)")
