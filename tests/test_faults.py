@@ -268,6 +268,62 @@ def test_a_model_too_big_for_the_devices_is_refused_before_it_is_built(tmp_path,
             make_task(e, make_mesh("data=1")).num_params()
 
 
+def test_a_step_too_big_for_the_devices_is_refused_after_compiling_and_keeps_the_run(
+        tmp_path, capsys):
+    """Parameters fit, activations do not: the compiled step's footprint (XLA's buffer
+    assignment) against the devices' memory, before the first batch is made (a quickstart
+    at global_batch 4194304 spent 3 minutes making one, then XLA said only
+    'RESOURCE_EXHAUSTED: Out of memory allocating 951603954664 bytes')."""
+    from helpers import make_mesh
+
+    from plait.hardware import mesh_device_memory
+
+    ckpt = {"enabled": True, "every_steps": 2, "keep": 3, "async_save": False}
+    exp = write_experiment(tmp_path / "t.toml", tiny(train={"steps": 2}, checkpoint=ckpt))
+    run = tmp_path / "r"
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    huge = ["--set", f"train.global_batch={2**22}", "--set", "train.steps=4"]
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run), *huge]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    have = mesh_device_memory(make_mesh("data=2")) / 2**30
+    assert f"more than the {have:,.1f} GiB of the host's memory per device of the mesh" in err[0]
+    assert "the compiled train step needs" in err[0] and "of activations" in err[0], err
+    assert "lower train.global_batch, or raise train.microbatches (now 1" in err[0], err
+    assert 'set model.remat = "full"' in err[0] and "plait sweep" in err[0], err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run),
+                 "--set", "train.steps=4", "--set", 'log.console="line"']) == 0
+    assert "resumed from the checkpoint at step 2" in capsys.readouterr().out
+
+
+def test_a_device_out_of_memory_at_run_time_says_what_to_change():
+    """Where the footprint did not show it (another process on the GPU, a backend
+    without buffer figures), XLA's RESOURCE_EXHAUSTED gets the same advice."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from plait.tasks.gpt import GPTTask
+    from plait.train.failures import step_failed
+
+    task = SimpleNamespace(attention="cudnn",
+                           memory_fixes=lambda: GPTTask.memory_fixes(
+                               SimpleNamespace(exp=tiny(model={"remat": "full"}),
+                                               pipeline=None)))
+    run = SimpleNamespace(task=task, last_saved=6)
+    err = step_failed(run, 7, jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2147483648 bytes.\n..."))
+    line = str(err)
+    assert "\n" not in line and line.startswith(
+        "the train step failed at step 8: RESOURCE_EXHAUSTED: Out of memory")
+    assert "the device ran out of memory: lower train.global_batch" in line
+    assert "model.remat" not in line  # already full
+    assert "attention" not in line and line.endswith(
+        "the checkpoint at step 6 is intact: rerun the same command to resume")
+
+
 def test_skip_policy_leaves_the_state_as_it_was_and_stops_after_max_skipped(tmp_path, capsys):
     """train.on_nonfinite = "skip": from step 3 every step of a diverged run is non-finite;
     each leaves the state as it was after step 2 (the checkpoints of steps 3-5 hold step

@@ -251,6 +251,24 @@ def test_the_calibration_lines_tell_one_mesh_under_two_schedules_apart(capsys):
     assert "N=2" in lines[1] and "N=4" in lines[2] and "measured   69.000 ms" in lines[3]
 
 
+def test_a_shape_that_does_not_run_is_said_and_ranked_after_those_that_do(capsys):
+    """--run trains each top shape; one that fails (here a batch too big for the host once
+    compiled, refused by plait train's check) is said in a line and ranked after the
+    shapes that ran, instead of ending the sweep with the others unmeasured."""
+    exp = tiny(model={"layers": 1})
+    rows = [{"rank": 1, "mesh": "data=2", "settings": {"train.global_batch": 2**22},
+             "fits": True, "predicted_step_s": 0.01},
+            {"rank": 2, "mesh": "fsdp=2", "settings": {}, "fits": True,
+             "predicted_step_s": 0.02}]
+    sweep.measure_runs(exp, rows, 2, steps=3)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plait sweep: rank 1 (data=2 4194304) did not "
+                                               "run: the compiled train step needs"), err
+    assert rows[0]["measured_step_s"] is None and "GiB per device" in rows[0]["measured_error"]
+    assert rows[1]["measured_step_s"] > 0 and "measured_error" not in rows[1]
+    assert [r["mesh"] for r in sweep.rank(rows)] == ["fsdp=2", "data=2"]
+
+
 def test_the_sweep_lays_shapes_over_nodes_and_prices_the_links_they_cross():
     """On a hardware of 4 devices a node, data=8 is 2 nodes x 4: the step compiles with
     the hierarchical reduction, its reduce-scatter and all-gather stay in a node, and

@@ -201,9 +201,8 @@ def cmd_sweep(args) -> int:
     if args.run:
         sweep.measure_runs(exp, top, args.devices)
         fit = sweep.calibrate(rows)
-        if fit:
-            rows = sweep.rank(rows)
-            top = rows[: args.top] if args.top else rows
+        rows = sweep.rank(rows)  # calibrated, and a shape that did not run after those that did
+        top = rows[: args.top] if args.top else rows
     meta = {"experiment": exp.name, "devices": args.devices, "hardware": hw.name,
             "unit": task_class(exp.model.kind).unit,
             "device_memory_bytes": hw.memory(args.devices), "sweep_s": elapsed,

@@ -48,9 +48,9 @@ def peak_flops(device_kind: str, dtype: str) -> float | None:
     return None
 
 
-def device_memory_bytes(device) -> float:
+def device_memory_bytes(device, sharing: int | None = None) -> float:
     """Memory one device may use: an accelerator's limit, or on CPU the host's physical
-    memory shared by the process's simulated devices."""
+    memory shared by `sharing` simulated devices (default: all of this process's)."""
     import jax
 
     stats = None
@@ -61,7 +61,17 @@ def device_memory_bytes(device) -> float:
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host / max(1, jax.local_device_count())
+    return host / max(1, sharing or jax.local_device_count())
+
+
+def mesh_device_memory(mesh) -> float:
+    """Memory one device of `mesh` may use: on CPU the host's memory shared by the
+    mesh's devices in this process only (a data=1 run of a process simulating 8 devices
+    has the whole host, not an eighth)."""
+    import jax
+
+    local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+    return device_memory_bytes(mesh.devices.flat[0], local)
 
 
 @dataclass

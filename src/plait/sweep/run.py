@@ -205,8 +205,10 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
 
 
 def rank(rows: list[dict]) -> list[dict]:
-    """Fitting shapes first, then by predicted step time; `rank` numbered from 1."""
-    rows.sort(key=lambda r: (not r["fits"], r["predicted_step_s"], r["mesh"],
+    """Fitting shapes first (not those `--run` could not run), then by predicted step
+    time; `rank` numbered from 1."""
+    rows.sort(key=lambda r: (not r["fits"] or "measured_error" in r, r["predicted_step_s"],
+                             r["mesh"],
                              str(r.get("pipeline_schedule")),
                              r.get("pipeline_microbatches") or 0))
     for i, r in enumerate(rows, 1):
@@ -221,14 +223,21 @@ def candidate_of(row: dict, n: int) -> Candidate:
 
 
 def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> None:
-    """Train each row's shape for a few steps on the devices at hand; add its median step time."""
+    """Train each row's shape for a few steps on the devices at hand; add its median step
+    time. A shape that fails to run (too big for the devices after all, a failure of the
+    step) gets `measured_error`, its one line, said on stderr; the others still run."""
+    from plait.errors import RunFailed
     from plait.train.loop import train_briefly
 
     for r in rows:
         cand = candidate_of(r, n)
-        summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n),
-                                steps)
+        try:
+            summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n),
+                                    steps)
+        except (UserError, RunFailed) as e:
+            r["measured_step_s"], r["measured_error"] = None, str(e)
+            print(f"plait sweep: rank {r['rank']} ({cand.label}) did not run: {e}",
+                  file=sys.stderr, flush=True)
+            continue
         times = [rec["step_time_s"] for rec in summary["records"][1:]]
         r["measured_step_s"] = float(np.median(times)) if times else None
-
-

@@ -32,11 +32,11 @@ def check_memory(exp: Experiment, mesh: Mesh) -> None:
     alone (float32, no activations) exceed the memory of the mesh's devices (training
     allocates for real; the sweep prices other hardware and does not ask): a typo
     like model.layers = 1000000000 would otherwise build for minutes and swap."""
-    from plait.hardware import device_memory_bytes
+    from plait.hardware import mesh_device_memory
 
     params = task_class(exp.model.kind).param_count(exp.model)
     need = params * 4 * (1 + _SLOTS.get(exp.optimizer.name, 0))
-    have = sum(device_memory_bytes(d) for d in mesh.devices.flat)
+    have = mesh_device_memory(mesh) * mesh.devices.size
     if need > have:
         raise UserError(
             f"the model has {params:,} parameters: with its {exp.optimizer.name} state that "

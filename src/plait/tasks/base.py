@@ -142,6 +142,13 @@ class Task(abc.ABC):
         ranks that never reach it unless only the ranks taking that branch join it."""
         return False
 
+    def memory_fixes(self) -> str:
+        """What a user can change when the step does not fit the devices' memory (the
+        end of the one-line refusal, plait.train.memory)."""
+        return ("lower train.global_batch, or raise train.microbatches (the same batch "
+                "in that many passes, gradients accumulated), or split the state over more "
+                "devices (fsdp); plait sweep --devices N ranks the shapes that fit")
+
     def phases(self) -> dict[str, dict[int, list[float]]]:
         """Named kinds of step whose collectives differ (branch weights of each), for
         `plait inspect` to report apart; {} when every step is alike."""

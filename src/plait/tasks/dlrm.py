@@ -280,6 +280,11 @@ class DLRMTask(Task):
         m = self.exp.model
         return self.model.num_params() + sum(m.table_rows) * m.embedding_dim
 
+    def memory_fixes(self) -> str:
+        return ("lower train.global_batch, or spread the tables over more devices "
+                "(embedding.sharding = \"row\", or more devices); plait plan shows where "
+                "they live")
+
     def describe(self, state: dict) -> list[str]:
         return [self.table_state.describe(state), *([self.pages_note] if self.pages_note else [])]
 

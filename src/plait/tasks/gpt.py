@@ -238,6 +238,23 @@ class GPTTask(DecoderCheckpoints, Task):
     def branches_diverge(self) -> bool:
         return self.pipeline is not None
 
+    def memory_fixes(self) -> str:
+        m, fixes = self.exp.model, []
+        if self.pipeline:
+            fixes.append("lower train.global_batch, or raise pipeline.microbatches (smaller "
+                         "microbatches in flight)")
+        else:
+            fixes.append(f"lower train.global_batch, or raise train.microbatches (now "
+                         f"{self.exp.train.microbatches}: the same batch in that many "
+                         "passes, gradients accumulated)")
+        if m.remat != "full":
+            fixes.append('set model.remat = "full" (activations recomputed in the backward)')
+        if m.loss_chunks == 1 and m.vocab >= 8 * m.d_model:
+            fixes.append("raise model.loss_chunks (the logits made in pieces)")
+        fixes.append("split the model over more devices (fsdp, tensor, pipeline); plait sweep "
+                     "--devices N ranks the shapes that fit")
+        return ", or ".join(fixes[:-1]) + "; " + fixes[-1] if len(fixes) > 1 else fixes[0]
+
     def branch_weights(self):
         if self.local:
             return local_sgd.phases(self.exp.sync.period)["mean_step"]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from plait.errors import RunFailed
+from plait.train.memory import out_of_memory
 
 if TYPE_CHECKING:
     from plait.train.run import Run
@@ -27,7 +28,9 @@ def step_failed(run: Run, step: int, err: Exception) -> RunFailed:
                          f"run lost another process at step {step + 1} ({first}); {kept}: "
                          "rerun the same command on every process to resume")
     hint = ""
-    if getattr(run.task, "attention", None) == "cudnn":
+    if out_of_memory(err):
+        hint = f"; the device ran out of memory: {run.task.memory_fixes()}"
+    elif getattr(run.task, "attention", None) == "cudnn":
         hint = '; if it is the attention kernel, retry with --set model.attention="xla"'
     kept += ": rerun the same command to resume" if run.last_saved is not None else ""
     return RunFailed(f"the train step failed at step {step + 1}: {first}{hint}; {kept}")

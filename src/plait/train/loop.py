@@ -21,9 +21,10 @@ from jax.sharding import Mesh
 
 from plait import cluster
 from plait.config import Experiment
-from plait.errors import RunFailed
+from plait.errors import RunFailed, UserError
 from plait.train import rundir
 from plait.train.failures import step_failed
+from plait.train.memory import check_step_fits
 from plait.train.metrics import (
     MetricsLog,
     StepTimer,
@@ -227,11 +228,15 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
     log.note("plait: compiling the train step ...")
     t0 = time.perf_counter()
     compiled = run.task.compile()
-    hang = _would_hang(run.task, compiled)
-    if hang:
+    try:  # refused before the first batch is made: nothing of the run is lost
+        check_step_fits(run.task, compiled)
+        hang = _would_hang(run.task, compiled)
+        if hang:
+            raise RunFailed(hang)
+    except (UserError, RunFailed):
         _close_quietly(log)
         run.abandon()
-        raise RunFailed(hang)
+        raise
     compile_s = time.perf_counter() - t0
     log.note(f"plait: step compiled in {compile_s:.1f}s")
     cluster.barrier("step-compiled")  # every process starts the first step together

@@ -12,7 +12,8 @@ COLUMNS = ["rank", "mesh", "pipeline_schedule", "pipeline_microbatches", "embedd
            "embedding_kinds", "tensor_mode",
            "predicted_step_s", "predicted_units_per_s", "compute_s", "comm_s",
            "comm_across_nodes_s", "bubble_ratio", "flops_per_device", "collective_bytes",
-           "collective_bytes_across_nodes", "memory_bytes", "fits", "measured_step_s"]
+           "collective_bytes_across_nodes", "memory_bytes", "fits", "measured_step_s",
+           "measured_error"]
 
 
 def write_outputs(rows: list[dict], out: Path, meta: dict) -> None:
@@ -77,7 +78,7 @@ def render(rows: list[dict], meta: dict) -> None:
     cols = ["rank", "mesh", "pipeline", "tensor", "step s", f"{meta.get('unit', 'units')}/s",
             "compute s", "comm s", "across nodes s",
             "bubble", "GiB/device", "fits"]
-    if any("measured_step_s" in r for r in rows):
+    if any("measured_step_s" in r for r in rows):  # failures said on stderr as they ran
         cols.append("measured s")
     for col in cols:
         # the mesh whole, the other columns narrower: cut to "data=2,pipeline=2,tens…",
@@ -93,7 +94,8 @@ def render(rows: list[dict], meta: dict) -> None:
                  f"{r['memory_bytes'] / 2**30:.2f}", "yes" if r["fits"] else "[red]no[/red]"]
         if "measured s" in cols:
             m = r.get("measured_step_s")
-            cells.append(f"{m:.4g}" if m else "")
+            cells.append(f"{m:.4g}" if m else "[red]failed[/red]" if "measured_error" in r
+                         else "")
         t.add_row(*cells)
     c.print(t)
 

@@ -1,0 +1,64 @@
+"""Whether the compiled step fits the devices' memory, said before the first step.
+
+`tasks.check_memory` refuses, before anything is built, a model whose parameters and
+optimizer state alone cannot fit; activations are not known until the step is compiled.
+XLA's buffer assignment then gives the step's whole footprint per device (its
+arguments, outputs and temporaries, less the donated outputs that reuse their inputs'
+buffers), which this compares with the device's memory. Without it a step too big for
+the device failed only when it ran: after the first batch was made (a quickstart with
+train.global_batch = 4194304 spent 3 minutes making it on this CPU) with XLA's
+"RESOURCE_EXHAUSTED: Out of memory allocating 951603954664 bytes" and no advice.
+"""
+
+from __future__ import annotations
+
+from plait.errors import UserError
+from plait.hardware import mesh_device_memory
+
+GIB = 2**30
+
+
+def step_bytes(compiled) -> dict[str, int] | None:
+    """The compiled step's memory per device by XLA's buffer assignment: `state` (its
+    arguments: the state and the batch), `work` (outputs and temporaries, less what
+    reuses the donated state), `total`; None where the backend does not say."""
+    try:
+        mem = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    if mem is None:
+        return None
+    state = int(mem.argument_size_in_bytes)
+    work = (int(mem.output_size_in_bytes) + int(mem.temp_size_in_bytes)
+            - int(mem.alias_size_in_bytes))
+    return {"state": state, "work": work, "total": state + work}
+
+
+def check_step_fits(task, compiled) -> None:
+    """Refuse, in one line naming what to change, a compiled step that needs more memory
+    per device than its devices have. Only a certain failure is refused: XLA allocates
+    the whole footprint, so a step above the device's limit cannot run."""
+    need = step_bytes(compiled)
+    if need is None:
+        return
+    device = task.mesh.devices.flat[0]
+    have = mesh_device_memory(task.mesh)
+    if need["total"] <= have:
+        return
+    # An accelerator's limit is the share JAX's allocator may take (75% unless
+    # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), which the step cannot exceed.
+    where = (f"of the host's memory per device of the mesh ({task.mesh.devices.size} "
+             "simulated)" if device.platform == "cpu" else
+             f"JAX may allocate on each {device.platform} device (its share is "
+             "XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set)")
+    raise UserError(
+        f"the compiled train step needs {need['total'] / GIB:,.1f} GiB per device "
+        f"({need['state'] / GIB:,.1f} GiB of state and batch, {need['work'] / GIB:,.1f} GiB "
+        f"of activations and temporaries), more than the {have / GIB:,.1f} GiB "
+        f"{where}; {task.memory_fixes()}")
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether an XLA runtime error is the device running out of memory."""
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text and "memory" in text.lower()
