@@ -143,6 +143,13 @@ def test_pipeline_trains_like_one_device(tmp_path):
     got = losses(run(experiment(pipeline={"schedule": "1f1b", "microbatches": 4},
                                 train={"steps": 6}), "expert=2,pipeline=2", tmp_path / "pp"))
     np.testing.assert_allclose(got, want, rtol=1e-5)
+    # fsdp x tensor inside the stages: the router's shards and its logits' gradient
+    # were moved between the two axes by permutes inside the tick's switch, and the
+    # step was refused as one that would hang (models/moe.py pins both)
+    got = losses(run(experiment(pipeline={"schedule": "1f1b", "microbatches": 4},
+                                train={"steps": 6}), "pipeline=2,fsdp=2,tensor=2",
+                     tmp_path / "pp-fsdp-tensor"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
     assert want[-1] < want[0] - 0.1
 
     rec = [json.loads(line)
@@ -154,6 +161,22 @@ def test_pipeline_trains_like_one_device(tmp_path):
     assert rec[0]["moe_tokens_mean"] == 4 * 32 * 2 / 4
     assert rec[0]["moe_dropped_fraction"] == 0.0
     assert list((tmp_path / "one" / "tensorboard").iterdir())
+
+
+@pytest.mark.parametrize("spec,schedule", [("pipeline=2,tensor_row=2,tensor_col=2", "zb-h1"),
+                                           ("pipeline=2,fsdp=2,tensor=2", "chimera")])
+def test_no_collective_permute_in_a_tick(spec, schedule):
+    """What hung moe-tiny's sweep --run: GSPMD moved the router (fsdp-sharded, d x E) and
+    its logits' gradient between the fsdp and tensor / 2-D grid axes by collective-
+    permutes inside the per-tick switch, which ranks on the other stage never reach."""
+    from plait import hlo
+    from plait.tasks.gpt import GPTTask
+
+    task = GPTTask(experiment(pipeline={"schedule": schedule, "microbatches": 2},
+                              train={"global_batch": 8}), make_mesh(spec))
+    mod = hlo.parse_hlo(task.compile().as_text())
+    assert any(i.opcode == "conditional" for c in mod.computations.values() for i in c)
+    assert not hlo.ops_in_branches(mod, "collective-permute")
 
 
 def test_router_losses_equal_their_formulas():

@@ -28,9 +28,11 @@ from plait.config import GPTConfig
 from plait.models.keys import ParamKeys
 from plait.models.params import param as _param
 from plait.parallel import experts
+from plait.parallel.ops import small_dense
 from plait.sharding import constrain
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
+ROUTER_LOGITS = ("act_batch", "act_seq", None)
 # Per-layer figures a sparse layer reports (summed over layers by the model).
 STAT_KEYS = ("aux_loss", "z_loss", "tokens_max", "tokens_mean", "dropped", "assigned")
 
@@ -85,8 +87,15 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [batch, seq, d] -> (output [batch, seq, d], this layer's router figures)."""
         E = self.router.shape[-1]
-        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32),
-                            self.router[...].astype(jnp.float32))
+        # The router's and the shared gate's weight gradients are summed by each token
+        # shard first (parallel.ops.small_dense), the router whole on every device and
+        # the logits laid out as the tokens are: left to itself, GSPMD moved the tokens,
+        # the logits' gradient and the router's fsdp shards between the fsdp and tensor
+        # axes by collective-permutes, which hang inside a pipeline's per-tick switch.
+        x = constrain(x, BATCH_SEQ_EMBED)
+        router = constrain(self.router[...].astype(jnp.float32), (None, None))
+        logits = constrain(small_dense(x.astype(jnp.float32), self.router, router),
+                           ROUTER_LOGITS)
         probs = jax.nn.softmax(logits, axis=-1)
         gate, idx = jax.lax.top_k(probs, self.top_k)
         if self.renormalize:
@@ -105,7 +114,9 @@ class MoE(nnx.Module):
         if hasattr(self, "shared"):
             shared = self.shared(x)
             if hasattr(self, "shared_gate"):
-                g = jnp.einsum("btd,d->bt", x, self.shared_gate[...].astype(x.dtype))
+                gate_w = self.shared_gate[...].astype(x.dtype)
+                g = constrain(small_dense(x, self.shared_gate, gate_w, fan_in=("norm",)),
+                              ("act_batch", "act_seq"))
                 shared = shared * jax.nn.sigmoid(g)[..., None].astype(shared.dtype)
             y = y + shared
         return constrain(y, BATCH_SEQ_EMBED), {**stats, "dropped": dropped.astype(jnp.float32)}

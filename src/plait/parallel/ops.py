@@ -27,10 +27,11 @@ from plait.sharding import (
     param_meta,
     pin,
     spec,
+    use,
 )
 
 __all__ = ["attend", "dense", "dense_value", "gathered_weight", "lookup",
-           "sequence_positions", "weight_grad_by_shard"]
+           "sequence_positions", "small_dense", "weight_grad_by_shard"]
 
 
 def _letters(n: int, skip: str = "") -> list[str]:
@@ -65,7 +66,7 @@ def gathered_weight(w: nnx.Variable) -> jax.Array:
     return pin(value, axes_spec(_gathered_axes(w, rules), mesh))
 
 
-def weight_grad_by_shard(w: nnx.Variable, x_ndim: int):
+def weight_grad_by_shard(w: nnx.Variable, x_ndim: int, fan_in: tuple[str, ...] | None = None):
     """For a loop that accumulates the gradient of dense(x, w) over pieces of the
     tokens (models.loss): (partial, total, shape). partial(x, g) is the gradient of w from
     each token shard's own tokens (x [batch, seq, *fan_in], g the cotangent of
@@ -75,13 +76,15 @@ def weight_grad_by_shard(w: nnx.Variable, x_ndim: int):
     all-reduce or reduce-scatter the whole-batch gradient has); shape is the stacked
     partials' (a loop's accumulator starts as zeros of it). None where the tensor
     mode's own matmul reduces w's gradient (2-D / 3-D), outside a step, or where a
-    token axis also splits w."""
+    token axis also splits w. `fan_in`: the dimensions contracted, where not w's own
+    (a vector weight contracted whole)."""
     ctx = active()
     if ctx is None or ctx[1].mode not in (None, "1d") or x_ndim != 3:
         return None
     mesh, rules = ctx
-    logical, fan_in = param_meta(w)
-    w_axes = _gathered_axes(w, rules)
+    logical, own = param_meta(w)
+    fan_in = own if fan_in is None else fan_in
+    w_axes = [_without(a, "fsdp") for a in rules.param_axes(logical, own)]
     tok_b, tok_s = (axes_tuple(spec([n], rules, mesh)[0]) for n in ("act_batch", "act_seq"))
     if set(tok_b + tok_s) & {a for ax in w_axes for a in axes_tuple(ax)}:
         return None
@@ -106,6 +109,43 @@ def weight_grad_by_shard(w: nnx.Variable, x_ndim: int):
         return pin(jnp.sum(partials, axis=(0, 1)), w_target)
 
     return partial, total, (pb, ps, *w.shape)
+
+
+def small_dense(x: jax.Array, w: nnx.Variable, value: jax.Array,
+                fan_in: tuple[str, ...] | None = None) -> jax.Array:
+    """x [batch, seq, *fan_in] times a small weight that no tensor axis splits (a MoE
+    router, a gate), its value given; `fan_in` as weight_grad_by_shard's. The weight's
+    gradient is summed by each token shard on its own devices and across the shards once
+    (weight_grad_by_shard): left to itself, GSPMD moved the tokens from the fsdp axis
+    onto tensor to split that gradient by fsdp (collective-permutes, which inside a
+    pipeline's per-tick switch hang: the other stage never joins them). Elsewhere (2-D /
+    3-D modes, outside a step) the einsum, partitioned by GSPMD."""
+    logical, own = param_meta(w)
+    fan_in = own if fan_in is None else fan_in
+    names = dict(zip(logical, _letters(len(logical), skip="bs"), strict=True))
+    eq = (f"bs{''.join(names[n] for n in fan_in)},{''.join(names[n] for n in logical)}->bs"
+          f"{''.join(names[n] for n in logical if n not in fan_in)}")
+    grad = weight_grad_by_shard(w, x.ndim, fan_in)
+    if grad is None:
+        return jnp.einsum(eq, x, value)
+    partial, total, _ = grad
+    ctx = active()  # the backward is traced after the step's `use` has ended
+
+    @jax.custom_vjp
+    def product(x, value):
+        return jnp.einsum(eq, x, value)
+
+    def forward(x, value):
+        return product(x, value), (x, value)
+
+    def backward(res, g):
+        x, value = res
+        _, pull = jax.vjp(lambda x: jnp.einsum(eq, x, value), x)
+        with use(*ctx):
+            return pull(g)[0], total(partial(x, g)).astype(value.dtype)
+
+    product.defvjp(forward, backward)
+    return product(x, value)
 
 
 def dense_value(x: jax.Array, w: nnx.Variable, value: jax.Array) -> jax.Array:
