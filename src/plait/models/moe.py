@@ -28,7 +28,7 @@ from plait.config import GPTConfig
 from plait.models.keys import ParamKeys
 from plait.models.params import param as _param
 from plait.parallel import experts
-from plait.parallel.ops import small_dense
+from plait.parallel.ops import expert_weight, small_dense
 from plait.sharding import constrain
 
 BATCH_SEQ_EMBED = ("act_batch", "act_seq", "act_embed")
@@ -101,8 +101,8 @@ class MoE(nnx.Module):
         if self.renormalize:
             gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
         stats = router_stats(logits, idx, E)
-        weights = {k: getattr(self, k)[...] for k in (("w13", "w2") if self.swiglu
-                                                      else ("w1", "w2"))}
+        weights = {k: expert_weight(getattr(self, k))
+                   for k in (("w13", "w2") if self.swiglu else ("w1", "w2"))}
         activation = "swiglu" if self.swiglu else "gelu"
         if self.capacity_factor > 0:
             y, dropped = experts.with_capacity(x, idx, gate, weights, activation,

@@ -30,7 +30,7 @@ from plait.sharding import (
     use,
 )
 
-__all__ = ["attend", "dense", "dense_value", "gathered_weight", "lookup",
+__all__ = ["attend", "dense", "dense_value", "expert_weight", "gathered_weight", "lookup",
            "sequence_positions", "small_dense", "weight_grad_by_shard"]
 
 
@@ -64,6 +64,24 @@ def gathered_weight(w: nnx.Variable) -> jax.Array:
         return value
     mesh, rules = ctx
     return pin(value, axes_spec(_gathered_axes(w, rules), mesh))
+
+
+def expert_weight(w: nnx.Variable) -> jax.Array:
+    """An expert weight's value as the experts' einsums (GSPMD's in every tensor mode)
+    take it: its fsdp shards gathered (ZeRO-3), and under 2-D / 2.5-D / 3-D split only
+    by expert. With one row per device, GSPMD had kept the weights split by d and moved
+    the tokens instead, swapping them between fsdp and tensor (1-D) or row and col
+    (2-D): collective-permutes, which hang inside a pipeline's per-tick switch."""
+    value = w[...]
+    ctx = active()
+    if ctx is None:
+        return value
+    mesh, rules = ctx
+    axes = _gathered_axes(w, rules)
+    if rules.mode not in (None, "1d"):
+        logical, _ = param_meta(w)
+        axes = [a if n == "experts" else None for n, a in zip(logical, axes, strict=True)]
+    return pin(value, axes_spec(axes, mesh))
 
 
 def weight_grad_by_shard(w: nnx.Variable, x_ndim: int, fan_in: tuple[str, ...] | None = None):
