@@ -102,7 +102,7 @@ def weight_grad_by_shard(w: nnx.Variable, x_ndim: int, fan_in: tuple[str, ...] |
     mesh, rules = ctx
     logical, own = param_meta(w)
     fan_in = own if fan_in is None else fan_in
-    w_axes = [_without(a, "fsdp") for a in rules.param_axes(logical, own)]
+    w_axes = _gathered_axes(w, rules)
     tok_b, tok_s = (axes_tuple(spec([n], rules, mesh)[0]) for n in ("act_batch", "act_seq"))
     if set(tok_b + tok_s) & {a for ax in w_axes for a in axes_tuple(ax)}:
         return None
