@@ -148,6 +148,28 @@ def kernel_count(mod: hlo.Module, mult: dict[str, float] | None = None) -> float
     return total
 
 
+def memory_of(compiled) -> dict[str, int]:
+    """A compiled program's memory per device by XLA's buffer assignment; `total_bytes`
+    is what it holds at once (arguments, outputs and temporaries, less the outputs that
+    reuse donated arguments). {} where the backend does not say."""
+    try:
+        mem = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        mem = None
+    if mem is None:
+        return {}
+    memory = {
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+        "generated_code_bytes": int(mem.generated_code_size_in_bytes),
+    }
+    memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
+                             + memory["temp_bytes"] - memory["alias_bytes"])
+    return memory
+
+
 def analyze(compiled, mesh_shape: dict[str, int],
             branch_weights: dict[int, list[float]] | None = None, hosts=None) -> dict:
     """Per-device figures of a compiled (jax `Compiled`) step; `hosts` as for
@@ -165,18 +187,7 @@ def analyze(compiled, mesh_shape: dict[str, int],
         xla_flops = float(compiled.cost_analysis().get("flops", 0.0))
     except Exception:  # some backends have no cost model
         xla_flops = 0.0
-    mem = compiled.memory_analysis()
-    memory = {}
-    if mem is not None:
-        memory = {
-            "argument_bytes": int(mem.argument_size_in_bytes),
-            "output_bytes": int(mem.output_size_in_bytes),
-            "temp_bytes": int(mem.temp_size_in_bytes),
-            "alias_bytes": int(mem.alias_size_in_bytes),
-            "generated_code_bytes": int(mem.generated_code_size_in_bytes),
-        }
-        memory["total_bytes"] = (memory["argument_bytes"] + memory["output_bytes"]
-                                 + memory["temp_bytes"] - memory["alias_bytes"])
+    memory = memory_of(compiled)
     detail: dict[tuple, dict] = {}
     for c in colls:
         key = (c.kind, c.shape, c.group_size, tuple(c.axes), c.crosses_hosts)

@@ -35,8 +35,7 @@ def _figures(r: dict) -> dict:
     m = r["memory"]
     return {"flops": r["flops_per_device"], "groups": groups, "memory_parts": m,
             "kernels": r["kernels"],
-            "memory": m.get("argument_bytes", 0.0) + m.get("output_bytes", 0.0)
-            + m.get("temp_bytes", 0.0) - m.get("alias_bytes", 0.0)}
+            "memory": m.get("total_bytes", 0.0)}
 
 
 def read_program(exp: Experiment, sizes: dict[str, int], n: int,

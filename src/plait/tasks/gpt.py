@@ -31,7 +31,7 @@ from plait.parallel import context, experts, formulas, hierarchical, local_sgd
 from plait.tasks import gpt_sweep
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checkpoint import DecoderCheckpoints
-from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules
+from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules, memory_fixes
 from plait.tasks.gpt_runtime import attention_for, scan_for
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, optimizer
@@ -239,21 +239,7 @@ class GPTTask(DecoderCheckpoints, Task):
         return self.pipeline is not None
 
     def memory_fixes(self) -> str:
-        m, fixes = self.exp.model, []
-        if self.pipeline:
-            fixes.append("lower train.global_batch, or raise pipeline.microbatches (smaller "
-                         "microbatches in flight)")
-        else:
-            fixes.append(f"lower train.global_batch, or raise train.microbatches (now "
-                         f"{self.exp.train.microbatches}: the same batch in that many "
-                         "passes, gradients accumulated)")
-        if m.remat != "full":
-            fixes.append('set model.remat = "full" (activations recomputed in the backward)')
-        if m.loss_chunks == 1 and m.vocab >= 8 * m.d_model:
-            fixes.append("raise model.loss_chunks (the logits made in pieces)")
-        fixes.append("split the model over more devices (fsdp, tensor, pipeline); plait sweep "
-                     "--devices N ranks the shapes that fit")
-        return ", or ".join(fixes[:-1]) + "; " + fixes[-1] if len(fixes) > 1 else fixes[0]
+        return memory_fixes(self.exp, self.pipeline is not None)
 
     def branch_weights(self):
         if self.local:

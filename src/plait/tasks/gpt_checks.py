@@ -144,3 +144,23 @@ def _check_context(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules
         raise UserError(f"model.loss_chunks = {n} leaves {seq // n} positions per piece, "
                         f"which context = {C} does not divide; use loss_chunks dividing "
                         f"seq_len / context = {seq // C}")
+
+
+def memory_fixes(exp: Experiment, pipelined: bool) -> str:
+    """What to change when a decoder's step does not fit the devices' memory (the end of
+    plait.train.memory's one-line refusal), by what the experiment already sets."""
+    m, fixes = exp.model, []
+    if pipelined:
+        fixes.append("lower train.global_batch, or raise pipeline.microbatches (smaller "
+                     "microbatches in flight)")
+    else:
+        fixes.append(f"lower train.global_batch, or raise train.microbatches (now "
+                     f"{exp.train.microbatches}: the same batch in that many passes, "
+                     "gradients accumulated)")
+    if m.remat != "full":
+        fixes.append('set model.remat = "full" (activations recomputed in the backward)')
+    if m.loss_chunks == 1 and m.vocab >= 8 * m.d_model:
+        fixes.append("raise model.loss_chunks (the logits made in pieces)")
+    fixes.append("split the model over more devices (fsdp, tensor, pipeline); plait sweep "
+                 "--devices N ranks the shapes that fit")
+    return ", or ".join(fixes[:-1]) + "; " + fixes[-1]

@@ -12,6 +12,7 @@ train.global_batch = 4194304 spent 3 minutes making it on this CPU) with XLA's
 
 from __future__ import annotations
 
+from plait.analysis import memory_of
 from plait.errors import UserError
 from plait.hardware import mesh_device_memory
 
@@ -19,19 +20,15 @@ GIB = 2**30
 
 
 def step_bytes(compiled) -> dict[str, int] | None:
-    """The compiled step's memory per device by XLA's buffer assignment: `state` (its
+    """The compiled step's memory per device (analysis.memory_of): `state` (its
     arguments: the state and the batch), `work` (outputs and temporaries, less what
     reuses the donated state), `total`; None where the backend does not say."""
-    try:
-        mem = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - not every backend implements it
+    memory = memory_of(compiled)
+    if not memory:
         return None
-    if mem is None:
-        return None
-    state = int(mem.argument_size_in_bytes)
-    work = (int(mem.output_size_in_bytes) + int(mem.temp_size_in_bytes)
-            - int(mem.alias_size_in_bytes))
-    return {"state": state, "work": work, "total": state + work}
+    state = memory["argument_bytes"]
+    return {"state": state, "work": memory["total_bytes"] - state,
+            "total": memory["total_bytes"]}
 
 
 def check_step_fits(task, compiled) -> None:
