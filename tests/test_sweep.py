@@ -86,6 +86,35 @@ def test_extrapolated_bytes_and_flops_equal_a_full_compile():
     assert args <= measured["memory"] <= m["total_bytes"] * 1.5
 
 
+def test_a_pipelines_microbatch_counts_are_priced_from_the_fewest_and_the_most():
+    """More microbatches run the executor's loop for more ticks over smaller microbatches:
+    the kernels and collectives grow, the activations shrink. The sweep compiles each
+    mesh and schedule at its fewest and most microbatches and interpolates the others;
+    the middle one matches a compile of its own (before, every count was priced from the
+    fewest's compile: N = 8's memory as N = 2's)."""
+    from plait.sweep import cost
+    from plait.sweep.run import programs_of
+
+    exp = tiny()
+    hw = load_hardware("cpu-2core")
+    group = [sweep.Candidate({"pipeline": 2}, {"pipeline.schedule": "1f1b",
+                                               "pipeline.microbatches": N,
+                                               "pipeline.virtual_stages": 1})
+             for N in (2, 4, 8)]
+    groups, programs = programs_of(exp, 2, ("1f1b",))
+    assert [c.microbatches for g in groups for c in g if c.pipeline] == [2, 4, 8]
+    assert sorted(p[0].microbatches for p in programs.values() if p[0].pipeline) == [2, 8]
+    exact = {c.microbatches: sweep.measure(exp, c, 2, kernels=True) for c in group}
+    rows = cost.predict_group(exp, group, {2: exact[2], 8: exact[8]}, hw, 2)
+    [own] = cost.predict_group(exp, group[1:2], {4: exact[4]}, hw, 2)
+    assert rows[1]["kernels"] == pytest.approx(own["kernels"], rel=1e-3)
+    assert rows[1]["memory_bytes"] == pytest.approx(own["memory_bytes"], rel=5e-3)
+    assert rows[1]["collective_bytes"] == pytest.approx(own["collective_bytes"], rel=1e-3)
+    assert rows[1]["comm_s"] == pytest.approx(own["comm_s"], rel=1e-3)
+    assert rows[2]["kernels"] > 1.5 * rows[0]["kernels"]
+    assert rows[2]["memory_bytes"] < 0.6 * rows[0]["memory_bytes"]
+
+
 def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
         tmp_path, capsys, monkeypatch):
     from plait.cli import main
@@ -297,8 +326,8 @@ def test_a_program_whose_compile_kills_its_process_is_left_out_and_the_rest_go_o
     from plait.sweep.run import _compile_all
 
     meshes = ["data=2", "fsdp=2", sa.ABORTS, "data=4", "fsdp=4", "expert=2", "context=2"]
-    got = {prog[0][0].mesh: figures for prog, figures, _ in _compile_all(
-        None, 2, [[[sa.Shape(m)]] for m in meshes], 2, False, measure=sa.measure,
+    got = {prog[0].mesh: figures for prog, figures, _ in _compile_all(
+        None, 2, [[sa.Shape(m)] for m in meshes], 2, False, measure=sa.measure,
         init=sa.init)}
     assert got == {m: None if m == sa.ABORTS else {"mesh": m} for m in meshes}
 

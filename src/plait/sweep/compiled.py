@@ -2,8 +2,10 @@
 
 What to compile is the task's choice (`Task.sweep_programs`): the experiment as
 is, or two cheaper ones whose figures are linear in a size (a scanned model at
-2 and 4 layers), extrapolated here. FLOPs, collective bytes per mesh-axis group
-and memory come from the compiled HLO (`plait.analysis`).
+2 and 4 layers), extrapolated here; a pipeline's microbatch counts between the
+fewest and the most, which are compiled, are interpolated here. FLOPs, collective
+bytes per mesh-axis group, memory and kernels come from the compiled HLO
+(`plait.analysis`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,25 @@ def extrapolate(a: dict, b: dict, t: float) -> dict:
     memory = mem("argument_bytes") + mem("output_bytes") + temp - mem("alias_bytes")
     return {**b, "flops": lerp(a["flops"], b["flops"]), "groups": groups, "memory": memory,
             "kernels": None if a["kernels"] is None else lerp(a["kernels"], b["kernels"])}
+
+
+def between(a: dict, b: dict, ticks: float, size: float) -> dict:
+    """Figures of a pipeline's microbatch count between two compiled ones (`shapes.anchors`):
+    FLOPs, kernels and collective counts follow the executor's ticks (`ticks` of the way
+    from a's to b's), collective bytes and memory the microbatch's size (`size` of the
+    way from a's 1/N to b's)."""
+    def lerp(x: float, y: float, s: float) -> float:
+        return x + (y - x) * s
+
+    zero = [0.0, 0.0]
+    groups = {k: [lerp(a["groups"].get(k, zero)[0], b["groups"].get(k, zero)[0], ticks),
+                  lerp(a["groups"].get(k, zero)[1], b["groups"].get(k, zero)[1], size)]
+              for k in set(a["groups"]) | set(b["groups"])}
+    m0, m1 = a["memory_parts"], b["memory_parts"]
+    parts = {k: lerp(m0.get(k, 0.0), m1.get(k, 0.0), size) for k in set(m0) | set(m1)}
+    return {**a, "flops": lerp(a["flops"], b["flops"], ticks), "groups": groups,
+            "memory_parts": parts, "memory": lerp(a["memory"], b["memory"], size),
+            "kernels": None if a["kernels"] is None else lerp(a["kernels"], b["kernels"], ticks)}
 
 
 def measure(exp: Experiment, c: Candidate, n: int, per_node: int | None = None,

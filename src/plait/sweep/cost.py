@@ -135,24 +135,35 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
             "memory_bytes": measured["memory"], "fits": measured["memory"] <= hw.memory(n)}
 
 
-def predict_group(exp: Experiment, group: list[Candidate], measured: dict, hw: Hardware,
-                  n: int) -> list[dict]:
-    """Rows of candidates that share one compiled program: a pipeline's microbatch counts
-    differ only by their schedule's bubble."""
+def predict_group(exp: Experiment, group: list[Candidate], compiled: dict[int, dict],
+                  hw: Hardware, n: int) -> list[dict]:
+    """Rows of candidates that differ only in their pipeline's microbatch count, from the
+    figures `compiled` at some of the counts ({N: figures}: the fewest and the most,
+    `shapes.anchors`); a count between them is interpolated (`compiled.between`)."""
     from plait.parallel import schedules
     from plait.parallel.tick_table import tick_table
+    from plait.sweep.compiled import between
+
+    def table(c: Candidate, N: int):
+        p = c.pipeline
+        s = schedules.build(p["schedule"], c.sizes["pipeline"], N, p.get("virtual_stages", 0))
+        return s, tick_table(s, exp.model.layers, exp.pipeline.recompute)
 
     rows = []
     for c in group:
-        m, held = measured, {}
+        N, held = c.microbatches, {}
+        m = compiled.get(N)
         if c.pipeline:
-            p = c.pipeline
-            s = schedules.build(p["schedule"], c.sizes["pipeline"], p["microbatches"],
-                                p.get("virtual_stages", 0))
-            m = dict(measured, figures=s.figures)
+            s, t = table(c, N)
+            if m is None:
+                lo, hi = min(compiled), max(compiled)
+                ticks = [len(table(c, k)[1].table) for k in (lo, hi)]
+                m = between(compiled[lo], compiled[hi],
+                            (len(t.table) - ticks[0]) / (ticks[1] - ticks[0]),
+                            (1 / N - 1 / lo) / (1 / hi - 1 / lo))
+            m = dict(m, figures=s.figures)
             # What the compiled executor holds, per rank (its memory is the largest).
-            t = tick_table(s, exp.model.layers, exp.pipeline.recompute).held
-            held = {"stash_slots_per_rank": t["stash"], "keep_slots_per_rank": t["keep"]}
+            held = {"stash_slots_per_rank": t.held["stash"], "keep_slots_per_rank": t.held["keep"]}
         rows.append({**predict(exp, c, m, hw, n), **held})
     return rows
 

@@ -13,10 +13,10 @@ from plait.config import Experiment
 from plait.errors import UserError
 from plait.hardware import Hardware
 from plait.sweep import compiled, cost
-from plait.sweep.shapes import Candidate, enumerate_shapes, program_key
+from plait.sweep.shapes import Candidate, anchors, enumerate_shapes, program_key
 
 MAX_SIMULATED = 512
-Program = list[list[Candidate]]  # groups of candidates sharing one compile
+Program = list[Candidate]  # candidates compiled by one program
 
 
 def schedule_names(text: str | None) -> tuple[str, ...] | None:
@@ -35,10 +35,12 @@ def schedule_names(text: str | None) -> tuple[str, ...] | None:
     return names
 
 
-def programs_of(exp: Experiment, n: int,
-                schedules: tuple[str, ...] | None = None) -> dict[tuple, Program]:
-    """The distinct programs to compile for n devices, each with the candidates it prices
-    (pipeline shapes only of `schedules`, when given)."""
+def programs_of(exp: Experiment, n: int, schedules: tuple[str, ...] | None = None
+                ) -> tuple[list[list[Candidate]], dict[tuple, Program]]:
+    """The candidates for n devices in groups that differ only by their microbatch count
+    (pipeline shapes only of `schedules`, when given), and the distinct programs to
+    compile for them: each group's anchors (`shapes.anchors`), those that compile alike
+    once (`shapes.program_key`)."""
     if n > MAX_SIMULATED:
         raise UserError(f"--devices {n} is more than plait simulates on one CPU "
                         f"({MAX_SIMULATED}); sweep a smaller slice or on the target machine")
@@ -53,14 +55,16 @@ def programs_of(exp: Experiment, n: int,
         groups.setdefault(c.program_group(), []).append(c)
     programs: dict[tuple, Program] = {}
     for group in groups.values():
-        programs.setdefault(program_key(exp, group[0]), []).append(group)
-    return programs
+        for c in anchors(group):
+            programs.setdefault(program_key(exp, c), []).append(c)
+    return list(groups.values()), programs
 
 
 def _label(program: Program) -> str:
-    rep = program[0][0]
+    rep = program[0]
     if rep.pipeline:
-        return f"{rep.mesh} " + "/".join(g[0].pipeline["schedule"] for g in program)
+        names = "/".join(dict.fromkeys(c.pipeline["schedule"] for c in program))
+        return f"{rep.mesh} {names} N={rep.microbatches}"
     return rep.label
 
 
@@ -88,7 +92,7 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
         if workers == 1:
             for prog in programs:
                 bar.update(task, description=f"compiling {_label(prog)}")
-                figures, seconds = measure(exp, prog[0][0], n, per_node, kernels)
+                figures, seconds = measure(exp, prog[0], n, per_node, kernels)
                 note(prog, seconds)
                 yield prog, figures, seconds
                 bar.advance(task)
@@ -114,7 +118,7 @@ def _compile_in_pool(exp: Experiment, n: int, programs: list[Program], workers: 
     time, each in a pool of its own, which names the one that aborts, and a fresh pool
     goes on with the rest."""
     def submit(pool, prog: Program):
-        return pool.submit(measure, exp, prog[0][0], n, per_node, kernels)
+        return pool.submit(measure, exp, prog[0], n, per_node, kernels)
 
     todo = list(reversed(programs))
     while todo:
@@ -164,7 +168,7 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
     `journal` file, each program's figures are appended to it as they are read and
     those it already holds for this sweep are read back, not compiled (`fresh`: none
     are)."""
-    programs = programs_of(exp, n, schedules)
+    groups, programs = programs_of(exp, n, schedules)
     book = None
     if journal is not None:
         from plait.sweep.journal import Journal, sweep_identity
@@ -178,29 +182,31 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
               f"from {journal} (compiled by an earlier run of this sweep; --fresh compiles "
               "them again)", file=sys.stderr, flush=True)
 
-    def results():
-        for key, prog in programs.items():
-            if known.get(key) is not None:
-                yield prog, *known[key]
-        if todo:
-            for prog, figures, seconds in _compile_all(
-                    exp, n, todo, workers or compiled.default_workers(len(todo)), progress,
-                    hw.devices_per_node, kernels):
-                if book:
-                    book.add(keys[id(prog)], _label(prog), figures, seconds)
-                yield prog, figures, seconds
+    read: dict[tuple, tuple[dict | None, float]] = {
+        key: known[key] for key in programs if known.get(key) is not None}
+    if todo:
+        for prog, figures, seconds in _compile_all(
+                exp, n, todo, workers or compiled.default_workers(len(todo)), progress,
+                hw.devices_per_node, kernels):
+            if book:
+                book.add(keys[id(prog)], _label(prog), figures, seconds)
+            read[keys[id(prog)]] = figures, seconds
+    if failed is not None:
+        failed += [_label(prog) for key, prog in programs.items() if read[key][0] is None]
 
     rows: list[dict] = []
-    for prog, figures, seconds in results():
-        if figures is None:
-            if failed is not None:
-                failed.append(_label(prog))
-            continue
-        for group in prog:
-            for r in cost.predict_group(exp, group, figures, hw, n):
-                r["compile_s"] = seconds
-                r["shares_program_with"] = prog[0][0].label
-                rows.append(r)
+    for group in groups:
+        done = {c.microbatches: (_label(programs[key]), *read[key])
+                for c in anchors(group) for key in [program_key(exp, c)]
+                if read[key][0] is not None}
+        if len(done) < len(anchors(group)):  # XLA aborted compiling one: only the other
+            group = [c for c in group if c.microbatches in done]
+        figures = {N: f for N, (_, f, _) in done.items()}
+        for c, r in zip(group, cost.predict_group(exp, group, figures, hw, n), strict=True):
+            from_ = [done[c.microbatches]] if c.microbatches in done else done.values()
+            r["compile_s"] = sum(s for _, _, s in from_)
+            r["priced_from"] = " and ".join(label for label, _, _ in from_)
+            rows.append(r)
     return rank(rows)
 
 
