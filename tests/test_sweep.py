@@ -185,7 +185,7 @@ def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
     assert "unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b" in err
 
 
-def test_dlrm_sweep_ranks_meshes_and_embedding_placements():
+def test_dlrm_sweep_ranks_meshes_and_embedding_placements(capsys):
     from plait.config_files import load_experiment
     from plait.parallel.embedding import PLACEMENTS
     from plait.tasks.dlrm import DLRMTask
@@ -212,6 +212,11 @@ def test_dlrm_sweep_ranks_meshes_and_embedding_placements():
     assert wire > 0  # the all-to-alls of the bags and the all-gather of the ids
     assert by[("data=2", "table")]["collective_bytes"] == pytest.approx(wire, rel=1e-9)
     assert all(r["memory_traffic_s"] > 0 for r in rows)
+    # The table names the placements' column for what it holds.
+    from plait.views.sweep import render
+    render(rows, {"experiment": exp.name, "devices": 2, "hardware": "h100-node", "sweep_s": 1})
+    out = capsys.readouterr().out
+    assert "tables" in out and "table/table/table/table" in out and "pipeline" not in out
 
 
 def test_kernel_count_counts_loops_and_not_fusion_bodies():
@@ -257,6 +262,19 @@ def test_calibration_fits_per_step_and_per_kernel_overheads_and_reranks():
     fit = sweep.calibrate(noisy)
     assert fit["per_step_s"] >= 0 and fit["per_kernel_s"] >= 0
     assert sweep.calibrate([row("a", 0.001, 100)]) is None
+    # A pipeline's executor costs more per step than its kernels: a third overhead, fitted
+    # when pipelined and other shapes were both measured.
+    piped = lambda model, k: truth(model, k) + 0.02  # noqa: E731
+    rows = [row("a", 0.001, 100, truth(0.001, 100)), row("b", 0.002, 900, truth(0.002, 900)),
+            row("p", 0.003, 1500, piped(0.003, 1500)), row("q", 0.004, 3000, piped(0.004, 3000)),
+            row("r", 0.003, 2000)]
+    for r in rows[2:]:
+        r["pipeline_schedule"] = "1f1b"
+    fit = sweep.calibrate(rows)
+    assert fit["per_step_s"] == pytest.approx(0.004) and fit["per_kernel_s"] == pytest.approx(2e-5)
+    assert fit["per_pipelined_step_s"] == pytest.approx(0.02)
+    assert rows[-1]["predicted_step_s"] == pytest.approx(piped(0.003, 2000))
+    assert sweep.calibrate(rows[:2])["per_pipelined_step_s"] == 0.0  # none measured: none added
 
 
 def test_the_calibration_lines_tell_one_mesh_under_two_schedules_apart(capsys):

@@ -75,7 +75,10 @@ def render(rows: list[dict], meta: dict) -> None:
     c = console()
     t = Table(title=f"{meta['experiment']}: {meta['devices']} devices, predicted on "
                     f"{meta['hardware']} (sweep {meta['sweep_s']:.0f}s)")
-    cols = ["rank", "mesh", "pipeline", "tensor", "step s", f"{meta.get('unit', 'units')}/s",
+    kinds = {("pipeline" if r.get("pipeline_schedule") else "tables") for r in rows
+             if layout_of(r)}
+    layout = kinds.pop() if len(kinds) == 1 else "layout" if kinds else "pipeline"
+    cols = ["rank", "mesh", layout, "tensor", "step s", f"{meta.get('unit', 'units')}/s",
             "compute s", "comm s", "across nodes s",
             "bubble", "GiB/device", "fits"]
     if any("measured_step_s" in r for r in rows):  # failures said on stderr as they ran
@@ -83,7 +86,7 @@ def render(rows: list[dict], meta: dict) -> None:
     for col in cols:
         # the mesh whole, the other columns narrower: cut to "data=2,pipeline=2,tens…",
         # data=2,pipeline=2,tensor=2 and data=2,pipeline=2,fsdp=2 looked alike
-        t.add_column(col, justify="left" if col in ("mesh", "pipeline", "tensor") else "right",
+        t.add_column(col, justify="left" if col in ("mesh", layout, "tensor") else "right",
                      min_width=max((len(r["mesh"]) for r in rows), default=4)
                      if col == "mesh" else None)
     for r in rows:
@@ -105,7 +108,10 @@ def render_calibration(rows: list[dict], fit: dict) -> None:
     measured step beside its rank and layout (one mesh runs under several schedules)."""
     print(f"plait: overheads fitted to the {fit['measured_shapes']} measured shapes on "
           f"these devices: {fit['per_step_s'] * 1e3:.3g} ms per step + "
-          f"{fit['per_kernel_s'] * 1e6:.3g} us per kernel, added to every prediction "
+          f"{fit['per_kernel_s'] * 1e6:.3g} us per kernel"
+          + (f" + {fit['per_pipelined_step_s'] * 1e3:.3g} ms per pipelined step"
+             if fit.get("per_pipelined_step_s") else "")
+          + ", added to every prediction "
           "(they describe the machine measured, whatever --hardware says)")
     for r in [r for r in rows if r.get("measured_step_s")]:
         name = f"{r['mesh']} {layout_of(r)}".rstrip()
