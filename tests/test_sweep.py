@@ -137,7 +137,8 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     assert fit["measured_shapes"] == 2 and fit["per_step_s"] >= 0 and fit["per_kernel_s"] >= 0
     for r in report["rows"]:
         assert r["predicted_step_s"] == pytest.approx(
-            r["model_step_s"] + fit["per_step_s"] + fit["per_kernel_s"] * r["kernels"])
+            r["model_step_s"] + fit["per_step_s"] + fit["per_kernel_s"] * r["kernels"]
+            + (fit["per_pipelined_step_s"] if r.get("pipeline_schedule") else 0.0))
     assert "overheads fitted to the 2 measured shapes" in capsys.readouterr().out
     meshes = {r["mesh"] for r in rows}
     assert meshes == {"data=2", "fsdp=2", "tensor=2", "pipeline=2"}
@@ -274,7 +275,9 @@ def test_calibration_fits_per_step_and_per_kernel_overheads_and_reranks():
     assert fit["per_step_s"] == pytest.approx(0.004) and fit["per_kernel_s"] == pytest.approx(2e-5)
     assert fit["per_pipelined_step_s"] == pytest.approx(0.02)
     assert rows[-1]["predicted_step_s"] == pytest.approx(piped(0.003, 2000))
-    assert sweep.calibrate(rows[:2])["per_pipelined_step_s"] == 0.0  # none measured: none added
+    # Too few of either kind measured: none added.
+    assert sweep.calibrate(rows[:2])["per_pipelined_step_s"] == 0.0
+    assert sweep.calibrate(rows[:3])["per_pipelined_step_s"] == 0.0
 
 
 def test_the_calibration_lines_tell_one_mesh_under_two_schedules_apart(capsys):
@@ -407,3 +410,14 @@ def test_an_interrupted_sweep_says_what_it_kept(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert err == (f"plait: interrupted; 2 compiled programs are kept in {out / sweep.JOURNAL}; "
                    "the same command resumes from them")
+
+
+def test_mesh_auto_keys_its_cached_ranking_by_plaits_sources(monkeypatch):
+    """A checkout that prices differently under the same version number sweeps again."""
+    from plait.sweep import auto, journal
+
+    exp = tiny()
+    before = auto._cache_path(exp, 2, "cpu-2core")
+    assert auto._cache_path(exp, 2, "cpu-2core") == before
+    monkeypatch.setattr(journal, "sources_digest", lambda: "other sources")
+    assert auto._cache_path(exp, 2, "cpu-2core") != before

@@ -8,7 +8,6 @@ import json
 import os
 from pathlib import Path
 
-import plait
 from plait import cluster
 from plait.errors import UserError
 
@@ -51,12 +50,14 @@ def auto_mesh(args, exp):
 
 def _cache_path(exp, n: int, hw_name: str) -> Path:
     """Where `--mesh auto` keeps its ranking: one file per (experiment as resolved,
-    device count, hardware, plait and JAX versions), under $XDG_CACHE_HOME/plait."""
+    device count, hardware, plait's sources and JAX's version), under
+    $XDG_CACHE_HOME/plait. The sources, not plait's version number: a checkout that
+    changes how the sweep prices (same version) must not reuse an older ranking."""
     import hashlib
 
-    import jax
+    from plait.sweep.journal import sources_digest
 
-    key = "\n".join([exp.to_toml(), str(n), hw_name, plait.version(), jax.__version__])
+    key = "\n".join([exp.to_toml(), str(n), hw_name, sources_digest()])
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plait"
     return root / "mesh-auto" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 

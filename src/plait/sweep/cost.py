@@ -190,8 +190,9 @@ def calibrate(rows: list[dict]) -> dict | None:
     """Fit overheads (each >= 0) to the rows `--run` measured and add them to every row's
     prediction: per step, per kernel the step launches, and per pipelined step (the
     executor's loop of ticks costs more than its kernels: 20 ms a step on the 2-core CPU
-    with 8 simulated devices, whatever the microbatch count; fitted only when pipelined
-    and other shapes were both measured). Returns the fit, or None with nothing measured."""
+    with 8 simulated devices, whatever the microbatch count; fitted only when two or
+    more pipelined and two or more other shapes were measured). Returns the fit, or None
+    with nothing measured."""
     import numpy as np
 
     done = [r for r in rows if r.get("measured_step_s")]
@@ -203,7 +204,7 @@ def calibrate(rows: list[dict]) -> dict | None:
     cols = [np.ones_like(y)]
     if len(done) >= 2 and np.ptp(k) > 0:
         cols.append(k)
-    if 0 < piped.sum() < len(done):
+    if min(piped.sum(), len(done) - piped.sum()) >= 2:
         cols.append(piped)
     coef = list(_nonnegative_fit(np.stack(cols, axis=1), y))
     per_step = float(coef.pop(0))

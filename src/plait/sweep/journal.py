@@ -21,7 +21,7 @@ from plait.config import Experiment
 NAME = "programs.jsonl"
 
 
-def _sources_digest() -> str:
+def sources_digest() -> str:
     """What compiled the figures: plait's and JAX's versions and plait's own sources."""
     import jax
 
@@ -36,7 +36,7 @@ def _sources_digest() -> str:
 
 
 def sweep_identity(exp: Experiment, n: int, per_node: int | None, kernels: bool) -> str:
-    text = json.dumps([exp.model_dump(mode="json"), n, per_node, kernels, _sources_digest()],
+    text = json.dumps([exp.model_dump(mode="json"), n, per_node, kernels, sources_digest()],
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
