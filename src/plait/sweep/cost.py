@@ -201,15 +201,13 @@ def calibrate(rows: list[dict]) -> dict | None:
     y = np.array([r["measured_step_s"] - r["model_step_s"] for r in done], float)
     k = np.array([r["kernels"] for r in done], float)
     piped = np.array([bool(r.get("pipeline_schedule")) for r in done], float)
-    cols = [np.ones_like(y)]
-    if len(done) >= 2 and np.ptp(k) > 0:
-        cols.append(k)
-    if min(piped.sum(), len(done) - piped.sum()) >= 2:
-        cols.append(piped)
-    coef = list(_nonnegative_fit(np.stack(cols, axis=1), y))
-    per_step = float(coef.pop(0))
-    per_kernel = float(coef.pop(0)) if len(done) >= 2 and np.ptp(k) > 0 else 0.0
-    per_pipelined = float(coef.pop(0)) if coef else 0.0
+    by_kernels = bool(len(done) >= 2 and np.ptp(k) > 0)
+    by_pipelines = bool(min(piped.sum(), len(done) - piped.sum()) >= 2)
+    x = np.stack([np.ones_like(y)] + [k] * by_kernels + [piped] * by_pipelines, axis=1)
+    coef = iter(_nonnegative_fit(x, y))
+    per_step = float(next(coef))
+    per_kernel = float(next(coef)) if by_kernels else 0.0
+    per_pipelined = float(next(coef)) if by_pipelines else 0.0
     for r in rows:
         r["overhead_s"] = (per_step + per_kernel * r["kernels"]
                            + (per_pipelined if r.get("pipeline_schedule") else 0.0))
