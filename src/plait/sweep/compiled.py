@@ -66,25 +66,34 @@ def read_program(exp: Experiment, sizes: dict[str, int], n: int,
     return {**figures, "units_per_step": task.units_per_step, **task.sweep_extras()}
 
 
+def _lerp(x: float, y: float, s: float) -> float:
+    return x + (y - x) * s
+
+
+def _counts(a: dict, b: dict, counts: float, sizes: float) -> dict:
+    """FLOPs, kernels and collective counts `counts` of the way from a's to b's, collective
+    bytes `sizes` of the way."""
+    zero = [0.0, 0.0]
+    groups = {k: [_lerp(a["groups"].get(k, zero)[0], b["groups"].get(k, zero)[0], counts),
+                  _lerp(a["groups"].get(k, zero)[1], b["groups"].get(k, zero)[1], sizes)]
+              for k in set(a["groups"]) | set(b["groups"])}
+    return {"flops": _lerp(a["flops"], b["flops"], counts), "groups": groups,
+            "kernels": None if a["kernels"] is None
+            else _lerp(a["kernels"], b["kernels"], counts)}
+
+
 def extrapolate(a: dict, b: dict, t: float) -> dict:
     """Figures at a + t (b - a). Parameters, optimizer state and outputs grow exactly
     linearly with the size; XLA's temporaries only roughly (buffer reuse), so they never
     drop below what the larger compile needed."""
-    def lerp(x: float, y: float) -> float:
-        return x + (y - x) * t
-
-    keys = set(a["groups"]) | set(b["groups"])
-    groups = {k: [lerp(a["groups"].get(k, [0, 0])[i], b["groups"].get(k, [0, 0])[i])
-                  for i in range(2)] for k in keys}
     m0, m1 = a["memory_parts"], b["memory_parts"]
 
     def mem(key: str) -> float:
-        return lerp(m0.get(key, 0.0), m1.get(key, 0.0))
+        return _lerp(m0.get(key, 0.0), m1.get(key, 0.0), t)
 
     temp = max(mem("temp_bytes"), float(m1.get("temp_bytes", 0.0)))
     memory = mem("argument_bytes") + mem("output_bytes") + temp - mem("alias_bytes")
-    return {**b, "flops": lerp(a["flops"], b["flops"]), "groups": groups, "memory": memory,
-            "kernels": None if a["kernels"] is None else lerp(a["kernels"], b["kernels"])}
+    return {**b, **_counts(a, b, t, t), "memory": memory}
 
 
 def between(a: dict, b: dict, ticks: float, size: float) -> dict:
@@ -92,18 +101,10 @@ def between(a: dict, b: dict, ticks: float, size: float) -> dict:
     FLOPs, kernels and collective counts follow the executor's ticks (`ticks` of the way
     from a's to b's), collective bytes and memory the microbatch's size (`size` of the
     way from a's 1/N to b's)."""
-    def lerp(x: float, y: float, s: float) -> float:
-        return x + (y - x) * s
-
-    zero = [0.0, 0.0]
-    groups = {k: [lerp(a["groups"].get(k, zero)[0], b["groups"].get(k, zero)[0], ticks),
-                  lerp(a["groups"].get(k, zero)[1], b["groups"].get(k, zero)[1], size)]
-              for k in set(a["groups"]) | set(b["groups"])}
     m0, m1 = a["memory_parts"], b["memory_parts"]
-    parts = {k: lerp(m0.get(k, 0.0), m1.get(k, 0.0), size) for k in set(m0) | set(m1)}
-    return {**a, "flops": lerp(a["flops"], b["flops"], ticks), "groups": groups,
-            "memory_parts": parts, "memory": lerp(a["memory"], b["memory"], size),
-            "kernels": None if a["kernels"] is None else lerp(a["kernels"], b["kernels"], ticks)}
+    parts = {k: _lerp(m0.get(k, 0.0), m1.get(k, 0.0), size) for k in set(m0) | set(m1)}
+    return {**a, **_counts(a, b, ticks, size), "memory_parts": parts,
+            "memory": _lerp(a["memory"], b["memory"], size)}
 
 
 def measure(exp: Experiment, c: Candidate, n: int, per_node: int | None = None,
