@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from report import report  # benchmarks/ is the script's directory
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -90,9 +92,7 @@ def main() -> int:
               "nanogpt_median": statistics.median(r["nanogpt_tokens_per_s"] for r in rounds),
               "plait_median": statistics.median(r["plait_tokens_per_s"] for r in rounds),
               "ratio_median": statistics.median(r["ratio"] for r in rounds)}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.json)
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from report import report  # benchmarks/ is the script's directory
 from safetensors.numpy import save_file
 
 # meta-llama/Llama-3.2-1B's shape
@@ -104,13 +105,11 @@ def main() -> None:
                "peak_over_model": peak / files, "wall_s": wall,
                "checkpoint_bytes": sum(p.stat().st_size for p in (root / "run").rglob("*")
                                        if p.is_file())}
-        print(json.dumps(out, indent=2))
+        report(out, args.json)
         print(f"plait import of a {files / 2**30:.2f} GiB {args.dtype} model: peak "
               f"{peak / 2**30:.2f} GiB = {peak / files:.2f} x the model; bound 1.3 x N + 300 MB "
               f"= {bound / 2**30:.2f} GiB ({'met' if peak <= bound else 'NOT met'}); "
               f"{wall:.1f} s")
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

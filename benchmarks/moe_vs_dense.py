@@ -15,11 +15,10 @@ median ratio of the rounds, side by side on one device. Issue 28 asks for >= 0.7
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
+from report import report
 from throughput import speed, train_loop  # benchmarks/ is the script's directory
 
 
@@ -90,9 +89,7 @@ def main() -> int:
         "mfu": {"moe": mfu(moe, "moe"), "dense": mfu(dense, "dense")},
         "rounds": rounds,
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.json)
     return 0
 
 

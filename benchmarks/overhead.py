@@ -20,7 +20,6 @@ loop (data generation, metrics, no checkpoints) for the host-side overhead.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
@@ -33,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from report import report  # benchmarks/ is the script's directory
 
 DEFAULT_SETS = [
     "model.layers=4", "model.d_model=256", "model.heads=8", "model.d_ff=1024",
@@ -230,7 +230,7 @@ def main() -> int:
         "hand_rounds_ms": [1e3 * t for t in h_times],
         "bare_rounds_ms": [1e3 * t for t in b_times],
     }
-    print(json.dumps(result, indent=2))
+    report(result, args.json)
     print(f"\nplait step {result['plait_step_ms']:.1f} ms | "
           f"hand-written {result['hand_step_ms']:.1f} ms"
           f" | overhead {result['overhead_pct']:+.2f}% (paired rounds: "
@@ -239,8 +239,6 @@ def main() -> int:
           f"{result['overhead_vs_bare_pct_median_of_paired_rounds']:+.2f}% | plait loop "
           f"{result['plait_loop_step_ms']:.1f} ms | "
           f"{result['model_gflops_per_step'] / (p_med):.1f} model GFLOP/s", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if not math.isfinite(result["overhead_pct"]):
         return 1
     return 0

@@ -12,10 +12,10 @@ where the device's peak is unknown, e.g. CPUs), compile time and the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+
+from report import report  # benchmarks/ is the script's directory
 
 
 def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str):
@@ -86,9 +86,7 @@ def main() -> int:
         "model_tflops_per_s_per_device": flops_per_token(exp.model) * tps / n / 1e12,
         "mfu": flops_per_token(exp.model) * tps / (n * peak) if peak else None,
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    report(result, args.json)
     return 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -262,11 +262,18 @@ def varying_axes(x) -> frozenset:
     return frozenset(vma or ())
 
 
+def vary_over(x: jax.Array, axes: Iterable[str]) -> jax.Array:
+    """x marked varying over the manual mesh axes `axes` (those it does not vary over
+    already): inside a shard_map, a value the same on every rank that is then combined
+    with per-rank values, or a loop's carry, must say so in its type."""
+    missing = frozenset(axes) - varying_axes(x)
+    return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+
 def varying_like(x: jax.Array, *like: jax.Array) -> jax.Array:
     """x marked varying over every manual mesh axis any of `like` varies over: a scan's
     initial carry inside a shard_map must have the type of what the body makes of it."""
-    axes = frozenset().union(*(varying_axes(a) for a in like)) - varying_axes(x)
-    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+    return vary_over(x, frozenset().union(*(varying_axes(a) for a in like)))
 
 
 def pin(x: jax.Array, target: P) -> jax.Array:

@@ -53,7 +53,7 @@ from plait.parallel.tick_table import (
     RES_WRITE,
     TickTable,
 )
-from plait.sharding import varying_axes
+from plait.sharding import vary_over
 
 AXIS = "pipeline"
 
@@ -68,7 +68,7 @@ class StageFns:
 
 
 def _vary(x):
-    return x if AXIS in varying_axes(x) else jax.lax.pcast(x, AXIS, to="varying")
+    return vary_over(x, (AXIS,))
 
 
 def _f32(t):

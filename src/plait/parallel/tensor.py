@@ -30,6 +30,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from plait.sharding import vary_over
+
 
 def _dims(spec: P, ndim: int) -> list[tuple[str, ...]]:
     out = []
@@ -104,10 +106,6 @@ def _shard_map(body, mesh: Mesh, in_specs, out_specs, n_diff: int):
     return f
 
 
-def _vary(w: jax.Array, axes: set[str]) -> jax.Array:
-    return jax.lax.pcast(w, tuple(sorted(axes)), to="varying") if axes else w
-
-
 def gathered_matmul(eq: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, x_spec: P, w_spec: P,
                     out_spec: P, x_contracted: Sequence[int], w_contracted: Sequence[int]
                     ) -> jax.Array:
@@ -146,7 +144,7 @@ def gathered_matmul(eq: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, x_spec: 
             for a in reversed(xd[i]):
                 if a in aw_o:
                     xb = _gather(xb, xdims, a, i)
-        wb = _vary(wb, vary)
+        wb = vary_over(wb, vary)
         for i in w_contracted:
             for a in reversed(wd[i]):
                 if a not in ax_c:
@@ -181,7 +179,7 @@ def sharded_lookup(table: jax.Array, ids: jax.Array, *, mesh: Mesh, table_spec: 
 
     def body(tb: jax.Array, ib: jax.Array) -> jax.Array:
         tdims = [vocab_axes, embed_axes]
-        tb = _vary(tb, vary)
+        tb = vary_over(tb, vary)
         for a in reversed(embed_axes):
             if a not in od[-1]:
                 tb = _gather(tb, tdims, a, 1)
