@@ -140,24 +140,18 @@ def predict_group(exp: Experiment, group: list[Candidate], compiled: dict[int, d
     """Rows of candidates that differ only in their pipeline's microbatch count, from the
     figures `compiled` at some of the counts ({N: figures}: the fewest and the most,
     `shapes.anchors`); a count between them is interpolated (`compiled.between`)."""
-    from plait.parallel import schedules
-    from plait.parallel.tick_table import tick_table
     from plait.sweep.compiled import between
-
-    def table(c: Candidate, N: int):
-        p = c.pipeline
-        s = schedules.build(p["schedule"], c.sizes["pipeline"], N, p.get("virtual_stages", 0))
-        return s, tick_table(s, exp.model.layers, exp.pipeline.recompute)
+    from plait.sweep.shapes import laid_out
 
     rows = []
     for c in group:
         N, held = c.microbatches, {}
         m = compiled.get(N)
         if c.pipeline:
-            s, t = table(c, N)
+            s, t = laid_out(exp, c)
             if m is None:
                 lo, hi = min(compiled), max(compiled)
-                ticks = [len(table(c, k)[1].table) for k in (lo, hi)]
+                ticks = [len(laid_out(exp, c, k)[1].table) for k in (lo, hi)]
                 m = between(compiled[lo], compiled[hi],
                             (len(t.table) - ticks[0]) / (ticks[1] - ticks[0]),
                             (1 / N - 1 / lo) / (1 / hi - 1 / lo))
