@@ -412,6 +412,69 @@ def test_an_interrupted_sweep_says_what_it_kept(tmp_path, capsys, monkeypatch):
                    "the same command resumes from them")
 
 
+def test_run_times_are_journaled_and_a_rerun_measures_only_new_shapes(tmp_path, monkeypatch,
+                                                                       capsys):
+    """--run appends each measured step time to runs.jsonl; a rerun (or one with more
+    rows) reads back those it holds for the same experiment and steps and trains only the
+    others; --fresh trains all; a shape that failed is tried again."""
+    import plait.train.loop as loop
+
+    exp = tiny(model={"layers": 1}, train={"global_batch": 4})
+    journal = tmp_path / "sw" / sweep.RUNS
+
+    def rows_of(*meshes: str) -> list[dict]:
+        return [{"rank": i, "mesh": m, "settings": {}, "fits": True, "predicted_step_s": 0.01}
+                for i, m in enumerate(meshes, 1)]
+
+    first = rows_of("data=2", "fsdp=2")
+    sweep.measure_runs(exp, first, 2, steps=3, journal=journal)  # really trained
+    assert all(r["measured_step_s"] > 0 for r in first)
+    assert len(journal.read_text().splitlines()) == 2
+    trained: list[str] = []
+
+    def fake(e, mesh, steps, **kw):
+        trained.append(",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1))
+        if "tensor" in trained[-1] and len(trained) == 1:
+            raise UserError("too big")
+        return {"records": [{"step_time_s": 0.5}] * steps}
+
+    monkeypatch.setattr(loop, "train_briefly", fake)
+    again = rows_of("data=2", "fsdp=2", "tensor=2")
+    sweep.measure_runs(exp, again, 2, steps=3, journal=journal)
+    assert trained == ["tensor=2"] and again[2]["measured_error"] == "too big"
+    assert [r["measured_step_s"] for r in again[:2]] == [r["measured_step_s"] for r in first]
+    assert "2 of 3 shapes' step times read from" in capsys.readouterr().err
+    sweep.measure_runs(exp, rows_of("data=2", "fsdp=2", "tensor=2"), 2, steps=3,
+                       journal=journal)
+    assert trained == ["tensor=2", "tensor=2"]  # the failed shape, tried again
+    sweep.measure_runs(exp, rows_of("data=2", "tensor=2"), 2, steps=3, journal=journal)
+    assert len(trained) == 2  # every shape journaled now
+    sweep.measure_runs(exp, rows_of("data=2"), 2, steps=4, journal=journal)  # other steps
+    sweep.measure_runs(exp, rows_of("fsdp=2"), 2, steps=3, journal=journal, fresh=True)
+    assert trained[2:] == ["data=2", "fsdp=2"]
+
+
+def test_an_interrupted_run_says_what_it_kept(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while --run trains: one line naming both journals."""
+    from plait.cli import main
+
+    def measured_two(exp, rows, n, *, journal, fresh):
+        journal.write_text("{}\n{}\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: [
+        {"rank": 1, "mesh": "data=2", "settings": {}, "fits": True, "predicted_step_s": 0.01}])
+    monkeypatch.setattr(sweep, "measure_runs", measured_two)
+    out = tmp_path / "sw"
+    out.mkdir()
+    path = write_experiment(tmp_path / "tiny.toml", tiny())
+    assert main(["sweep", str(path), "--devices", "2", "--out", str(out), "--run"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (f"plait: interrupted; 2 measured step times are kept in {out / sweep.RUNS} "
+                   f"(and the compiled programs in {out / sweep.JOURNAL}); the same command "
+                   "resumes from them")
+
+
 def test_mesh_auto_keys_its_cached_ranking_by_plaits_sources(monkeypatch):
     """A checkout that prices differently under the same version number sweeps again."""
     from plait.sweep import auto, journal

@@ -192,14 +192,19 @@ def cmd_sweep(args) -> int:
                                schedules=schedules, failed=failed, journal=journal,
                                fresh=args.fresh)
     except KeyboardInterrupt:
-        kept = len(journal.read_text().splitlines()) if journal.is_file() else 0
-        raise KeyboardInterrupt(f"{kept} compiled programs are kept in {journal}; the same "
-                                "command resumes from them") from None
+        raise KeyboardInterrupt(f"{_lines(journal)} compiled programs are kept in {journal}; "
+                                "the same command resumes from them") from None
     elapsed = time.perf_counter() - t0
     top = rows[: args.top] if args.top else rows
     fit = None
     if args.run:
-        sweep.measure_runs(exp, top, args.devices)
+        runs = out / sweep.RUNS
+        try:
+            sweep.measure_runs(exp, top, args.devices, journal=runs, fresh=args.fresh)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"{_lines(runs)} measured step times are kept in {runs} "
+                                    f"(and the compiled programs in {journal}); the same "
+                                    "command resumes from them") from None
         fit = sweep.calibrate(rows)
         rows = sweep.rank(rows)  # calibrated, and a shape that did not run after those that did
         top = rows[: args.top] if args.top else rows
@@ -218,6 +223,10 @@ def cmd_sweep(args) -> int:
     print(f"plait: {len(rows)} shapes in {elapsed:.0f}s; wrote {out}/sweep.csv, sweep.json, "
           "sweep.png")
     return 0
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
 def cmd_plan(args) -> int:

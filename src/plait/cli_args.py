@@ -63,11 +63,12 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--run", action="store_true",
                     help="also train the top rows for a few steps here and add measured times")
     sw.add_argument("--out", default=None,
-                    help="directory for sweep.csv, .json and .png, and programs.jsonl, the "
-                         "compiled figures a rerun into it resumes from "
-                         "(default: sweeps/<experiment>-<N>)")
+                    help="directory for sweep.csv, .json and .png, and programs.jsonl and "
+                         "runs.jsonl, the compiled figures and --run's times a rerun into it "
+                         "resumes from (default: sweeps/<experiment>-<N>)")
     sw.add_argument("--fresh", action="store_true",
-                    help="compile every program again, ignoring programs.jsonl in --out")
+                    help="compile (and with --run, measure) every program again, ignoring "
+                         "programs.jsonl and runs.jsonl in --out")
     sw.add_argument("--workers", type=int, default=None,
                     help="processes compiling in parallel (default: up to 4, by core count)")
     sw.add_argument("--schedules", default=None, metavar="NAMES",

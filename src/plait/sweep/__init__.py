@@ -6,13 +6,15 @@
   memory, extrapolate what the task says is linear;
 - `cost`: the stated cost model on a hardware description (`plait.hardware`);
 - `run`: the whole sweep, worker processes, `--run` measurements;
-- `journal`: each program's figures appended as read, so a sweep cut short resumes.
+- `journal`: each program's figures, and each `--run` time, appended as read, so a
+  sweep cut short resumes.
 Tables and plots of the results are in `plait.views.sweep`.
 """
 
 from plait.sweep.compiled import COMPILER_OPTIONS, measure
 from plait.sweep.cost import calibrate, predict
 from plait.sweep.journal import NAME as JOURNAL
+from plait.sweep.journal import RUNS
 from plait.sweep.run import (
     MAX_SIMULATED,
     candidate_of,
@@ -24,5 +26,5 @@ from plait.sweep.run import (
 from plait.sweep.shapes import Candidate, enumerate_shapes
 
 __all__ = ["COMPILER_OPTIONS", "JOURNAL", "MAX_SIMULATED", "Candidate", "calibrate", "candidate_of",
-           "enumerate_shapes", "measure", "measure_runs", "predict", "rank", "run_sweep",
-           "schedule_names"]
+           "enumerate_shapes", "measure", "measure_runs", "predict", "rank", "RUNS",
+           "run_sweep", "schedule_names"]

@@ -228,15 +228,29 @@ def candidate_of(row: dict, n: int) -> Candidate:
     return Candidate(sizes, dict(row.get("settings") or {}))
 
 
-def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> None:
+def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
+                 journal: Path | None = None, fresh: bool = False) -> None:
     """Train each row's shape for a few steps on the devices at hand; add its median step
     time. A shape that fails to run (too big for the devices after all, a failure of the
-    step) gets `measured_error`, its one line, said on stderr; the others still run."""
+    step) gets `measured_error`, its one line, said on stderr; the others still run. With
+    a `journal` file, each time is appended as measured, and those it holds for these
+    shapes (the same experiment, steps, plait and machine) are read back, not measured
+    again (`fresh`: none are)."""
     from plait.errors import RunFailed
+    from plait.sweep.journal import Measured, run_identity
     from plait.train.loop import train_briefly
 
+    book = Measured(journal, run_identity(exp, n, steps), fresh) if journal else None
+    known = {id(r): t for r in rows if book and (t := book.get(r)) is not None}
+    if known:
+        print(f"plait sweep: {len(known)} of {len(rows)} shapes' step times read from "
+              f"{journal} (measured by an earlier --run of this sweep on this machine; "
+              "--fresh measures them again)", file=sys.stderr, flush=True)
     for r in rows:
         cand = candidate_of(r, n)
+        if id(r) in known:
+            r["measured_step_s"] = known[id(r)]
+            continue
         try:
             summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n),
                                     steps)
@@ -247,3 +261,5 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6) -> N
             continue
         times = [rec["step_time_s"] for rec in summary["records"][1:]]
         r["measured_step_s"] = float(np.median(times)) if times else None
+        if book and r["measured_step_s"] is not None:
+            book.add(r, cand.label, r["measured_step_s"])
