@@ -184,6 +184,11 @@ def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b" in err
+    for flags, said in [(["--top", "-3"], "--top must be at least 1, got -3"),
+                        (["--run", "--run-steps", "1"], "--run-steps must be at least 2")]:
+        assert main(["sweep", str(path), "--devices", "2", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and said in err, err
 
 
 def test_dlrm_sweep_ranks_meshes_and_embedding_placements(capsys):
@@ -458,7 +463,8 @@ def test_an_interrupted_run_says_what_it_kept(tmp_path, capsys, monkeypatch):
     """Ctrl-C while --run trains: one line naming both journals."""
     from plait.cli import main
 
-    def measured_two(exp, rows, n, *, journal, fresh):
+    def measured_two(exp, rows, n, steps, *, journal, fresh):
+        assert steps == 6
         journal.write_text("{}\n{}\n")
         raise KeyboardInterrupt
 

@@ -179,6 +179,11 @@ def cmd_sweep(args) -> int:
                         f"({sweep.MAX_SIMULATED}); sweep a smaller slice")
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
+    if args.top is not None and args.top < 1:
+        raise UserError(f"--top must be at least 1, got {args.top}")
+    if args.run_steps < 2:
+        raise UserError(f"--run-steps must be at least 2 (the first step compiles and is not "
+                        f"timed), got {args.run_steps}")
     schedules = sweep.schedule_names(args.schedules)
     hw = load_hardware(args.hardware or "cpu-2core")
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
@@ -200,7 +205,8 @@ def cmd_sweep(args) -> int:
     if args.run:
         runs = out / sweep.RUNS
         try:
-            sweep.measure_runs(exp, top, args.devices, journal=runs, fresh=args.fresh)
+            sweep.measure_runs(exp, top, args.devices, args.run_steps, journal=runs,
+                               fresh=args.fresh)
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"{_lines(runs)} measured step times are kept in {runs} "
                                     f"(and the compiled programs in {journal}); the same "

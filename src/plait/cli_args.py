@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--top", type=int, default=None, help="rows to print (and to --run)")
     sw.add_argument("--run", action="store_true",
                     help="also train the top rows for a few steps here and add measured times")
+    sw.add_argument("--run-steps", type=int, default=6, metavar="STEPS",
+                    help="steps --run trains each shape for; its time is the median of all "
+                         "but the first (default: 6; more steady on a noisy machine)")
     sw.add_argument("--out", default=None,
                     help="directory for sweep.csv, .json and .png, and programs.jsonl and "
                          "runs.jsonl, the compiled figures and --run's times a rerun into it "
