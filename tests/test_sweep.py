@@ -317,8 +317,10 @@ def test_a_shape_that_does_not_run_is_said_and_ranked_after_those_that_do(capsys
              "predicted_step_s": 0.02}]
     sweep.measure_runs(exp, rows, 2, steps=3)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("plait sweep: rank 1 (data=2 4194304) did not "
+    assert len(err) == 2 and err[0].startswith("plait sweep: rank 1 (data=2 4194304) did not "
                                                "run: the compiled train step needs"), err
+    assert err[1].startswith("plait sweep: trained 2/2 rank 2 (fsdp=2): ") and \
+        err[1].endswith(" ms a step"), err  # off a terminal, a line a shape
     assert rows[0]["measured_step_s"] is None and "GiB per device" in rows[0]["measured_error"]
     assert rows[1]["measured_step_s"] > 0 and "measured_error" not in rows[1]
     assert [r["mesh"] for r in sweep.rank(rows)] == ["fsdp=2", "data=2"]

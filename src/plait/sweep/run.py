@@ -228,17 +228,35 @@ def candidate_of(row: dict, n: int) -> Candidate:
     return Candidate(sizes, dict(row.get("settings") or {}))
 
 
+def _train_one(exp: Experiment, r: dict, n: int, steps: int) -> str:
+    """Train the row's shape; add its median step time, or `measured_error` (the line said,
+    returned)."""
+    from plait.errors import RunFailed
+    from plait.train.loop import train_briefly
+
+    cand = candidate_of(r, n)
+    try:
+        summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n), steps)
+    except (UserError, RunFailed) as e:
+        r["measured_step_s"], r["measured_error"] = None, str(e)
+        return f"did not run: {e}"
+    times = [rec["step_time_s"] for rec in summary["records"][1:]]
+    r["measured_step_s"] = float(np.median(times)) if times else None
+    return "no step timed" if not times else f"{1e3 * r['measured_step_s']:.1f} ms a step"
+
+
 def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
-                 journal: Path | None = None, fresh: bool = False) -> None:
+                 journal: Path | None = None, fresh: bool = False,
+                 progress: bool = True) -> None:
     """Train each row's shape for a few steps on the devices at hand; add its median step
     time. A shape that fails to run (too big for the devices after all, a failure of the
     step) gets `measured_error`, its one line, said on stderr; the others still run. With
     a `journal` file, each time is appended as measured, and those it holds for these
     shapes (the same experiment, steps, plait and machine) are read back, not measured
-    again (`fresh`: none are)."""
-    from plait.errors import RunFailed
+    again (`fresh`: none are). Progress: a bar on a terminal, else a line a shape."""
+    from rich.progress import Progress
+
     from plait.sweep.journal import Measured, run_identity
-    from plait.train.loop import train_briefly
 
     book = Measured(journal, run_identity(exp, n, steps), fresh) if journal else None
     known = {id(r): t for r in rows if book and (t := book.get(r)) is not None}
@@ -246,20 +264,23 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
         print(f"plait sweep: {len(known)} of {len(rows)} shapes' step times read from "
               f"{journal} (measured by an earlier --run of this sweep on this machine; "
               "--fresh measures them again)", file=sys.stderr, flush=True)
+    todo = [r for r in rows if id(r) not in known]
     for r in rows:
-        cand = candidate_of(r, n)
         if id(r) in known:
             r["measured_step_s"] = known[id(r)]
-            continue
-        try:
-            summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n),
-                                    steps)
-        except (UserError, RunFailed) as e:
-            r["measured_step_s"], r["measured_error"] = None, str(e)
-            print(f"plait sweep: rank {r['rank']} ({cand.label}) did not run: {e}",
-                  file=sys.stderr, flush=True)
-            continue
-        times = [rec["step_time_s"] for rec in summary["records"][1:]]
-        r["measured_step_s"] = float(np.median(times)) if times else None
-        if book and r["measured_step_s"] is not None:
-            book.add(r, cand.label, r["measured_step_s"])
+    lines = progress and not sys.stderr.isatty()
+    with Progress(disable=not progress or lines, transient=True) as bar:
+        task = bar.add_task(f"training {len(todo)} shapes", total=len(todo))
+        for i, r in enumerate(todo, 1):
+            label = candidate_of(r, n).label
+            bar.update(task, description=f"training rank {r['rank']} ({label})")
+            said = _train_one(exp, r, n, steps)
+            if "measured_error" in r:
+                print(f"plait sweep: rank {r['rank']} ({label}) {said}", file=sys.stderr,
+                      flush=True)
+            elif lines:
+                print(f"plait sweep: trained {i}/{len(todo)} rank {r['rank']} ({label}): "
+                      f"{said}", file=sys.stderr, flush=True)
+            if book and r["measured_step_s"] is not None:
+                book.add(r, label, r["measured_step_s"])
+            bar.advance(task)
