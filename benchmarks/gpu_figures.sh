@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe)
+#   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe
+#   sweep)
 #
 # Meant for a lent GPU machine with JAX (CUDA) and torch installed: plait runs from
 # src/ (PYTHONPATH), missing pure-Python dependencies may be wheels under .whl/, and
@@ -81,7 +82,16 @@ for stage in "$@"; do
       run moe-capacity 180 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
         --set model.moe.capacity_factor=1.25 --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-capacity.json" ;;
-    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe)"
+    sweep)  # issue 29's sweep item: predicted against measured on one GPU. One device has
+      # one mesh shape, so the sweep tries remat and the loss in pieces on it (--vary),
+      # compiles each on the GPU, trains the top ones and fits the overheads to them
+      run sweep-124m 560 python3 -m plait sweep experiments/gpt2-124m.toml --devices 1 \
+        --hardware h100-node --vary model.remat=none,save_dots,full \
+        --vary model.loss_chunks=1,4 --run --out "$OUT/sweep-124m"
+      run sweep-1p3b 560 python3 -m plait sweep experiments/gpt2-1.3b.toml --devices 1 \
+        --hardware h100-node --vary model.remat=save_dots,full --vary model.loss_chunks=1,4 \
+        --run --top 3 --out "$OUT/sweep-1p3b" ;;
+    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe sweep)"
        exit 2 ;;
   esac
 done

@@ -173,6 +173,45 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     assert M.inline(resolved) == best["mesh"]
 
 
+def test_vary_tries_settings_on_every_shape_each_from_its_own_compile(tmp_path, capsys):
+    """On one device the mesh has one shape; --vary crosses it with remat and gradient
+    accumulation, each combination its own program (full remat recomputes the forward:
+    more FLOPs; two microbatches: the same work), trained by --run with its settings and
+    shown by them in the table and the CSV."""
+    from plait.cli import main
+
+    exp = tiny(train={"global_batch": 4})
+    path = write_experiment(tmp_path / "tiny.toml", exp)
+    out = tmp_path / "sw"
+    assert main(["sweep", str(path), "--devices", "1", "--out", str(out), "--vary",
+                 "model.remat=none,full", "--vary", "train.microbatches=1,2", "--run",
+                 "--run-steps", "3"]) == 0
+    said = capsys.readouterr()
+    report = json.loads((out / "sweep.json").read_text())
+    rows = {(r["varied"]["model.remat"], r["varied"]["train.microbatches"]): r
+            for r in report["rows"]}
+    assert set(rows) == {("none", 1), ("none", 2), ("full", 1), ("full", 2)}
+    for mb in (1, 2):
+        assert rows["full", mb]["flops_per_device"] > 1.2 * rows["none", mb]["flops_per_device"]
+    assert rows["none", 2]["flops_per_device"] == pytest.approx(
+        rows["none", 1]["flops_per_device"], rel=0.02)
+    assert all(r["measured_step_s"] > 0 for r in rows.values())
+    assert len((out / sweep.RUNS).read_text().splitlines()) == 4
+    trained = sweep.candidate_of(rows["full", 2], 1).experiment(exp)
+    assert (trained.model.remat, trained.train.microbatches) == ("full", 2)
+    assert "model.remat=full train.microbatches=2" in said.out  # table and calibration
+    assert "plait sweep: compiled 4/4 " in said.err  # one program per combination
+    csv_rows = list(csv.DictReader((out / "sweep.csv").read_text().splitlines()))
+    assert {r["varied"] for r in csv_rows} == {
+        f"model.remat={a} train.microbatches={b}" for a, b in rows}
+    # A pipeline takes its microbatches from pipeline.microbatches: on two devices its
+    # shapes come with train.microbatches = 1 only.
+    cands, _ = sweep.enumerate_shapes(exp, 2, [{"train.microbatches": 1},
+                                               {"train.microbatches": 2}])
+    piped = {c.settings["train.microbatches"] for c in cands if c.pipeline}
+    assert piped == {1} and {c.settings["train.microbatches"] for c in cands} == {1, 2}
+
+
 def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
     from plait.cli import main
 
@@ -185,7 +224,14 @@ def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 0
     assert "unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b" in err
     for flags, said in [(["--top", "-3"], "--top must be at least 1, got -3"),
-                        (["--run", "--run-steps", "1"], "--run-steps must be at least 2")]:
+                        (["--run", "--run-steps", "1"], "--run-steps must be at least 2"),
+                        (["--vary", "model.remat"], "--vary expects KEY=V1,V2,..."),
+                        (["--vary", "model.remat=none,fulll"], "--vary model.remat"),
+                        (["--vary", "model.remta=none"], "--vary model.remta"),
+                        (["--vary", "pipeline.microbatches=2,4"],
+                         "--vary pipeline.microbatches: the sweep tries each pipeline"),
+                        (["--vary", "model.remat=full", "--vary", "model.remat=none"],
+                         "--vary model.remat is given twice")]:
         assert main(["sweep", str(path), "--devices", "2", *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and said in err, err
@@ -248,7 +294,7 @@ def test_kernel_count_counts_loops_and_not_fusion_bodies():
 def test_calibration_fits_per_step_and_per_kernel_overheads_and_reranks():
     def row(mesh, model, kernels, measured=None):
         r = {"mesh": mesh, "fits": True, "model_step_s": model, "predicted_step_s": model,
-             "predicted_units_per_s": 1000 / model, "kernels": kernels}
+             "units_per_step": 1000, "predicted_units_per_s": 1000 / model, "kernels": kernels}
         if measured is not None:
             r["measured_step_s"] = measured
         return r
@@ -260,6 +306,9 @@ def test_calibration_fits_per_step_and_per_kernel_overheads_and_reranks():
     assert fit["per_step_s"] == pytest.approx(0.004) and fit["per_kernel_s"] == pytest.approx(2e-5)
     for r in rows[:3]:
         assert r["predicted_step_s"] == pytest.approx(r["measured_step_s"])
+    # Fitting again (more measured) replaces the overheads; it does not add to them.
+    assert sweep.calibrate(rows) == fit
+    assert rows[0]["predicted_units_per_s"] == pytest.approx(1000 / rows[0]["measured_step_s"])
     # d had the fastest model time; its 2000 kernels make it the slowest once calibrated.
     ranked = sweep.rank(rows)
     assert ranked[-1]["mesh"] == "d" and ranked[0]["mesh"] == "a"

@@ -185,6 +185,7 @@ def cmd_sweep(args) -> int:
         raise UserError(f"--run-steps must be at least 2 (the first step compiles and is not "
                         f"timed), got {args.run_steps}")
     schedules = sweep.schedule_names(args.schedules)
+    combos = sweep.combinations(args.experiment, list(args.sets), args.vary)
     hw = load_hardware(args.hardware or "cpu-2core")
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
@@ -195,7 +196,7 @@ def cmd_sweep(args) -> int:
     try:
         rows = sweep.run_sweep(exp, args.devices, hw, workers=args.workers, kernels=args.run,
                                schedules=schedules, failed=failed, journal=journal,
-                               fresh=args.fresh)
+                               fresh=args.fresh, combos=combos)
     except KeyboardInterrupt:
         raise KeyboardInterrupt(f"{_lines(journal)} compiled programs are kept in {journal}; "
                                 "the same command resumes from them") from None

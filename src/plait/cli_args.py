@@ -59,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
                          "(default: cpu-2core)")
     sw.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (value parsed as TOML); repeatable")
+    sw.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
+                    help="also try these values of a config key on every shape, e.g. "
+                         "model.remat=none,save_dots,full; repeatable (every combination)")
     sw.add_argument("--top", type=int, default=None, help="rows to print (and to --run)")
     sw.add_argument("--run", action="store_true",
                     help="also train the top rows for a few steps here and add measured times")

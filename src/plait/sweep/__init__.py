@@ -6,6 +6,7 @@
   memory, extrapolate what the task says is linear;
 - `cost`: the stated cost model on a hardware description (`plait.hardware`);
 - `run`: the whole sweep, worker processes, `--run` measurements;
+- `vary`: `--vary KEY=V1,V2`, settings besides the mesh tried on every shape;
 - `journal`: each program's figures, and each `--run` time, appended as read, so a
   sweep cut short resumes.
 Tables and plots of the results are in `plait.views.sweep`.
@@ -24,7 +25,8 @@ from plait.sweep.run import (
     schedule_names,
 )
 from plait.sweep.shapes import Candidate, enumerate_shapes
+from plait.sweep.vary import combinations
 
-__all__ = ["COMPILER_OPTIONS", "JOURNAL", "MAX_SIMULATED", "Candidate", "calibrate", "candidate_of",
-           "enumerate_shapes", "measure", "measure_runs", "predict", "rank", "RUNS",
-           "run_sweep", "schedule_names"]
+__all__ = ["COMPILER_OPTIONS", "JOURNAL", "MAX_SIMULATED", "RUNS", "Candidate", "calibrate",
+           "candidate_of", "combinations", "enumerate_shapes", "measure", "measure_runs",
+           "predict", "rank", "run_sweep", "schedule_names"]

@@ -123,7 +123,8 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
     extra = {"memory_traffic_s": traffic} if "row_traffic_bytes" in measured else {}
     if "embedding_kinds" in measured:
         extra["embedding_kinds"] = measured["embedding_kinds"]
-    return {"mesh": c.mesh, **c.columns(), "settings": dict(c.settings), **extra,
+    return {"mesh": c.mesh, **c.columns(), "settings": dict(c.settings),
+            "varied": c.varied_settings, **extra,
             "tensor_mode": mesh_lib.tensor_mode(c.sizes) or "none",
             "flops_per_device": measured["flops"], "collective_bytes": wire,
             "collective_bytes_across_nodes": links["across_hosts"]["wire"],
@@ -131,6 +132,7 @@ def predict(exp: Experiment, c: Candidate, measured: dict, hw: Hardware, n: int)
             "comm_across_nodes_s": links["across_hosts"]["s"], "bubble_ratio": bubble,
             "predicted_step_s": step, "model_step_s": model_step,
             "kernels": measured.get("kernels"),
+            "units_per_step": measured["units_per_step"],
             "predicted_units_per_s": measured["units_per_step"] / step,
             "memory_bytes": measured["memory"], "fits": measured["memory"] <= hw.memory(n)}
 
@@ -206,7 +208,7 @@ def calibrate(rows: list[dict]) -> dict | None:
         r["overhead_s"] = (per_step + per_kernel * r["kernels"]
                            + (per_pipelined if r.get("pipeline_schedule") else 0.0))
         r["predicted_step_s"] = r["model_step_s"] + r["overhead_s"]
-        r["predicted_units_per_s"] = r["predicted_units_per_s"] * (
-            r["model_step_s"] / r["predicted_step_s"]) if r["predicted_step_s"] else 0.0
+        r["predicted_units_per_s"] = (r["units_per_step"] / r["predicted_step_s"]
+                                      if r["predicted_step_s"] else 0.0)
     return {"per_step_s": per_step, "per_kernel_s": per_kernel,
             "per_pipelined_step_s": per_pipelined, "measured_shapes": len(done)}

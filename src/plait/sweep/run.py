@@ -35,16 +35,17 @@ def schedule_names(text: str | None) -> tuple[str, ...] | None:
     return names
 
 
-def programs_of(exp: Experiment, n: int, schedules: tuple[str, ...] | None = None
+def programs_of(exp: Experiment, n: int, schedules: tuple[str, ...] | None = None,
+                combos: list[dict] | None = None
                 ) -> tuple[list[list[Candidate]], dict[tuple, Program]]:
-    """The candidates for n devices in groups that differ only by their microbatch count
-    (pipeline shapes only of `schedules`, when given), and the distinct programs to
-    compile for them: each group's anchors (`shapes.anchors`), those that compile alike
-    once (`shapes.program_key`)."""
+    """The candidates for n devices (each crossed with `combos`, the `--vary` settings) in
+    groups that differ only by their microbatch count (pipeline shapes only of
+    `schedules`, when given), and the distinct programs to compile for them: each group's
+    anchors (`shapes.anchors`), those that compile alike once (`shapes.program_key`)."""
     if n > MAX_SIMULATED:
         raise UserError(f"--devices {n} is more than plait simulates on one CPU "
                         f"({MAX_SIMULATED}); sweep a smaller slice or on the target machine")
-    cands, reasons = enumerate_shapes(exp, n)
+    cands, reasons = enumerate_shapes(exp, n, combos)
     if schedules is not None:
         cands = [c for c in cands if not c.pipeline or c.pipeline["schedule"] in schedules]
     if not cands:
@@ -64,7 +65,8 @@ def _label(program: Program) -> str:
     rep = program[0]
     if rep.pipeline:
         names = "/".join(dict.fromkeys(c.pipeline["schedule"] for c in program))
-        return f"{rep.mesh} {names} N={rep.microbatches}"
+        varied = "".join(f" {k}={v}" for k, v in rep.varied_settings.items())
+        return f"{rep.mesh} {names} N={rep.microbatches}{varied}"
     return rep.label
 
 
@@ -161,14 +163,14 @@ def run_sweep(exp: Experiment, n: int, hw: Hardware, progress: bool = True,
               workers: int | None = None, kernels: bool = False,
               schedules: tuple[str, ...] | None = None,
               failed: list[str] | None = None, journal: Path | None = None,
-              fresh: bool = False) -> list[dict]:
+              fresh: bool = False, combos: list[dict] | None = None) -> list[dict]:
     """Compile every distinct program once, predict every shape, rank. `kernels`: count
     each program's kernels, for `--run`'s calibration (compiles slower). The shapes of a
     program XLA aborted compiling are left out; their meshes go into `failed`. With a
     `journal` file, each program's figures are appended to it as they are read and
     those it already holds for this sweep are read back, not compiled (`fresh`: none
-    are)."""
-    groups, programs = programs_of(exp, n, schedules)
+    are). `combos`: settings to try on every shape (`sweep.vary`)."""
+    groups, programs = programs_of(exp, n, schedules, combos)
     book = None
     if journal is not None:
         from plait.sweep.journal import Journal, sweep_identity
@@ -225,7 +227,7 @@ def rank(rows: list[dict]) -> list[dict]:
 def candidate_of(row: dict, n: int) -> Candidate:
     """The shape a result row stands for (its mesh and settings)."""
     sizes = mesh_lib.resolve(mesh_lib.load_spec(row["mesh"]), n)
-    return Candidate(sizes, dict(row.get("settings") or {}))
+    return Candidate(sizes, dict(row.get("settings") or {}), tuple(row.get("varied") or {}))
 
 
 def _train_one(exp: Experiment, r: dict, n: int, steps: int) -> str:

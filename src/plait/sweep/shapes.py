@@ -17,10 +17,13 @@ MICROBATCHES = "pipeline.microbatches"
 
 @dataclass
 class Candidate:
-    """A mesh shape and the config settings (dotted keys) that go with it."""
+    """A mesh shape and the config settings (dotted keys) that go with it: the task's own
+    (pipeline schedule and microbatches, embedding placement) and those the user asked to
+    try (`--vary`, named in `varied`)."""
 
     sizes: dict[str, int]
     settings: dict[str, Any] = field(default_factory=dict)
+    varied: tuple[str, ...] = ()
 
     @property
     def mesh(self) -> str:
@@ -29,8 +32,12 @@ class Candidate:
     @property
     def label(self) -> str:
         shown = [str(v) for k, v in self.settings.items()
-                 if k not in (MICROBATCHES, "pipeline.virtual_stages")]
-        return " ".join([self.mesh, *shown])
+                 if k not in (MICROBATCHES, "pipeline.virtual_stages", *self.varied)]
+        return " ".join([self.mesh, *shown, *(f"{k}={v}" for k, v in self.varied_settings.items())])
+
+    @property
+    def varied_settings(self) -> dict[str, Any]:
+        return {k: self.settings[k] for k in self.varied}
 
     @property
     def pipeline(self) -> dict[str, Any]:
@@ -42,7 +49,8 @@ class Candidate:
         """Candidates of one group differ only in the pipeline's microbatch count: one
         executor at other tick counts and microbatch sizes, priced from compiles at the
         fewest and the most (`anchors`, `compiled.between`)."""
-        return (self.mesh, tuple((k, v) for k, v in self.settings.items() if k != MICROBATCHES))
+        return (self.mesh, tuple((k, _hashable(v)) for k, v in self.settings.items()
+                                 if k != MICROBATCHES))
 
     @property
     def microbatches(self) -> int:
@@ -50,14 +58,26 @@ class Candidate:
 
     def experiment(self, exp: Experiment) -> Experiment:
         for key, value in self.settings.items():
-            section, name = key.split(".", 1)
-            part = getattr(exp, section).model_copy(update={name: value})
-            exp = exp.model_copy(update={section: part})
+            exp = with_setting(exp, key.split("."), value)
         return exp
 
     def columns(self) -> dict[str, Any]:
         """The settings as result columns: pipeline.schedule -> pipeline_schedule."""
         return {k.replace(".", "_"): v for k, v in self.settings.items()}
+
+
+def _hashable(value: Any) -> Any:
+    """A setting as part of a dict key: a list or table (`--vary` allows any) as text."""
+    return value if isinstance(value, (str, int, float, bool)) else repr(value)
+
+
+def with_setting(node, path: list[str], value):
+    """A copy of a config model with the setting at `path` (a dotted key's parts) set;
+    the value is one the config validated already (`sweep.vary`)."""
+    if len(path) == 1:
+        return node.model_copy(update={path[0]: value})
+    return node.model_copy(update={path[0]: with_setting(getattr(node, path[0]), path[1:],
+                                                          value)})
 
 
 def factorisations(n: int, axes: tuple[str, ...]):
@@ -77,21 +97,26 @@ def factorisations(n: int, axes: tuple[str, ...]):
         yield dict(zip(axes, combo, strict=True))
 
 
-def enumerate_shapes(exp: Experiment, n: int) -> tuple[list[Candidate], list[str]]:
-    """Every valid shape with its settings, and why others fail (most frequent first)."""
+def enumerate_shapes(exp: Experiment, n: int, combos: list[dict[str, Any]] | None = None
+                     ) -> tuple[list[Candidate], list[str]]:
+    """Every valid shape with its settings, and why others fail (most frequent first).
+    `combos`: the settings the user asked to try (`sweep.vary`), each crossed with every
+    shape it allows."""
     from plait import tasks
 
     task = tasks.task_class(exp.model.kind)
     out: list[Candidate] = []
     reasons: dict[str, int] = {}
-    for sizes in factorisations(n, task.sweep_axes_for(exp)):
-        try:
-            mesh_lib.tensor_mode(sizes)
-            variants = task.sweep_variants(exp, sizes)
-        except UserError as e:
-            reasons[str(e)] = reasons.get(str(e), 0) + 1
-            continue
-        out += [Candidate(sizes, v) for v in variants]
+    for combo in combos or [{}]:
+        e = Candidate({}, combo).experiment(exp)
+        for sizes in factorisations(n, task.sweep_axes_for(e)):
+            try:
+                mesh_lib.tensor_mode(sizes)
+                variants = task.sweep_variants(e, sizes)
+            except UserError as err:
+                reasons[str(err)] = reasons.get(str(err), 0) + 1
+                continue
+            out += [Candidate(sizes, {**combo, **v}, tuple(combo)) for v in variants]
     return out, sorted(reasons, key=lambda r: -reasons[r])
 
 
@@ -122,9 +147,9 @@ def laid_out(exp: Experiment, c: Candidate, microbatches: int | None = None):
     one given; read-only, and built once per sweep: many meshes share a pipeline size
     and count, and a Chimera of 64 microbatches takes ~60 ms to schedule (programs_of
     for mixtral-8x7b on 64 devices spent 33 s building the same tables again)."""
-    p = c.pipeline
+    p, e = c.pipeline, c.experiment(exp) if c.varied else exp
     return _laid_out(p["schedule"], c.sizes["pipeline"], microbatches or p["microbatches"],
-                     p.get("virtual_stages", 0), exp.model.layers, exp.pipeline.recompute)
+                     p.get("virtual_stages", 0), e.model.layers, e.pipeline.recompute)
 
 
 def program_key(exp: Experiment, c: Candidate) -> tuple:
@@ -141,4 +166,5 @@ def program_key(exp: Experiment, c: Candidate) -> tuple:
     s, t = laid_out(exp, c)
     weights = tuple(round(w, 12) for ws in t.branch_weights().values() for w in ws)
     return (c.mesh, c.microbatches, s.pipes, s.kind.split_backward, t.chunks, len(t.table),
-            t.inbox_slots, t.stash_slots, t.keep_slots, weights)
+            t.inbox_slots, t.stash_slots, t.keep_slots, weights,
+            *((k, _hashable(v)) for k, v in c.varied_settings.items()))

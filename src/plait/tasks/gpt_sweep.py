@@ -46,6 +46,10 @@ def variants(exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:
     D = sizes.get("pipeline", 1)
     if D == 1:
         return [{}]
+    if exp.train.microbatches != 1:
+        raise UserError(f"a pipeline splits the batch by pipeline.microbatches: pipeline "
+                        f"shapes are not tried with train.microbatches = "
+                        f"{exp.train.microbatches}")
     rules = decoder_rules(sizes, exp.model)
     replicas = math.lcm(*(n for _, n in sharding.batch_splits(rules, sizes)))
     out = []

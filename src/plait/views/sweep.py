@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 from plait.views.common import console, pyplot
 
 COLUMNS = ["rank", "mesh", "pipeline_schedule", "pipeline_microbatches", "embedding_sharding",
-           "embedding_kinds", "tensor_mode",
+           "embedding_kinds", "tensor_mode", "varied",
            "predicted_step_s", "predicted_units_per_s", "compute_s", "comm_s",
            "comm_across_nodes_s", "bubble_ratio", "flops_per_device", "collective_bytes",
            "collective_bytes_across_nodes", "memory_bytes", "fits", "measured_step_s",
@@ -22,7 +23,7 @@ def write_outputs(rows: list[dict], out: Path, meta: dict) -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: r.get(k, "") for k in COLUMNS})
+            w.writerow({**{k: r.get(k, "") for k in COLUMNS}, "varied": varied_of(r)})
     (out / "sweep.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     plot(rows, out / "sweep.png", meta)
 
@@ -35,20 +36,38 @@ def layout_of(r: dict) -> str:
     return f"tables {r['embedding_kinds']}" if r.get("embedding_sharding") else ""
 
 
+def varied_of(r: dict) -> str:
+    """The `--vary` settings of a row, as KEY=VALUE; "" for none."""
+    return " ".join(f"{k}={v}" for k, v in (r.get("varied") or {}).items())
+
+
+def label_of(r: dict) -> str:
+    """A row's name: mesh, layout and `--vary` settings."""
+    return " ".join(x for x in (r["mesh"], layout_of(r), varied_of(r)) if x)
+
+
 def plot(rows: list[dict], path: Path, meta: dict, top: int = 25) -> None:
     plt = pyplot()
     shown = rows[:top]
-    labels = [f"{r['mesh']} {layout_of(r)}".rstrip() for r in shown]
+    labels = [label_of(r) for r in shown]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.32 * len(shown) + 1.6), sharey=True)
     y = list(range(len(shown)))
     colors = ["#4c72b0" if r["fits"] else "#c44e52" for r in shown]
     ax1.barh(y, [r["compute_s"] for r in shown], color=colors, label="compute")
     ax1.barh(y, [r["predicted_step_s"] - r["compute_s"] for r in shown],
-             left=[r["compute_s"] for r in shown], color="#dd8452", label="communication + bubble")
+             left=[r["compute_s"] for r in shown], color="#dd8452",
+             label="communication + bubble" + (" + fitted overheads" if meta.get("calibration")
+                                               else ""))
+    measured = [(i, r["measured_step_s"]) for i, r in enumerate(shown) if r.get("measured_step_s")]
+    if measured:
+        ax1.scatter([m for _, m in measured], [i for i, _ in measured], marker="D", s=14,
+                    color="black", zorder=3, label="measured (--run)")
     ax1.set_yticks(y, labels, fontsize=7)
     ax1.invert_yaxis()
-    ax1.set_xlabel("predicted step time (s)")
-    ax1.legend(fontsize=7)
+    ax1.set_xlabel("step time (s)")
+    # Below the axes: inside, it hid the top rows' bars and measured marks.
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32 if len(shown) < 8
+                                                                else -0.08), ncol=3)
     ax2.barh(y, [r["memory_bytes"] / 2**30 for r in shown], color=colors)
     ax2.axvline(meta["device_memory_bytes"] / 2**30, color="black", linestyle="--", linewidth=1)
     # Logarithmic: a small model's bars stay visible beside the device's memory.
@@ -57,11 +76,12 @@ def plot(rows: list[dict], path: Path, meta: dict, top: int = 25) -> None:
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")  # 40, not 4 x 10^1
     ax2.xaxis.set_major_formatter(plain)
-    ax2.xaxis.set_minor_formatter(plain)
-    ax2.tick_params(axis="x", which="minor", labelsize=7)
     # Bars start at the axis's left end: well below the smallest, so lengths compare.
     gib = [r["memory_bytes"] / 2**30 for r in shown] + [meta["device_memory_bytes"] / 2**30]
     ax2.set_xlim(left=min(gib) / 4)
+    if math.log10(max(gib) / (min(gib) / 4)) < 2:  # minor labels overlap over more decades
+        ax2.xaxis.set_minor_formatter(plain)
+        ax2.tick_params(axis="x", which="minor", labelsize=7)
     ax2.set_xlabel("memory per device (GiB, log scale)\ndashed: device memory; red: does not fit")
     fig.suptitle(f"{meta['experiment']} on {meta['devices']} x {meta['hardware']}", fontsize=10)
     fig.tight_layout()
@@ -77,20 +97,26 @@ def render(rows: list[dict], meta: dict) -> None:
                     f"{meta['hardware']} (sweep {meta['sweep_s']:.0f}s)")
     kinds = {("pipeline" if r.get("pipeline_schedule") else "tables") for r in rows
              if layout_of(r)}
-    layout = kinds.pop() if len(kinds) == 1 else "layout" if kinds else "pipeline"
-    cols = ["rank", "mesh", layout, "tensor", "step s", f"{meta.get('unit', 'units')}/s",
-            "compute s", "comm s", "across nodes s",
+    # No layout column where no row has one (one device; a sweep of --vary settings).
+    layout = next(iter(kinds)) if len(kinds) == 1 else "layout" if kinds else None
+    varied = any(r.get("varied") for r in rows)
+    cols = ["rank", "mesh", *([layout] if layout else []), *(["settings"] if varied else []),
+            "tensor", "step s",
+            f"{meta.get('unit', 'units')}/s", "compute s", "comm s", "across nodes s",
             "bubble", "GiB/device", "fits"]
     if any("measured_step_s" in r for r in rows):  # failures said on stderr as they ran
         cols.append("measured s")
     for col in cols:
         # the mesh whole, the other columns narrower: cut to "data=2,pipeline=2,tens…",
         # data=2,pipeline=2,tensor=2 and data=2,pipeline=2,fsdp=2 looked alike
-        t.add_column(col, justify="left" if col in ("mesh", layout, "tensor") else "right",
+        t.add_column(col, justify="left" if col in ("mesh", layout, "settings", "tensor")
+                     else "right",
                      min_width=max((len(r["mesh"]) for r in rows), default=4)
-                     if col == "mesh" else None)
+                     if col == "mesh" else max(len(varied_of(r)) for r in rows)
+                     if col == "settings" else None)
     for r in rows:
-        cells = [str(r["rank"]), r["mesh"], layout_of(r) or "-", r["tensor_mode"],
+        cells = [str(r["rank"]), r["mesh"], *([layout_of(r) or "-"] if layout else []),
+                 *([varied_of(r) or "-"] if varied else []), r["tensor_mode"],
                  f"{r['predicted_step_s']:.4g}", f"{r['predicted_units_per_s']:,.0f}",
                  f"{r['compute_s']:.3g}", f"{r['comm_s']:.3g}",
                  f"{r.get('comm_across_nodes_s', 0.0):.3g}", f"{r['bubble_ratio']:.3f}",
@@ -114,7 +140,6 @@ def render_calibration(rows: list[dict], fit: dict) -> None:
           + ", added to every prediction "
           "(they describe the machine measured, whatever --hardware says)")
     for r in [r for r in rows if r.get("measured_step_s")]:
-        name = f"{r['mesh']} {layout_of(r)}".rstrip()
-        print(f"  {r['rank']:>4} {name:<40} model {r['model_step_s'] * 1e3:8.3f} ms, "
+        print(f"  {r['rank']:>4} {label_of(r):<40} model {r['model_step_s'] * 1e3:8.3f} ms, "
               f"calibrated {r['predicted_step_s'] * 1e3:8.3f} ms, measured "
               f"{r['measured_step_s'] * 1e3:8.3f} ms ({r['kernels']:,.0f} kernels)")
