@@ -9,6 +9,13 @@
 # the reference checkouts (facebookresearch/dlrm, karpathy/nanoGPT) are expected under
 # .refs/ (not part of plait; ignored by git). Each stage has its own time limit so a
 # failure does not cost the stages after it; logs and JSON go to $OUT (default gpu-out/).
+#
+# A lent GPU comes with about 30 minutes and 10 minutes a command, less than all stages'
+# limits together (about 80 minutes), so take them in the order of what they close:
+#   1. llama1b  (issue 26's last item: llama3.2-1b >= 50% MFU; <= 640 s)
+#   2. moe      (issue 28's last item: >= 70% of the dense twin's tokens/s; <= 580 s)
+#   3. env gpt124 nanogpt (issue 29: >= 1.1x nanoGPT; <= 700 s, so two commands)
+#   4. gpt1p3b, fp8, sweep (issue 29's other items), in later sessions if need be.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
