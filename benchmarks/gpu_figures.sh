@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
 #   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe
-#   sweep)
+#   sweep124 sweep1p3b sweepllama)
 #
 # Meant for a lent GPU machine with JAX (CUDA) and torch installed: plait runs from
 # src/ (PYTHONPATH), missing pure-Python dependencies may be wheels under .whl/, and
@@ -15,7 +15,8 @@
 #   1. llama1b  (issue 26's last item: llama3.2-1b >= 50% MFU; <= 640 s)
 #   2. moe      (issue 28's last item: >= 70% of the dense twin's tokens/s; <= 580 s)
 #   3. env gpt124 nanogpt (issue 29: >= 1.1x nanoGPT; <= 700 s, so two commands)
-#   4. gpt1p3b, fp8, sweep (issue 29's other items), in later sessions if need be.
+#   4. gpt1p3b, fp8, sweep124, sweep1p3b, sweepllama (issue 29's other items), in later
+#      sessions if need be.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -89,16 +90,22 @@ for stage in "$@"; do
       run moe-capacity 180 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
         --set model.moe.capacity_factor=1.25 --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-capacity.json" ;;
-    sweep)  # issue 29's sweep item: predicted against measured on one GPU. One device has
-      # one mesh shape, so the sweep tries remat and the loss in pieces on it (--vary),
-      # compiles each on the GPU, trains the top ones and fits the overheads to them
+    sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
+      # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on
+      # the GPU, trains the top ones and fits the overheads to them
       run sweep-124m 560 python3 -m plait sweep experiments/gpt2-124m.toml --devices 1 \
-        --hardware h100-node --vary model.remat=none,save_dots,full \
-        --vary model.loss_chunks=1,4 --run --out "$OUT/sweep-124m"
+        --hardware h100-node --vary model.remat=none,save_attention,full \
+        --vary model.loss_chunks=1,4 --run --out "$OUT/sweep-124m" ;;
+    sweep1p3b)  # the same, and issue 29's remat policy chosen by measurement
       run sweep-1p3b 560 python3 -m plait sweep experiments/gpt2-1.3b.toml --devices 1 \
-        --hardware h100-node --vary model.remat=save_dots,full --vary model.loss_chunks=1,4 \
-        --run --top 3 --out "$OUT/sweep-1p3b" ;;
-    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe sweep)"
+        --hardware h100-node --vary model.remat=save_dots,save_attention,full \
+        --vary model.loss_chunks=1,4 --run --top 3 --out "$OUT/sweep-1p3b" ;;
+    sweepllama)  # issue 29's remat policy for llama3.2-1b, chosen by measurement
+      run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
+        --hardware h100-node --vary model.remat=save_dots,save_attention,full \
+        --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
+    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe sweep124 sweep1p3b
+       sweepllama)"
        exit 2 ;;
   esac
 done

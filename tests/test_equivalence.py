@@ -39,8 +39,9 @@ def test_scanned_layers_equal_the_unrolled_loop(model, tmp_path):
 
 
 def test_remat_policies_train_equally(tmp_path):
-    """save_dots keeps matmul outputs and recomputes the rest: same losses as no remat;
-    the old boolean spelling still reads."""
+    """save_dots keeps matmul outputs and recomputes the rest, save_attention keeps the
+    attention block's and recomputes the MLP: same losses as no remat, scanned or not,
+    split over tensor; the old boolean spelling still reads."""
     from plait.config import GPTConfig
 
     assert GPTConfig(remat=True).remat == "full" and GPTConfig(remat=False).remat == "none"
@@ -48,6 +49,26 @@ def test_remat_policies_train_equally(tmp_path):
     got = losses(run(tiny(model={"layers": 3, "remat": "save_dots", "scan_layers": True}),
                      "data=2,fsdp=2,tensor=2", tmp_path / "b"))
     np.testing.assert_allclose(got, ref, rtol=1e-4)
+    got = losses(run(tiny(model={"layers": 3, "remat": "save_attention"}), "fsdp=2,tensor=4",
+                     tmp_path / "c"))
+    np.testing.assert_allclose(got, ref, rtol=1e-4)
+
+
+def test_remat_policies_keep_less_and_recompute_more_in_order():
+    """From the compiled step (one device, a 4x-wide MLP): each policy in the order none,
+    save_dots, save_attention, save_qkv, full keeps less memory, and from save_dots on
+    recomputes more FLOPs (save_dots recomputes no matmul)."""
+    from plait import sweep
+
+    exp = tiny(model={"layers": 4, "d_ff": 512, "seq_len": 64}, train={"global_batch": 8})
+    order = ["none", "save_dots", "save_attention", "save_qkv", "full"]
+    got = {r: sweep.measure(sweep.Candidate({"data": 1}, {"model.remat": r}).experiment(exp),
+                            sweep.Candidate({"data": 1}), 1) for r in order}
+    memory = [got[r]["memory"] for r in order]
+    flops = [got[r]["flops"] for r in order]
+    assert memory == sorted(memory, reverse=True) and len(set(memory)) == 5, memory
+    assert flops[0] == pytest.approx(flops[1], rel=1e-3), flops
+    assert flops[1:] == sorted(flops[1:]) and len(set(flops[1:])) == 4, flops
 
 
 def test_untied_head_and_remat_train_equally(tmp_path):

@@ -118,10 +118,11 @@ class GPTConfig(ModelSection):
     # (every head's values together), before rotary positions (OLMoE).
     qk_norm: bool = False
     attention: Literal["auto", "xla", "cudnn"] = "auto"
-    # Recompute activations in the backward: none, full (keep each block's input only)
-    # or save_dots (keep the matmul outputs, recompute the rest); true/false read as
-    # full/none.
-    remat: Literal["none", "full", "save_dots"] = "none"
+    # Recompute activations in the backward: none, full (keep each block's input only),
+    # save_dots (keep the matmul outputs, recompute the rest), save_attention (keep the
+    # attention block's q/k/v, output and projection; recompute the MLP and the norms)
+    # or save_qkv (keep q/k/v only); true/false read as full/none.
+    remat: Literal["none", "full", "save_dots", "save_attention", "save_qkv"] = "none"
     # The output head and the loss over the tokens in this many pieces, each piece's
     # logits, loss and gradients computed together and freed before the next
     # (models.loss): only one piece of the [tokens, vocabulary] logits is ever held.

@@ -202,9 +202,20 @@ def decay_mask(variables: dict) -> dict:
         variables, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+# What each attention block names for the remat policies that keep part of it
+# (models/gpt.py): q, k and v as attention reads them (projected, normed, rotated), the
+# attention's output, and its output projection.
+ATTENTION_NAMES = ("attn_qkv", "attn_out", "attn_proj")
+
+
 def remat_policy(remat: str):
-    """The jax.checkpoint policy of `model.remat`: full saves nothing (None), save_dots
-    keeps every matmul output."""
+    """The jax.checkpoint policy of `model.remat`: full saves nothing (None); save_dots
+    keeps every matmul output; save_attention keeps the attention block's (ATTENTION_NAMES)
+    and recomputes the MLP, whose [tokens, d_ff] activations are the largest (MaxText's
+    save_dot_except_mlp); save_qkv keeps q, k and v only."""
+    names = {"save_attention": ATTENTION_NAMES, "save_qkv": ATTENTION_NAMES[:1]}
+    if remat in names:
+        return jax.checkpoint_policies.save_only_these_names(*names[remat])
     return jax.checkpoint_policies.checkpoint_dots if remat == "save_dots" else None
 
 
@@ -218,7 +229,7 @@ class LayerStack:
 
     graphdef: Any
     abstract: nnx.State
-    remat: str  # none | full | save_dots (config.GPTConfig.remat)
+    remat: str  # none | full | save_dots | save_attention | save_qkv (GPTConfig.remat)
 
     def layer_fn(self, dtype: jnp.dtype | None = None, method: str = "__call__"
                  ) -> Callable[[dict, jax.Array], Any]:

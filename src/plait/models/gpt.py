@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from plait.config import GPTConfig
 from plait.models import (
+    ATTENTION_NAMES,
     ModelDef,
     build,
     fp8,
@@ -182,8 +184,11 @@ class Attention(nnx.Module):
         # a context axis (parallel.context), which the causal mask then follows.
         pos = sequence_positions(x.shape[1])
         q, k, v = self.qkv(x, jnp.arange(x.shape[1]) if pos is None else jnp.asarray(pos))
-        o = attend(q, k, v, pos, self.implementation)
-        return constrain(self.out(o), BATCH_SEQ_EMBED)
+        # Named for the remat policies that keep attention and recompute the rest
+        # (models.remat_policy); no-ops without one.
+        q, k, v = (checkpoint_name(a, ATTENTION_NAMES[0]) for a in (q, k, v))
+        o = checkpoint_name(attend(q, k, v, pos, self.implementation), ATTENTION_NAMES[1])
+        return constrain(checkpoint_name(self.out(o), ATTENTION_NAMES[2]), BATCH_SEQ_EMBED)
 
     def decode(self, x: jax.Array, cache: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
         """Attention of x [batch, T, d] at positions pos .. pos + T - 1 over themselves and

@@ -72,7 +72,7 @@ def tensor_elements(exp: Experiment, sizes: dict[str, int]) -> Counts:
     # attention's key/value projection reads the gathered input of the query projection)
     qkv = [(h, H + KV, False)] if m.fused_qkv else [(h, H, False), (h, KV, True)]
     linears = [*qkv, (H, h, False), (h, up, False), (f, h, False)]
-    remat = m.remat != "none"  # save_dots counted as full: an upper bound
+    remat = m.remat != "none"  # every policy counted as full: an upper bound
     # Sets of weight gathers per step (see the module docstring).
     w_sets = M * (2 if remat else 1) if m.scan_layers is True else 1 + (M if remat and M > 1 else 0)
     tables = 3 if m.tie_embeddings else 4  # forward gathers + gradient reductions of V x h
