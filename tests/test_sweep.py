@@ -210,6 +210,13 @@ def test_vary_tries_settings_on_every_shape_each_from_its_own_compile(tmp_path, 
                                                {"train.microbatches": 2}])
     piped = {c.settings["train.microbatches"] for c in cands if c.pipeline}
     assert piped == {1} and {c.settings["train.microbatches"] for c in cands} == {1, 2}
+    # A pipeline's own setting is tried on pipeline shapes only; the others once each.
+    cands, _ = sweep.enumerate_shapes(exp, 2, [{"pipeline.recompute": False},
+                                               {"pipeline.recompute": True}])
+    assert sorted(c.label for c in cands if not c.pipeline) == ["data=2", "fsdp=2", "tensor=2"]
+    assert {c.settings["pipeline.recompute"] for c in cands if c.pipeline} == {False, True}
+    assert all(set(c.pipeline) == {"schedule", "microbatches", "virtual_stages"}
+               for c in cands if c.pipeline)
 
 
 def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):

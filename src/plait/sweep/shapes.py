@@ -41,9 +41,12 @@ class Candidate:
 
     @property
     def pipeline(self) -> dict[str, Any]:
-        """The pipeline settings (schedule, microbatches, virtual_stages), if any."""
+        """The pipeline settings the sweep chose (schedule, microbatches, virtual_stages);
+        {} for a shape without a pipeline (whatever `--vary` sets, e.g. recompute)."""
+        if "pipeline.schedule" not in self.settings:
+            return {}
         return {k.split(".", 1)[1]: v for k, v in self.settings.items()
-                if k.startswith("pipeline.")}
+                if k.startswith("pipeline.") and k not in self.varied}
 
     def program_group(self) -> tuple:
         """Candidates of one group differ only in the pipeline's microbatch count: one
@@ -106,6 +109,7 @@ def enumerate_shapes(exp: Experiment, n: int, combos: list[dict[str, Any]] | Non
 
     task = tasks.task_class(exp.model.kind)
     out: list[Candidate] = []
+    seen: set[tuple] = set()
     reasons: dict[str, int] = {}
     for combo in combos or [{}]:
         e = Candidate({}, combo).experiment(exp)
@@ -116,7 +120,16 @@ def enumerate_shapes(exp: Experiment, n: int, combos: list[dict[str, Any]] | Non
             except UserError as err:
                 reasons[str(err)] = reasons.get(str(err), 0) + 1
                 continue
-            out += [Candidate(sizes, {**combo, **v}, tuple(combo)) for v in variants]
+            for v in variants:
+                # a pipeline's own setting (pipeline.recompute) means nothing without one:
+                # such shapes are tried once, not once per value
+                mine = {k: x for k, x in combo.items()
+                        if "pipeline.schedule" in v or not k.startswith("pipeline.")}
+                cand = Candidate(sizes, {**mine, **v}, tuple(mine))
+                key = (cand.mesh, repr(sorted(cand.settings.items())))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(cand)
     return out, sorted(reasons, key=lambda r: -reasons[r])
 
 

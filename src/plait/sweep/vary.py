@@ -19,9 +19,11 @@ from pydantic import BaseModel
 from plait.errors import UserError
 
 # What the sweep itself chooses: the mesh, and the task's own settings per shape.
+_PIPELINE = ("the sweep tries each pipeline schedule and microbatch count itself "
+             "(--schedules picks the schedules)")
 CHOSEN_BY_THE_SWEEP = {"mesh": "--devices and the sweep choose the mesh",
-                       "pipeline": "the sweep tries each pipeline schedule and microbatch "
-                                   "count itself (--schedules picks the schedules)",
+                       "pipeline.schedule": _PIPELINE, "pipeline.microbatches": _PIPELINE,
+                       "pipeline.virtual_stages": _PIPELINE,
                        "embedding.sharding": "the sweep tries each embedding placement itself"}
 
 
