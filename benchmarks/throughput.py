@@ -85,6 +85,9 @@ def main() -> int:
         **measured,
         "model_tflops_per_s_per_device": flops_per_token(exp.model) * tps / n / 1e12,
         "mfu": flops_per_token(exp.model) * tps / (n * peak) if peak else None,
+        # the allocator's high-water mark of the busiest device (None on CPU)
+        "peak_device_memory_gib": (summary["peak_device_memory_bytes"] / 2**30
+                                   if "peak_device_memory_bytes" in summary else None),
     }
     report(result, args.json)
     return 0

@@ -298,6 +298,32 @@ def test_a_step_too_big_for_the_devices_is_refused_after_compiling_and_keeps_the
     assert "resumed from the checkpoint at step 2" in capsys.readouterr().out
 
 
+def test_peak_device_memory_is_the_busiest_devices_high_water_mark():
+    """On an accelerator plait train's summary and final line carry the allocator's peak
+    (the busiest device of the mesh, this process's only); CPU keeps none: no figure."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from helpers import make_mesh
+
+    from plait.hardware import peak_memory_bytes
+    from plait.train.loop import _final_line
+
+    def device(peak, process=0):
+        return SimpleNamespace(process_index=process, memory_stats=lambda: {
+            "peak_bytes_in_use": peak, "bytes_limit": 80e9})
+
+    gpus = SimpleNamespace(devices=np.array([device(1e9), device(3e9), device(9e9, 1)]))
+    assert peak_memory_bytes(gpus) == 3e9
+    assert peak_memory_bytes(make_mesh("data=2")) is None
+    summary = {"preempted": False, "final_step": 4, "final_loss": 2.0, "tokens_per_s": 10.0,
+               "wall_s": 1.0, "peak_device_memory_bytes": 3 * 2**30}
+    run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), last_saved=None)
+    log = SimpleNamespace(history=[{"loss": 2.0}])
+    line = _final_line(run, log, summary, 4)
+    assert line.endswith("s wall, 3.0 GiB peak device memory"), line
+
+
 def test_a_device_out_of_memory_at_run_time_says_what_to_change():
     """Where the footprint did not show it (another process on the GPU, a backend
     without buffer figures), XLA's RESOURCE_EXHAUSTED gets the same advice."""

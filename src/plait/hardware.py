@@ -64,6 +64,26 @@ def device_memory_bytes(device, sharing: int | None = None) -> float:
     return host / max(1, sharing or jax.local_device_count())
 
 
+def peak_memory_bytes(mesh) -> float | None:
+    """The most memory any of this process's devices of `mesh` has held since the process
+    started (the allocator's high-water mark), or None where the backend keeps no such
+    figure (CPU). One run per process: a second run's peak includes the first's."""
+    import jax
+
+    peaks = []
+    for d in mesh.devices.flat:
+        if d.process_index != jax.process_index():
+            continue
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - not every backend implements it
+            stats = None
+        if not stats or "peak_bytes_in_use" not in stats:
+            return None
+        peaks.append(float(stats["peak_bytes_in_use"]))
+    return max(peaks) if peaks else None
+
+
 def mesh_device_memory(mesh) -> float:
     """Memory one device of `mesh` may use: on CPU the host's memory shared by the
     mesh's devices in this process only (a data=1 run of a process simulating 8 devices

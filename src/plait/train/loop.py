@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from plait import cluster
 from plait.config import Experiment
 from plait.errors import RunFailed, UserError
+from plait.hardware import peak_memory_bytes
 from plait.train import rundir
 from plait.train.failures import step_failed
 from plait.train.memory import check_step_fits
@@ -156,6 +157,9 @@ def _summary(run: Run, log: MetricsLog, start: int, step: int, step_times: list[
                "records": log.history}
     if mfu is not None:
         summary["mfu"] = mfu
+    peak = peak_memory_bytes(run.mesh)
+    if peak is not None:  # an accelerator's high-water mark; CPU keeps none
+        summary["peak_device_memory_bytes"] = peak
     if run.is_writer:
         (run.run_dir / "summary.json").write_text(
             json.dumps(strict({k: v for k, v in summary.items() if k != "records"}), indent=2,
@@ -173,6 +177,8 @@ def _final_line(run: Run, log: MetricsLog, summary: dict, total: int) -> str:
     return (f"plait: {how} at step {step}/{total}: loss {final:.4f}, "
             f"{summary[rate] or 0:,.0f} {run.task.unit}/s (median), {summary['wall_s']:.1f}s wall"
             + "".join(f", held-out {k} {v:.4f}" for k, v in extras.items())
+            + (f", {summary['peak_device_memory_bytes'] / 2**30:.1f} GiB peak device memory"
+               if "peak_device_memory_bytes" in summary else "")
             + (f", checkpoint at step {run.last_saved}" if run.last_saved is not None else ""))
 
 
