@@ -66,8 +66,8 @@ def _label(program: Program) -> str:
     rep = program[0]
     if rep.pipeline:
         names = "/".join(dict.fromkeys(c.pipeline["schedule"] for c in program))
-        varied = "".join(f" {k}={v}" for k, v in rep.varied_settings.items())
-        return f"{rep.mesh} {names} N={rep.microbatches}{varied}"
+        return " ".join(x for x in (rep.mesh, names, f"N={rep.microbatches}",
+                                    rep.varied_text) if x)
     return rep.label
 
 

@@ -33,11 +33,16 @@ class Candidate:
     def label(self) -> str:
         shown = [str(v) for k, v in self.settings.items()
                  if k not in (MICROBATCHES, "pipeline.virtual_stages", *self.varied)]
-        return " ".join([self.mesh, *shown, *(f"{k}={v}" for k, v in self.varied_settings.items())])
+        return " ".join(x for x in [self.mesh, *shown, self.varied_text] if x)
 
     @property
     def varied_settings(self) -> dict[str, Any]:
         return {k: self.settings[k] for k in self.varied}
+
+    @property
+    def varied_text(self) -> str:
+        """The `--vary` settings as KEY=VALUE (views.sweep.varied_of reads them off a row)."""
+        return " ".join(f"{k}={v}" for k, v in self.varied_settings.items())
 
     @property
     def pipeline(self) -> dict[str, Any]:
