@@ -83,6 +83,7 @@ def main() -> int:
         mine = plait_tokens_per_s(args.batch, args.seq, args.steps, args.sets)
         rounds.append({"nanogpt_tokens_per_s": ref_tps, "plait_tokens_per_s":
                        mine["tokens_per_s"], "plait_mfu": mine["mfu"],
+                       "plait_peak_device_memory_gib": mine.get("peak_device_memory_gib"),
                        "ratio": mine["tokens_per_s"] / ref_tps})
         print(f"round {i + 1}: nanoGPT {ref_tps:,.0f} tokens/s, plait "
               f"{mine['tokens_per_s']:,.0f} tokens/s, ratio {rounds[-1]['ratio']:.3f}",
