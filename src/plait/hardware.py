@@ -48,16 +48,20 @@ def peak_flops(device_kind: str, dtype: str) -> float | None:
     return None
 
 
+def _memory_stats(device) -> dict | None:
+    """The device allocator's figures, or None where the backend keeps none (CPU)."""
+    try:
+        return device.memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+
+
 def device_memory_bytes(device, sharing: int | None = None) -> float:
     """Memory one device may use: an accelerator's limit, or on CPU the host's physical
     memory shared by `sharing` simulated devices (default: all of this process's)."""
     import jax
 
-    stats = None
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - not every backend implements it
-        stats = None
+    stats = _memory_stats(device)
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -74,10 +78,7 @@ def peak_memory_bytes(mesh) -> float | None:
     for d in mesh.devices.flat:
         if d.process_index != jax.process_index():
             continue
-        try:
-            stats = d.memory_stats()
-        except Exception:  # noqa: BLE001 - not every backend implements it
-            stats = None
+        stats = _memory_stats(d)
         if not stats or "peak_bytes_in_use" not in stats:
             return None
         peaks.append(float(stats["peak_bytes_in_use"]))

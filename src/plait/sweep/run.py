@@ -231,13 +231,12 @@ def candidate_of(row: dict, n: int) -> Candidate:
     return Candidate(sizes, dict(row.get("settings") or {}), tuple(row.get("varied") or {}))
 
 
-def _train_one(exp: Experiment, r: dict, n: int, steps: int) -> str:
-    """Train the row's shape; add its median step time, or `measured_error` (the line said,
-    returned)."""
+def _train_one(exp: Experiment, cand: Candidate, r: dict, n: int, steps: int) -> str:
+    """Train the row's shape `cand`; add its median step time to the row, or
+    `measured_error` (the line said, returned)."""
     from plait.errors import RunFailed
     from plait.train.loop import train_briefly
 
-    cand = candidate_of(r, n)
     try:
         summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n), steps)
     except (UserError, RunFailed) as e:
@@ -280,9 +279,10 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
     with Progress(disable=not progress or lines, transient=True) as bar:
         task = bar.add_task(f"training {len(todo)} shapes", total=len(todo))
         for i, r in enumerate(todo, 1):
-            label = candidate_of(r, n).label
+            cand = candidate_of(r, n)
+            label = cand.label
             bar.update(task, description=f"training rank {r['rank']} ({label})")
-            said = _train_one(exp, r, n, steps)
+            said = _train_one(exp, cand, r, n, steps)
             if "measured_error" in r:
                 print(f"plait sweep: rank {r['rank']} ({label}) {said}", file=sys.stderr,
                       flush=True)
