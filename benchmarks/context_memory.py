@@ -18,6 +18,7 @@ import json
 import time
 
 import jax
+from report import run_script  # benchmarks/ is the script's directory
 
 SHAPES = (("data=8", "ring"), ("context=8", "ring"), ("context=8", "allgather"))
 
@@ -67,4 +68,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

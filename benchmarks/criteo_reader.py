@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from report import run_script  # benchmarks/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,4 +77,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

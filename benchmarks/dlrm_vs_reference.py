@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from report import run_script  # benchmarks/ is the script's directory
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "experiments" / "dlrm-bench.toml"
 
@@ -211,4 +213,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

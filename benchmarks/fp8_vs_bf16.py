@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from report import run_script  # benchmarks/ is the script's directory
 from throughput import speed, timed_run  # benchmarks/ is the script's directory
 
 
@@ -49,6 +50,9 @@ def main() -> int:
 
     import jax
 
+    from plait.models import fp8
+
+    fp8.check_devices(jax.devices())  # before the bf16 run, not after it
     runs = {m: _train(args.experiment, args.sets, m, args.steps, args.mesh)
             for m in ("default", "fp8")}
     exp = runs["default"]["exp"]
@@ -76,4 +80,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

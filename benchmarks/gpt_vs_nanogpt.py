@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from report import report  # benchmarks/ is the script's directory
+from report import report, run_script  # benchmarks/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,4 +98,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

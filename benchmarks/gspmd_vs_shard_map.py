@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from report import run_script  # benchmarks/ is the script's directory
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -72,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from report import report  # benchmarks/ is the script's directory
+from report import report, run_script  # benchmarks/ is the script's directory
 from safetensors.numpy import save_file
 
 # meta-llama/Llama-3.2-1B's shape
@@ -115,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

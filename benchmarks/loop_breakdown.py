@@ -30,6 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from report import run_script  # benchmarks/ is the script's directory
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -138,4 +140,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from report import report
+from report import report, run_script
 from throughput import speed, train_loop  # benchmarks/ is the script's directory
 
 
@@ -50,12 +50,14 @@ def main() -> int:
 
     from plait import mesh as mesh_lib
     from plait.config_files import load_experiment
+    from plait.errors import UserError
     from plait.hardware import peak_flops
     from plait.models import gpt_counts
 
     moe = load_experiment(args.experiment, args.sets)
     if moe.model.kind not in ("gpt", "llama") or moe.model.moe is None:
-        raise SystemExit(f"{args.experiment} has no [model.moe]; pass a mixture of experts")
+        raise UserError(f"{args.experiment} has no [model.moe]; pass a mixture of experts, "
+                        "e.g. experiments/mixtral-mini.toml")
     dense = dense_twin(moe)
     spec = mesh_lib.load_spec(args.mesh)
     n = mesh_lib.provision_devices(spec)
@@ -94,4 +96,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

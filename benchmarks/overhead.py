@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from report import report  # benchmarks/ is the script's directory
+from report import report, run_script  # benchmarks/ is the script's directory
 
 DEFAULT_SETS = [
     "model.layers=4", "model.d_model=256", "model.heads=8", "model.d_ff=1024",
@@ -245,4 +245,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

@@ -27,6 +27,7 @@ import sys
 import time
 
 import jax
+from report import run_script  # benchmarks/ is the script's directory
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -171,4 +172,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

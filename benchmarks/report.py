@@ -1,9 +1,13 @@
-"""The one way a benchmark script hands back its figures: JSON on stdout, and the same
-text in the file --json names (benchmarks/results/ keeps those)."""
+"""What every benchmark script shares at its edges: the one way it hands back its
+figures (JSON on stdout, and the same text in the file --json names; benchmarks/results/
+keeps those), and the one way it ends (a mistake of the user's, or a run plait refuses,
+as plait's own commands end it: one line, no traceback)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -13,3 +17,25 @@ def report(result: dict, json_path: str | Path | None) -> None:
     print(text)
     if json_path:
         Path(json_path).write_text(text + "\n")
+
+
+def run_script(main: Callable[[], int | None]) -> None:
+    """Run a script's `main` and exit with its status; plait's UserError (a bad key, fp8
+    asked of a CPU) ends in one line and status 2, RunFailed in one line and status 1,
+    Ctrl-C in one line and 130, as with `plait` itself. A script stops at the first such
+    error: a benchmark that refuses one of its runs has no figure to give."""
+    from plait.errors import RunFailed, UserError
+
+    name = Path(sys.argv[0]).name
+    try:
+        code = main()
+    except UserError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        code = 2
+    except RunFailed as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        code = 130
+    raise SystemExit(code or 0)

@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from report import run_script  # benchmarks/ is the script's directory
+
 ROOT = Path(__file__).resolve().parent.parent
 # (method, period, sync.reduce)
 METHODS = [("allreduce", None, "flat"), ("allreduce", None, "hierarchical"),
@@ -158,4 +160,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

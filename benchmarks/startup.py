@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import run_script  # benchmarks/ is the script's directory
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SETS = ["model.d_model=256", "model.heads=8", "model.d_ff=1024",
                 "train.global_batch=1", "precision.compute='float32'"]
@@ -100,4 +102,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from report import run_script  # benchmarks/ is the script's directory
+
 
 def compare(experiment: str, devices: int, sets: list[str]) -> dict:
     cmd = [sys.executable, "-m", "plait", "inspect", experiment, "--mesh", "data=-1",
@@ -74,4 +76,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

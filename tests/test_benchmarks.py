@@ -1,0 +1,84 @@
+"""The benchmark scripts a lent GPU runs (benchmarks/gpu_figures.sh) run on CPU as
+written, on tiny experiments: their arguments, their JSON, their refusals. A GPU comes
+for about 30 minutes in some sessions only; none of them should be spent finding that a
+script rotted while no GPU was there to run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, subprocess_env
+
+
+def _script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = subprocess_env()
+    e.update(env or {})
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=e, timeout=300)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_throughput_reports_the_loop_users_run(tmp_path):
+    """gpu_figures.sh's llama1b / gpt124 / gpt1p3b stages: a Llama with the loss in
+    pieces, the timed steps after the warm-up, tokens/s from the median step."""
+    out = tmp_path / "t.json"
+    proc = _script("throughput.py", "experiments/llama-tiny.toml", "--steps", "5", "--warmup",
+                   "2", "--set", "model.loss_chunks=4", "--json", str(out))
+    _ok(proc)
+    got = json.loads(out.read_text())
+    assert json.loads(proc.stdout[proc.stdout.index("{"):]) == got
+    assert (got["experiment"], got["device"], got["mesh"]) == ("llama-tiny", "cpu", "data=1")
+    assert got["steps_timed"] == 3  # steps 3-5 of 5: the first two are warm-up
+    tokens = got["global_batch"] * got["seq_len"]
+    assert got["tokens_per_s"] == pytest.approx(tokens / got["median_step_s"])
+    assert got["compile_s"] > 0 and got["model_tflops_per_s_per_device"] > 0
+    # no peak FLOP/s or allocator figures for a CPU: null, not a made-up number
+    assert got["mfu"] is None and got["peak_device_memory_gib"] is None
+
+
+def test_moe_against_its_dense_twin(tmp_path):
+    """gpu_figures.sh's moe stage: the MoE and a dense model of the same active matmul
+    weights, trained by the same loop, their tokens/s side by side."""
+    out = tmp_path / "m.json"
+    _ok(_script("moe_vs_dense.py", "experiments/moe-tiny.toml", "--rounds", "1", "--steps",
+                "4", "--warmup", "1", "--json", str(out)))
+    got = json.loads(out.read_text())
+    (r,) = got["rounds"]
+    assert r["ratio"] == pytest.approx(r["moe"]["tokens_per_s"] / r["dense"]["tokens_per_s"])
+    assert got["median_ratio"] == r["ratio"]
+    active = got["active_matmul_params"]
+    assert active["dense"] == pytest.approx(active["moe"], rel=0.02)  # the router's weights
+    assert got["params"]["moe"] > 2 * got["params"]["dense"]
+
+
+def test_fp8_against_bf16_emulated_and_refused(tmp_path):
+    """gpu_figures.sh's fp8 stage on XLA:CPU's FP8 emulation: both runs, the speed-up and
+    the loss curves' gap; without emulation, a CPU is refused in one line before the
+    bf16 run is spent; a bad --set to any script is one line, status 2."""
+    out = tmp_path / "f.json"
+    _ok(_script("fp8_vs_bf16.py", "experiments/quickstart.toml", "--steps", "6", "--warmup",
+                "1", "--from-step", "3", "--window", "2", "--json", str(out),
+                env={"PLAIT_FP8_EMULATE": "1"}))
+    got = json.loads(out.read_text())
+    assert len(got["default"]["losses"]) == len(got["fp8"]["losses"]) == 6
+    assert got["fp8_speedup"] == pytest.approx(
+        got["fp8"]["tokens_per_s"] / got["default"]["tokens_per_s"])
+    assert 0 < got["max_rel_loss_gap_from_step"]["gap"] < 0.01
+
+    refused = _script("fp8_vs_bf16.py", "experiments/quickstart.toml", "--steps", "6")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines() == [refused.stderr.strip()]
+    assert refused.stderr.startswith("fp8_vs_bf16.py: error: precision.matmul = \"fp8\" needs")
+    assert "step " not in refused.stdout  # nothing trained first
+
+    bad = _script("throughput.py", "experiments/quickstart.toml", "--set", "model.layerz=2")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == ("throughput.py: error: unknown config key 'model.layerz' "
+                                  "(a gpt model) in --set model.layerz; did you mean "
+                                  "'model.layers'?")
