@@ -76,7 +76,9 @@ def main() -> int:
     args = ap.parse_args()
     ref = Path(args.reference)
     if not (ref / "bench.py").is_file():
-        sys.exit(f"{ref} has no bench.py; pass a nanoGPT checkout with --reference")
+        from plait.errors import UserError
+
+        raise UserError(f"{ref} has no bench.py; pass a nanoGPT checkout with --reference")
     rounds = []
     for i in range(args.rounds):
         ref_tps = nanogpt_tokens_per_s(ref, args.torch_python, args.batch, args.seq)

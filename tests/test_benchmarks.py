@@ -82,3 +82,34 @@ def test_fp8_against_bf16_emulated_and_refused(tmp_path):
     assert bad.stderr.strip() == ("throughput.py: error: unknown config key 'model.layerz' "
                                   "(a gpt model) in --set model.layerz; did you mean "
                                   "'model.layers'?")
+
+
+def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
+    """gpu_figures.sh's nanogpt stage (issue 29's headline ratio) with a stand-in for
+    nanoGPT's bench.py, which needs CUDA: the arguments it is given, the line it prints
+    read back, plait's side at the same batch and sequence (a small GPT-2 through
+    --set), rounds alternating, the ratio. Without bench.py: one line, status 2."""
+    ref = tmp_path / "nanoGPT"
+    ref.mkdir()
+    (ref / "bench.py").write_text(
+        "import sys\n"
+        "assert sys.argv[1:] == ['--batch_size=2', '--block_size=32', '--real_data=False',"
+        " '--profile=False'], sys.argv\n"
+        "for i in range(3):\n"
+        "    print(f'{i}/20 loss: 10.9, time per iteration: {80 + i}.0ms')\n")
+    out = tmp_path / "n.json"
+    small = ["--set", "model.layers=1", "--set", "model.d_model=64", "--set", "model.heads=2",
+             "--set", "model.d_ff=128", "--set", "precision.compute='float32'"]
+    _ok(_script("gpt_vs_nanogpt.py", "--reference", str(ref), "--batch", "2", "--seq", "32",
+                "--rounds", "2", "--steps", "3", *small, "--json", str(out)))
+    got = json.loads(out.read_text())
+    assert [r["nanogpt_tokens_per_s"] for r in got["rounds"]] == [2 * 32 / 0.082] * 2
+    for r in got["rounds"]:
+        assert r["ratio"] == pytest.approx(r["plait_tokens_per_s"] / r["nanogpt_tokens_per_s"])
+        assert r["plait_mfu"] is None and r["plait_peak_device_memory_gib"] is None
+    assert (got["batch"], got["seq"], got["device"]) == (2, 32, "cpu")
+
+    missing = _script("gpt_vs_nanogpt.py", "--reference", str(tmp_path))
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == (f"gpt_vs_nanogpt.py: error: {tmp_path} has no bench.py; "
+                                      "pass a nanoGPT checkout with --reference")

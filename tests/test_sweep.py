@@ -232,6 +232,7 @@ def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
     assert "unknown pipeline schedule 'zb'; choose one of gpipe, 1f1b" in err
     for flags, said in [(["--top", "-3"], "--top must be at least 1, got -3"),
                         (["--run", "--run-steps", "1"], "--run-steps must be at least 2"),
+                        (["--run", "--run-rounds", "0"], "--run-rounds must be at least 1"),
                         (["--vary", "model.remat"], "--vary expects KEY=V1,V2,..."),
                         (["--vary", "model.remat=none,fulll"], "--vary model.remat"),
                         (["--vary", "model.remta=none"], "--vary model.remta"),
@@ -506,7 +507,7 @@ def test_run_times_are_journaled_and_a_rerun_measures_only_new_shapes(tmp_path, 
     sweep.measure_runs(exp, again, 2, steps=3, journal=journal)
     assert trained == ["tensor=2"] and again[2]["measured_error"] == "too big"
     assert [r["measured_step_s"] for r in again[:2]] == [r["measured_step_s"] for r in first]
-    assert "2 of 3 shapes' step times read from" in capsys.readouterr().err
+    assert "2 of 3 step times read from" in capsys.readouterr().err
     sweep.measure_runs(exp, rows_of("data=2", "fsdp=2", "tensor=2"), 2, steps=3,
                        journal=journal)
     assert trained == ["tensor=2", "tensor=2"]  # the failed shape, tried again
@@ -517,12 +518,64 @@ def test_run_times_are_journaled_and_a_rerun_measures_only_new_shapes(tmp_path, 
     assert trained[2:] == ["data=2", "fsdp=2"]
 
 
+def test_run_rounds_go_in_rank_order_and_back_and_a_rerun_adds_rounds(tmp_path, monkeypatch,
+                                                                       capsys):
+    """--run-rounds 2 trains the top shapes in rank order, then back: a machine that
+    slows steadily over the run (here each training 1 ms slower than the one before)
+    weighs on every shape alike in the median, where one round left it all on the last
+    rank. Each round is journaled; a rerun with 3 rounds trains round 3 only; a shape
+    that failed is not tried again in a later round."""
+    import plait.train.loop as loop
+
+    exp = tiny(model={"layers": 1})
+    trained: list[tuple[str, float]] = []
+
+    def drifting(e, mesh, steps, **kw):
+        shape = ",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1)
+        if shape == "pipeline=2":
+            raise UserError("too big")
+        t = 0.010 + 0.001 * len(trained)
+        trained.append((shape, t))
+        return {"records": [{"step_time_s": t}] * steps}
+
+    monkeypatch.setattr(loop, "train_briefly", drifting)
+
+    def rows_of(*meshes: str) -> list[dict]:
+        return [{"rank": i, "mesh": m, "settings": {}, "fits": True, "predicted_step_s": 0.01}
+                for i, m in enumerate(meshes, 1)]
+
+    once = rows_of("data=2", "fsdp=2", "tensor=2")
+    sweep.measure_runs(exp, once, 2, steps=3)
+    assert [r["measured_step_s"] for r in once] == pytest.approx([0.010, 0.011, 0.012])
+    trained.clear()
+    journal = tmp_path / sweep.RUNS
+    rows = rows_of("data=2", "fsdp=2", "pipeline=2", "tensor=2")
+    sweep.measure_runs(exp, rows, 2, steps=3, journal=journal, rounds=2)
+    assert [s for s, _ in trained] == ["data=2", "fsdp=2", "tensor=2",
+                                       "tensor=2", "fsdp=2", "data=2"]
+    measured = [r["measured_step_s"] for r in rows]
+    assert measured[0] == measured[1] == measured[3] == pytest.approx(0.0125)  # drift gone
+    assert rows[1]["measured_rounds_s"] == pytest.approx([0.011, 0.014])
+    assert measured[2] is None and rows[2]["measured_error"] == "too big"
+    err = capsys.readouterr().err
+    assert err.count("did not run: too big") == 1  # round 2 does not try it again
+    assert "trained 5/8 rank 4 (tensor=2) round 2: 13.0 ms a step" in err
+    assert len(journal.read_text().splitlines()) == 6
+
+    rows = rows_of("data=2", "fsdp=2", "pipeline=2", "tensor=2")
+    sweep.measure_runs(exp, rows, 2, steps=3, journal=journal, rounds=3)
+    assert [s for s, _ in trained[6:]] == ["data=2", "fsdp=2", "tensor=2"]  # round 3 only
+    assert rows[0]["measured_rounds_s"] == pytest.approx([0.010, 0.015, 0.016])
+    assert rows[0]["measured_step_s"] == pytest.approx(0.015)
+    assert "6 of 12 step times read from" in capsys.readouterr().err
+
+
 def test_an_interrupted_run_says_what_it_kept(tmp_path, capsys, monkeypatch):
     """Ctrl-C while --run trains: one line naming both journals."""
     from plait.cli import main
 
-    def measured_two(exp, rows, n, steps, *, journal, fresh):
-        assert steps == 6
+    def measured_two(exp, rows, n, steps, *, journal, fresh, rounds):
+        assert (steps, rounds) == (6, 1)
         journal.write_text("{}\n{}\n")
         raise KeyboardInterrupt
 

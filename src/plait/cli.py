@@ -184,6 +184,8 @@ def cmd_sweep(args) -> int:
     if args.run_steps < 2:
         raise UserError(f"--run-steps must be at least 2 (the first step compiles and is not "
                         f"timed), got {args.run_steps}")
+    if args.run_rounds < 1:
+        raise UserError(f"--run-rounds must be at least 1, got {args.run_rounds}")
     schedules = sweep.schedule_names(args.schedules)
     combos = sweep.combinations(args.experiment, list(args.sets), args.vary)
     hw = load_hardware(args.hardware or "cpu-2core")
@@ -207,7 +209,7 @@ def cmd_sweep(args) -> int:
         runs = out / sweep.RUNS
         try:
             sweep.measure_runs(exp, top, args.devices, args.run_steps, journal=runs,
-                               fresh=args.fresh)
+                               fresh=args.fresh, rounds=args.run_rounds)
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"{_lines(runs)} measured step times are kept in {runs} "
                                     f"(and the compiled programs in {journal}); the same "
@@ -218,7 +220,8 @@ def cmd_sweep(args) -> int:
     meta = {"experiment": exp.name, "devices": args.devices, "hardware": hw.name,
             "unit": task_class(exp.model.kind).unit,
             "device_memory_bytes": hw.memory(args.devices), "sweep_s": elapsed,
-            "calibration": fit, "compile_aborted": failed}
+            "calibration": fit, "compile_aborted": failed,
+            "run": {"steps": args.run_steps, "rounds": args.run_rounds} if args.run else None}
     write_outputs(rows, out, meta)
     render(top, meta)
     if fit:

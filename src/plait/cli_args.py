@@ -68,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--run-steps", type=int, default=6, metavar="STEPS",
                     help="steps --run trains each shape for; its time is the median of all "
                          "but the first (default: 6; more steady on a noisy machine)")
+    sw.add_argument("--run-rounds", type=int, default=1, metavar="R",
+                    help="times --run trains each shape, in rank order and back again by "
+                         "turns; its time is the median over rounds (default: 1; 2 or more "
+                         "where the machine drifts over the run)")
     sw.add_argument("--out", default=None,
                     help="directory for sweep.csv, .json and .png, and programs.jsonl and "
                          "runs.jsonl, the compiled figures and --run's times a rerun into it "

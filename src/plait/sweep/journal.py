@@ -11,8 +11,8 @@ with other `--hardware` of the same node size prices again without compiling.
 
 `--run` keeps its measurements the same way, in `<out>/runs.jsonl`: training every
 top shape of moe-tiny's 8-device sweep takes 25 minutes here, and a rerun (or one
-with a larger `--top`) trains only the shapes not yet measured by the same plait on
-the same machine.
+with a larger `--top` or more `--run-rounds`) trains only the shapes and rounds not yet
+measured by the same plait on the same machine.
 """
 
 from __future__ import annotations
@@ -122,17 +122,18 @@ class Journal(_Lines):
         self._append(repr(key), label=label, figures=_encode(figures), compile_s=seconds)
 
 
-def _shape_key(row: dict) -> str:
-    return json.dumps([row["mesh"], row.get("settings") or {}], sort_keys=True)
+def _shape_key(row: dict, round_: int) -> str:
+    return json.dumps([row["mesh"], row.get("settings") or {}, round_], sort_keys=True)
 
 
 class Measured(_Lines):
-    """`--run`'s median step times by shape (mesh and settings) for one run identity. A
+    """`--run`'s median step times by shape (mesh and settings) and round, for one run
+    identity: a rerun with more `--run-rounds` measures only the rounds not yet kept. A
     shape that failed to run is not kept: a rerun tries it again."""
 
-    def get(self, row: dict) -> float | None:
-        entry = self.entries.get(_shape_key(row))
+    def get(self, row: dict, round_: int) -> float | None:
+        entry = self.entries.get(_shape_key(row, round_))
         return None if entry is None else entry["measured_step_s"]
 
-    def add(self, row: dict, label: str, step_s: float | None) -> None:
-        self._append(_shape_key(row), label=label, measured_step_s=step_s)
+    def add(self, row: dict, round_: int, label: str, step_s: float) -> None:
+        self._append(_shape_key(row, round_), label=label, round=round_, measured_step_s=step_s)

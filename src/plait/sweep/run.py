@@ -231,64 +231,94 @@ def candidate_of(row: dict, n: int) -> Candidate:
     return Candidate(sizes, dict(row.get("settings") or {}), tuple(row.get("varied") or {}))
 
 
-def _train_one(exp: Experiment, cand: Candidate, r: dict, n: int, steps: int) -> str:
-    """Train the row's shape `cand`; add its median step time to the row, or
-    `measured_error` (the line said, returned)."""
+def _train_one(exp: Experiment, cand: Candidate, n: int, steps: int) -> float | str:
+    """The median step time of the shape `cand` trained for `steps` steps (the first,
+    which compiles, not counted), or the one line saying why it did not run."""
     from plait.errors import RunFailed
     from plait.train.loop import train_briefly
 
     try:
         summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n), steps)
     except (UserError, RunFailed) as e:
-        r["measured_step_s"], r["measured_error"] = None, str(e)
-        return f"did not run: {e}"
+        return str(e)
     finally:
         # One shape's state (a 1.3B model's is ~20 GB with its optimizer) must be gone
         # before the next is built on the same device; what reference cycles hold (a
         # failure's traceback frames) goes only at a collection.
         gc.collect()
     times = [rec["step_time_s"] for rec in summary["records"][1:]]
-    r["measured_step_s"] = float(np.median(times)) if times else None
-    return "no step timed" if not times else f"{1e3 * r['measured_step_s']:.1f} ms a step"
+    return float(np.median(times)) if times else "no step timed"
+
+
+def visits(count: int, rounds: int) -> list[tuple[int, int]]:
+    """(round, row index) in the order `--run` trains them: round 1 in rank order, round 2
+    back, and so on, so that a machine drifting slowly over the run (a CPU warming, a
+    neighbour's load) weighs on every shape alike in the median of two or more rounds,
+    not on the last ranks only."""
+    order = []
+    for r in range(1, rounds + 1):
+        order += [(r, i) for i in (range(count) if r % 2 else reversed(range(count)))]
+    return order
 
 
 def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
                  journal: Path | None = None, fresh: bool = False,
-                 progress: bool = True) -> None:
-    """Train each row's shape for a few steps on the devices at hand; add its median step
-    time. A shape that fails to run (too big for the devices after all, a failure of the
-    step) gets `measured_error`, its one line, said on stderr; the others still run. With
-    a `journal` file, each time is appended as measured, and those it holds for these
-    shapes (the same experiment, steps, plait and machine) are read back, not measured
-    again (`fresh`: none are). Progress: a bar on a terminal, else a line a shape."""
+                 progress: bool = True, rounds: int = 1) -> None:
+    """Train each row's shape for a few steps on the devices at hand, `rounds` times (see
+    `visits`); add the median over rounds of its median step time (`measured_step_s`,
+    and each round's in `measured_rounds_s` when there are several). A shape that fails
+    to run (too big for the devices after all, a failure of the step) gets
+    `measured_error`, its one line, said on stderr, and is not tried in later rounds; the
+    others still run. With a `journal` file, each time is appended as measured, and those
+    it holds for these shapes and rounds (the same experiment, steps, plait and machine)
+    are read back, not measured again (`fresh`: none are). Progress: a bar on a
+    terminal, else a line a shape and round."""
     from rich.progress import Progress
 
     from plait.sweep.journal import Measured, run_identity
 
     book = Measured(journal, run_identity(exp, n, steps), fresh) if journal else None
-    known = {id(r): t for r in rows if book and (t := book.get(r)) is not None}
-    if known:
-        print(f"plait sweep: {len(known)} of {len(rows)} shapes' step times read from "
-              f"{journal} (measured by an earlier --run of this sweep on this machine; "
-              "--fresh measures them again)", file=sys.stderr, flush=True)
-    todo = [r for r in rows if id(r) not in known]
-    for r in rows:
-        if id(r) in known:
-            r["measured_step_s"] = known[id(r)]
+    times: list[dict[int, float]] = [{} for _ in rows]
+    todo = []
+    for round_, i in visits(len(rows), rounds):
+        kept = book.get(rows[i], round_) if book else None
+        if kept is None:
+            todo.append((round_, i))
+        else:
+            times[i][round_] = kept
+    if len(todo) < len(rows) * rounds:
+        print(f"plait sweep: {len(rows) * rounds - len(todo)} of {len(rows) * rounds} step "
+              f"times read from {journal} (measured by an earlier --run of this sweep on "
+              "this machine; --fresh measures them again)", file=sys.stderr, flush=True)
+    cands = [candidate_of(r, n) for r in rows]
     lines = progress and not sys.stderr.isatty()
+    of_round = f" of {rounds} rounds" if rounds > 1 else ""
     with Progress(disable=not progress or lines, transient=True) as bar:
-        task = bar.add_task(f"training {len(todo)} shapes", total=len(todo))
-        for i, r in enumerate(todo, 1):
-            cand = candidate_of(r, n)
-            label = cand.label
-            bar.update(task, description=f"training rank {r['rank']} ({label})")
-            said = _train_one(exp, cand, r, n, steps)
-            if "measured_error" in r:
-                print(f"plait sweep: rank {r['rank']} ({label}) {said}", file=sys.stderr,
-                      flush=True)
-            elif lines:
-                print(f"plait sweep: trained {i}/{len(todo)} rank {r['rank']} ({label}): "
-                      f"{said}", file=sys.stderr, flush=True)
-            if book and r["measured_step_s"] is not None:
-                book.add(r, label, r["measured_step_s"])
+        task = bar.add_task(f"training {len(todo)} shapes{of_round}", total=len(todo))
+        for k, (round_, i) in enumerate(todo, 1):
+            r, label = rows[i], cands[i].label
+            at = f" round {round_}" if rounds > 1 else ""
+            if "measured_error" in r:  # failed in an earlier round
+                bar.advance(task)
+                continue
+            bar.update(task, description=f"training rank {r['rank']} ({label}){at}")
+            got = _train_one(exp, cands[i], n, steps)
+            if isinstance(got, str):
+                r["measured_error"] = got
+                print(f"plait sweep: rank {r['rank']} ({label}) did not run: {got}",
+                      file=sys.stderr, flush=True)
+            else:
+                times[i][round_] = got
+                if book:
+                    book.add(r, round_, label, got)
+                if lines:
+                    print(f"plait sweep: trained {k}/{len(todo)} rank {r['rank']} ({label})"
+                          f"{at}: {1e3 * got:.1f} ms a step", file=sys.stderr, flush=True)
             bar.advance(task)
+    for r, got in zip(rows, times, strict=True):
+        if "measured_error" in r or not got:
+            r["measured_step_s"] = None
+            continue
+        r["measured_step_s"] = float(np.median(list(got.values())))
+        if rounds > 1:
+            r["measured_rounds_s"] = [got[j] for j in sorted(got)]

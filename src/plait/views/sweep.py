@@ -140,6 +140,9 @@ def render_calibration(rows: list[dict], fit: dict) -> None:
           + ", added to every prediction "
           "(they describe the machine measured, whatever --hardware says)")
     for r in [r for r in rows if r.get("measured_step_s")]:
+        rounds = r.get("measured_rounds_s") or []
+        spread = (f", {len(rounds)} rounds {min(rounds) * 1e3:.3f}-{max(rounds) * 1e3:.3f} ms"
+                  if len(rounds) > 1 else "")
         print(f"  {r['rank']:>4} {label_of(r):<40} model {r['model_step_s'] * 1e3:8.3f} ms, "
               f"calibrated {r['predicted_step_s'] * 1e3:8.3f} ms, measured "
-              f"{r['measured_step_s'] * 1e3:8.3f} ms ({r['kernels']:,.0f} kernels)")
+              f"{r['measured_step_s'] * 1e3:8.3f} ms ({r['kernels']:,.0f} kernels{spread})")
