@@ -31,6 +31,7 @@ from plait.models import (
     remat_policy,
     stacked_layers,
 )
+from plait.models.activations import gelu, swiglu
 from plait.models.keys import ParamKeys
 from plait.models.loss import chunked_cross_entropy, cross_entropy
 from plait.models.moe import MoE, no_stats, sparse_layers, summarize
@@ -226,10 +227,9 @@ class MLP(nnx.Module):
     def __call__(self, x):
         if self.swiglu:
             gu = dense(x, self.w13, _scaling(self, "w13"))
-            h = jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]
+            h = swiglu(gu[:, :, 0], gu[:, :, 1])
         else:
-            h = dense(x, self.w1, _scaling(self, "w1")) + _bias(self, "b1")
-            h = jax.nn.gelu(h, approximate=True)
+            h = gelu(dense(x, self.w1, _scaling(self, "w1")) + _bias(self, "b1"))
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
         y = dense(h, self.w2, _scaling(self, "w2")) + _bias(self, "b2")
         return constrain(y, BATCH_SEQ_EMBED)

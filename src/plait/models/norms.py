@@ -6,20 +6,50 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from plait.config import GPTConfig
 from plait.models.keys import ParamKeys
 from plait.models.params import param as _param
+
+# A norm keeps for the backward its input and its per-token statistics (two or three
+# float32 numbers a token, named here), and recomputes the float32 copies, the
+# normalised values and the casts from them: autodiff kept three float32 and two
+# compute-dtype arrays of the input's size a norm (docs/architecture.md, "What a layer
+# keeps for the backward"). The statistics are kept, not recomputed, so the backward
+# repeats no reduction, which over a split embedding would be a collective.
+STATS = "norm_stats"
+_KEEP_STATS = jax.checkpoint_policies.save_only_these_names(STATS)
+
+
+def _rms(x: jax.Array, scale: jax.Array, eps: float, axes: tuple[int, ...]) -> jax.Array:
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    # rsqrt's derivative reads its input too: both kept, or the backward sums again
+    ms = checkpoint_name(jnp.square(x32).mean(axes, keepdims=True) + eps, STATS)
+    r = checkpoint_name(jax.lax.rsqrt(ms), STATS)
+    return (x32 * r).astype(dtype) * scale.astype(dtype)
 
 
 def rms(x: jax.Array, scale: nnx.Param, eps: float, axes: tuple[int, ...] = (-1,)
         ) -> jax.Array:
     """x over its root mean square along `axes` (statistics in float32), then the scale
     applied in the compute dtype after the cast back, as Llama's reference code does."""
+    return jax.checkpoint(_rms, policy=_KEEP_STATS, static_argnums=(2, 3))(
+        x, scale[...], eps, tuple(axes))
+
+
+def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float
+                ) -> jax.Array:
     dtype = x.dtype
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(axes, keepdims=True) + eps)
-    return y.astype(dtype) * scale[...].astype(dtype)
+    x = x.astype(jnp.float32)
+    mean = checkpoint_name(x.mean(-1, keepdims=True), STATS)
+    var = checkpoint_name(jnp.square(x - mean).mean(-1, keepdims=True) + eps, STATS)
+    r = checkpoint_name(jax.lax.rsqrt(var), STATS)
+    y = (x - mean) * r * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -33,14 +63,9 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        dtype = x.dtype
-        x = x.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
-        if hasattr(self, "bias"):
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(dtype)
+        bias = self.bias[...] if hasattr(self, "bias") else None
+        return jax.checkpoint(_layer_norm, policy=_KEEP_STATS, static_argnums=(3,))(
+            x, self.scale[...], bias, self.eps)
 
 
 class RMSNorm(nnx.Module):

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from plait.models.activations import gelu, swiglu
 from plait.parallel.grouped import grouped_matmul
 from plait.sharding import active, axes_tuple
 
@@ -69,9 +70,9 @@ def _expert_mlp(w: Weights, h: jax.Array, activation: str) -> jax.Array:
     """Every expert's MLP on its own tokens: h [..., E, C, d] -> [..., E, C, d]."""
     if activation == "swiglu":
         gu = jnp.einsum("...ecd,edgf->...ecgf", h, w["w13"])
-        hidden = jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+        hidden = swiglu(gu[..., 0, :], gu[..., 1, :])
     else:
-        hidden = jax.nn.gelu(jnp.einsum("...ecd,edf->...ecf", h, w["w1"]), approximate=True)
+        hidden = gelu(jnp.einsum("...ecd,edf->...ecf", h, w["w1"]))
     return jnp.einsum("...ecf,efd->...ecd", hidden, w["w2"])
 
 
@@ -245,10 +246,9 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
         w13 = w["w13"]
         gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how, expected)
         gu = gu.reshape(gu.shape[0], 2, -1)
-        hidden = jax.nn.silu(gu[:, 0]) * gu[:, 1]
+        hidden = swiglu(gu[:, 0], gu[:, 1])
     else:
-        hidden = jax.nn.gelu(grouped_matmul(rows, w["w1"], sizes, how, expected),
-                             approximate=True)
+        hidden = gelu(grouped_matmul(rows, w["w1"], sizes, how, expected))
     out = grouped_matmul(hidden, w["w2"], sizes, how, expected)
     back = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
