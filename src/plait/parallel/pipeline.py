@@ -11,7 +11,7 @@ forward residuals that depend on the microbatch wait in a stash slot until
 the backward (or only the stage input, when `pipeline.recompute`); residuals
 made from the parameters alone are recomputed there instead. Zero-bubble
 schedules run the backward as two actions, input gradient (Bx) then weight
-gradient (W), which together run each equation of the backward once; Bx
+gradient (W), which together run each matmul of the backward once; Bx
 overwrites the residuals only it read with what W needs, in the same slot.
 Slots are assigned by interval colouring of the table (`parallel.tick_table`),
 so memory follows the schedule's peak in flight, not the microbatch count.

@@ -12,7 +12,7 @@ Here the layer's traced backward is split at the equation level: Bx runs the
 equations its input gradient needs and returns, besides it, every value of its
 own that the weight gradients read (the gradients at the matmul outputs, the
 "frontier"); W runs only the rest (the weight-gradient matmuls and sums), from
-the frontier and the forward residuals. Together they run each equation of the
+the frontier and the forward residuals. Together they run each matmul of the
 backward once.
 
 Two more things are read off the traced forward. Residuals that do not depend
@@ -111,6 +111,45 @@ def _depends_on(jaxpr: jcore.Jaxpr, roots: set) -> set:
     return dep
 
 
+# Primitives W may run again rather than receive their result from Bx: elementwise
+# arithmetic and layout, no matmul, no reduction (over a split dimension, a collective),
+# no sharding change.
+_CHEAP = frozenset({
+    "convert_element_type", "mul", "add", "add_any", "sub", "div", "neg", "max", "min",
+    "exp", "log", "tanh", "logistic", "rsqrt", "sqrt", "integer_pow", "square", "abs",
+    "sign", "erf", "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "reduce_precision", "copy",
+    "copy_p", "name"})
+
+
+def _cheap_from_residuals(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int],
+                          from_g: set) -> list[int]:
+    """Equations of Bx to run again in W: those computing, from residuals and cheap steps
+    only (`_CHEAP`, not depending on the cotangent), a value W reads."""
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    in_b = set(b_eqns)
+    chosen: set[int] = set()
+
+    def chain(v, acc: set[int]) -> bool:
+        """Whether v is made from residuals by cheap steps; their equations into acc."""
+        i = producer.get(v)
+        if i is None or i in acc or i in chosen:
+            return True  # a residual (an input of the backward) or already chosen
+        e = jaxpr.eqns[i]
+        if i not in in_b or v in from_g or e.primitive.name not in _CHEAP:
+            return False
+        acc.add(i)
+        return all(chain(a, acc) for a in e.invars if _is_var(a))
+
+    for i in w_eqns:
+        for a in jaxpr.eqns[i].invars:
+            if _is_var(a) and producer.get(a) in in_b and a not in from_g:
+                acc: set[int] = set()
+                if chain(a, acc):
+                    chosen |= acc
+    return sorted(chosen)
+
+
 @dataclass
 class LayerGrad:
     """The forward, the whole backward, and the two halves of the backward of one layer
@@ -150,10 +189,19 @@ class LayerGrad:
         dp_vars, dh_var = bj.outvars[:-1], bj.outvars[-1]
         b_eqns = _needed(bj, [dh_var])
         w_eqns = _needed(bj, dp_vars, skip=frozenset(b_eqns))
+        # What W reads of Bx's values that Bx computed from residuals alone, by cheap
+        # elementwise steps (a norm's normalised input, recomputed in the backward since
+        # the norm keeps only its input and statistics), W computes again instead of
+        # Bx handing it over: the frontier is held from Bx to W, often several
+        # microbatches, and is float32 where the residual it comes from is not.
+        from_g = _depends_on(bj, {bj.invars[-1]})
+        w_eqns = sorted(set(w_eqns) | set(_cheap_from_residuals(bj, w_eqns, b_eqns, from_g)))
         made_in_b = {v for i in b_eqns for v in bj.eqns[i].outvars} | {bj.invars[-1]}
         w_reads = [a for i in w_eqns for a in bj.eqns[i].invars if _is_var(a)]
         w_reads += [a for a in dp_vars if _is_var(a)]
-        self.frontier = list(dict.fromkeys(a for a in w_reads if a in made_in_b))
+        made_in_w = {v for i in w_eqns for v in bj.eqns[i].outvars}
+        self.frontier = list(dict.fromkeys(a for a in w_reads
+                                           if a in made_in_b and a not in made_in_w))
         res_in = {v: i for i, v in enumerate(bj.invars[:-1])}
         b_reads = {a for i in b_eqns for a in bj.eqns[i].invars if _is_var(a)} | {dh_var}
         w_read_set = set(w_reads)

@@ -1,0 +1,169 @@
+"""What the backward keeps between forward and backward (docs/architecture.md, "What a
+layer keeps for the backward"): norms their input and per-token statistics, the MLPs'
+activations their input and output, the loss the logits in their own dtype and one
+log-sum-exp a token; their gradients those of plain autodiff."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import make_mesh, tiny
+from jax._src.ad_checkpoint import saved_residuals
+
+from plait.models.activations import gelu, swiglu
+from plait.models.keys import ParamKeys
+from plait.models.loss import _per_token, cross_entropy
+from plait.models.norms import LayerNorm, rms
+
+B, S, D, F, V = 2, 8, 16, 48, 40
+
+
+def _kept(f, *args) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of each value f's backward keeps, f's own arguments included."""
+    return sorted((str(a.dtype), tuple(a.shape)) for a, _ in saved_residuals(f, *args))
+
+
+def test_norms_keep_only_per_token_statistics_and_match_autodiff():
+    """An RMSNorm and a LayerNorm keep float32 [B, S, 1] statistics only (their input is
+    the caller's), not the float32 copies of [B, S, D] they kept before; value and
+    gradients equal the plain formulas' autodiff."""
+    x = jax.random.normal(jax.random.key(0), (B, S, D), jnp.bfloat16)
+    scale = jax.random.normal(jax.random.key(1), (D,))
+
+    class P:  # an nnx.Param stand-in: rms reads scale[...]
+        def __init__(self, v):
+            self.v = v
+
+        def __getitem__(self, _):
+            return self.v
+
+    def ours(x, scale):
+        return rms(x, P(scale), 1e-5).astype(jnp.float32)
+
+    def plain(x, scale):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + 1e-5)
+        return (y.astype(x.dtype) * scale.astype(x.dtype)).astype(jnp.float32)
+
+    kept = _kept(lambda x, s: ours(x, s).sum(), x, scale)
+    assert ("float32", (B, S, D)) not in kept and ("float32", (B, S, 1)) in kept, kept
+    assert ("float32", (B, S, D)) in _kept(lambda x, s: plain(x, s).sum(), x, scale)
+    g = jax.random.normal(jax.random.key(2), (B, S, D))
+    for a, b in zip(jax.vjp(ours, x, scale)[1](g), jax.vjp(plain, x, scale)[1](g),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    ln = LayerNorm(D, 1e-5, ParamKeys(0))
+    kept = _kept(lambda x: ln(x).astype(jnp.float32).sum(), x)
+    assert [k for k in kept if len(k[1]) == 3] == [("bfloat16", (B, S, D))] + [
+        ("float32", (B, S, 1))] * 3, kept  # the input; mean, variance, reciprocal root
+
+
+def test_activations_keep_their_input_and_output_and_match_autodiff():
+    """SwiGLU keeps the gate, the up half and the product (three [B, S, F], was six);
+    GELU its input and output (was six); gradients equal plain autodiff's."""
+    k = jax.random.split(jax.random.key(0), 3)
+    g, u = (jax.random.normal(k[i], (B, S, F), jnp.bfloat16) for i in range(2))
+    w = jax.random.normal(k[2], (F, D), jnp.bfloat16)
+
+    def mlp(act):  # the activation's output feeds a matmul whose weight has a gradient
+        return lambda *a: (act(*a[:-1]) @ a[-1]).astype(jnp.float32).sum()
+
+    def wide(f, *args) -> int:
+        return sum(shape == (B, S, F) for _, shape in _kept(f, *args))
+
+    assert wide(mlp(swiglu), g, u, w) == 3  # g, u for silu's gradient; the product for w's
+    assert wide(mlp(lambda g, u: jax.nn.silu(g) * u), g, u, w) == 6
+    assert wide(mlp(gelu), g, w) == 2
+    assert wide(mlp(lambda h: jax.nn.gelu(h, approximate=True)), g, w) == 6
+    for ours, plain, args in ((swiglu, lambda g, u: jax.nn.silu(g) * u, (g, u, w)),
+                              (gelu, lambda h: jax.nn.gelu(h, approximate=True), (g, w))):
+        np.testing.assert_array_equal(
+            np.asarray(jax.grad(mlp(ours), range(len(args)))(*args)[0], np.float32),
+            np.asarray(jax.grad(mlp(plain), range(len(args)))(*args)[0], np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_loss_keeps_the_logits_and_one_number_a_token(dtype):
+    """The unfused cross-entropy keeps the logits in their dtype and a float32
+    log-sum-exp a token (before: three float32 and two boolean arrays of the logits'
+    size); over a padded vocabulary its value and gradient equal optax's on the real
+    ids."""
+    dt = jnp.dtype(dtype)
+    vocab = 37
+    logits = jax.random.normal(jax.random.key(0), (B, S, V), dt) * 3
+    t = jax.random.randint(jax.random.key(1), (B, S), 0, vocab)
+    kept = _kept(lambda z: cross_entropy(z, t, vocab), logits)
+    assert kept == sorted([(dtype, (B, S, V)), ("float32", (B, S)), ("int32", (B, S))]), kept
+    before = _kept(lambda z: jnp.mean(_per_token(z, t, vocab)[0]), logits)
+    assert sum(shape == (B, S, V) for _, shape in before) >= 5, before
+
+    def reference(z):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            z[..., :vocab].astype(jnp.float32), t).mean()
+
+    (got, g), (want, gw) = (jax.value_and_grad(f)(logits)
+                            for f in (lambda z: cross_entropy(z, t, vocab), reference))
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(got, want, rtol=tol)
+    assert g.dtype == dt and not np.asarray(g[..., vocab:], np.float32).any()
+    np.testing.assert_allclose(np.asarray(g[..., :vocab], np.float32),
+                               np.asarray(gw[..., :vocab], np.float32), atol=tol / (B * S))
+
+
+def test_a_llama_layer_keeps_no_float32_copy_of_the_residual_stream():
+    """Through the whole model (a 2-layer Llama, unrolled): no float32 array of the
+    residual stream's size is kept, and the [tokens, d_ff] arrays are three a layer."""
+    from plait.tasks.gpt import GPTTask
+
+    exp = tiny(model={"kind": "llama", "kv_heads": 2, "d_ff": 96, "scan_layers": False},
+               precision={"compute": "bfloat16"})
+    task = GPTTask(exp, make_mesh("data=1"))
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                          task.layout.abstract()["params"])
+    b = task.abstract_batch()
+    kept = _kept(task.loss, params, jax.ShapeDtypeStruct(b.shape[1:], b.dtype))
+    rows, seq = exp.train.global_batch, exp.model.seq_len
+    stream = [k for k in kept if k[1] == (rows, seq, exp.model.d_model)]
+    assert stream and all(dt == "bfloat16" for dt, _ in stream), stream
+    assert len([k for k in kept if k[1] == (rows, seq, 96)]) == 3 * exp.model.layers
+
+
+def test_the_split_backward_recomputes_a_norms_output_in_w_rather_than_stash_it():
+    """ZB-H1's W half reads a norm's normalised input for the scale's gradient. Bx
+    made it from the residuals (the input and statistics) by elementwise steps; W
+    computes it again rather than receive it in the frontier, which is held from Bx to
+    W, in float32 where the residual is bf16. The halves' gradients equal the whole
+    backward's."""
+    from plait.parallel.split_backward import LayerGrad
+
+    class P:
+        def __init__(self, v):
+            self.v = v
+
+        def __getitem__(self, _):
+            return self.v
+
+    def layer(p, h):
+        return h + rms(h, P(p["scale"]), 1e-5) @ p["w"]
+
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"scale": jax.random.normal(k[0], (D,), jnp.bfloat16),
+         "w": jax.random.normal(k[1], (D, D), jnp.bfloat16)}
+    h = jax.random.normal(k[2], (B, S, D), jnp.bfloat16)
+    lg = LayerGrad(layer, p, h)
+    frontier = [(str(a.dtype), a.shape) for a in lg.examples()["frontier"]]
+    assert ("float32", (B, S, D)) not in frontier, frontier
+    _, stashed = lg.forward(p, h)
+    g = jax.random.normal(k[3], (B, S, D), jnp.bfloat16)
+    whole_p, whole_h = lg.backward(p, stashed, g)
+    by = dict(zip(lg.stashed, stashed, strict=True))
+    dh, front = lg.backward_input(p, [by[i] for i in lg.res_b], [by[i] for i in lg.res_w], g)
+    dp = lg.backward_weight(p, [by[i] for i in lg.res_w], front)
+    np.testing.assert_array_equal(np.asarray(dh, np.float32), np.asarray(whole_h, np.float32))
+    for name in p:
+        np.testing.assert_array_equal(np.asarray(dp[name], np.float32),
+                                      np.asarray(whole_p[name], np.float32))
