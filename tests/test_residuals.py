@@ -132,12 +132,15 @@ def test_a_llama_layer_keeps_no_float32_copy_of_the_residual_stream():
     assert len([k for k in kept if k[1] == (rows, seq, 96)]) == 3 * exp.model.layers
 
 
-def test_the_split_backward_recomputes_a_norms_output_in_w_rather_than_stash_it():
-    """ZB-H1's W half reads a norm's normalised input for the scale's gradient. Bx
-    made it from the residuals (the input and statistics) by elementwise steps; W
-    computes it again rather than receive it in the frontier, which is held from Bx to
-    W, in float32 where the residual is bf16. The halves' gradients equal the whole
-    backward's."""
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_the_split_backward_recomputes_cheap_values_in_w_rather_than_hand_them_over(kind):
+    """ZB-H1's W half reads a norm's normalised input for the scale's gradient, and
+    the gradient at the norm's output in float32 for the scale's and the bias's. Bx
+    made the first from the residuals (input and statistics) by elementwise steps, the
+    second by a cast of its bf16 gradient; W computes them again rather than receive
+    them in the frontier, which is held from Bx to W: the frontier is bf16 only. The
+    halves' gradients equal the whole backward's."""
+    from plait.models.norms import _KEEP_STATS, _layer_norm
     from plait.parallel.split_backward import LayerGrad
 
     class P:
@@ -147,16 +150,23 @@ def test_the_split_backward_recomputes_a_norms_output_in_w_rather_than_stash_it(
         def __getitem__(self, _):
             return self.v
 
-    def layer(p, h):
-        return h + rms(h, P(p["scale"]), 1e-5) @ p["w"]
+    def norm(p, h):
+        if kind == "rmsnorm":
+            return rms(h, P(p["scale"]), 1e-5)
+        return jax.checkpoint(_layer_norm, policy=_KEEP_STATS, static_argnums=(3,))(
+            h, p["scale"], p["bias"], 1e-5)
 
-    k = jax.random.split(jax.random.key(0), 4)
+    def layer(p, h):
+        return h + norm(p, h) @ p["w"]
+
+    k = jax.random.split(jax.random.key(0), 5)
     p = {"scale": jax.random.normal(k[0], (D,), jnp.bfloat16),
+         "bias": jax.random.normal(k[4], (D,), jnp.bfloat16),
          "w": jax.random.normal(k[1], (D, D), jnp.bfloat16)}
     h = jax.random.normal(k[2], (B, S, D), jnp.bfloat16)
     lg = LayerGrad(layer, p, h)
     frontier = [(str(a.dtype), a.shape) for a in lg.examples()["frontier"]]
-    assert ("float32", (B, S, D)) not in frontier, frontier
+    assert frontier and all(dt == "bfloat16" for dt, _ in frontier), frontier
     _, stashed = lg.forward(p, h)
     g = jax.random.normal(k[3], (B, S, D), jnp.bfloat16)
     whole_p, whole_h = lg.backward(p, stashed, g)

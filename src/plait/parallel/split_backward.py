@@ -122,30 +122,42 @@ _CHEAP = frozenset({
     "copy_p", "name"})
 
 
-def _cheap_from_residuals(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int],
-                          from_g: set) -> list[int]:
-    """Equations of Bx to run again in W: those computing, from residuals and cheap steps
-    only (`_CHEAP`, not depending on the cotangent), a value W reads."""
+def _nbytes(v) -> int:
+    return int(v.aval.size) * v.aval.dtype.itemsize
+
+
+def _cheap_for_w(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int]) -> list[int]:
+    """Equations of Bx to run again in W, where that hands W fewer bytes: a value W reads
+    that Bx made by cheap steps (`_CHEAP`) from residuals (which W may read itself) and
+    from Bx's other values (the leaves, handed over instead) is made again in W when the
+    leaves are smaller than it (none: a norm's normalised input, from the norm's input
+    and statistics; one of half its size: a float32 gradient cast from bf16)."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    cotangent = jaxpr.invars[-1]
     in_b = set(b_eqns)
     chosen: set[int] = set()
 
-    def chain(v, acc: set[int]) -> bool:
-        """Whether v is made from residuals by cheap steps; their equations into acc."""
+    def walk(v, acc: set[int], leaves: dict) -> None:
+        """v's cheap Bx equations into acc, the Bx values they start from into leaves."""
         i = producer.get(v)
-        if i is None or i in acc or i in chosen:
-            return True  # a residual (an input of the backward) or already chosen
-        e = jaxpr.eqns[i]
-        if i not in in_b or v in from_g or e.primitive.name not in _CHEAP:
-            return False
+        if i is None and v is not cotangent or i in acc or i in chosen or (
+                i is not None and i not in in_b):
+            return  # a residual, or made in W already
+        if i is None or jaxpr.eqns[i].primitive.name not in _CHEAP:
+            leaves[v] = None
+            return
         acc.add(i)
-        return all(chain(a, acc) for a in e.invars if _is_var(a))
+        for a in jaxpr.eqns[i].invars:
+            if _is_var(a):
+                walk(a, acc, leaves)
 
     for i in w_eqns:
         for a in jaxpr.eqns[i].invars:
-            if _is_var(a) and producer.get(a) in in_b and a not in from_g:
+            if _is_var(a) and producer.get(a) in in_b:
                 acc: set[int] = set()
-                if chain(a, acc):
+                leaves: dict = {}
+                walk(a, acc, leaves)
+                if acc and sum(_nbytes(x) for x in leaves) < _nbytes(a):
                     chosen |= acc
     return sorted(chosen)
 
@@ -189,13 +201,12 @@ class LayerGrad:
         dp_vars, dh_var = bj.outvars[:-1], bj.outvars[-1]
         b_eqns = _needed(bj, [dh_var])
         w_eqns = _needed(bj, dp_vars, skip=frozenset(b_eqns))
-        # What W reads of Bx's values that Bx computed from residuals alone, by cheap
-        # elementwise steps (a norm's normalised input, recomputed in the backward since
-        # the norm keeps only its input and statistics), W computes again instead of
-        # Bx handing it over: the frontier is held from Bx to W, often several
-        # microbatches, and is float32 where the residual it comes from is not.
-        from_g = _depends_on(bj, {bj.invars[-1]})
-        w_eqns = sorted(set(w_eqns) | set(_cheap_from_residuals(bj, w_eqns, b_eqns, from_g)))
+        # What W reads of Bx's values that Bx made by cheap elementwise steps from
+        # residuals and smaller values of its own (a norm's normalised input, which the
+        # norm no longer keeps; a float32 gradient cast from bf16), W computes again
+        # from those instead of Bx handing it over: the frontier is held from Bx to W,
+        # often for several microbatches.
+        w_eqns = sorted(set(w_eqns) | set(_cheap_for_w(bj, w_eqns, b_eqns)))
         made_in_b = {v for i in b_eqns for v in bj.eqns[i].outvars} | {bj.invars[-1]}
         w_reads = [a for i in w_eqns for a in bj.eqns[i].invars if _is_var(a)]
         w_reads += [a for a in dp_vars if _is_var(a)]
