@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe
-#   sweep124 sweep1p3b sweepllama)
+#   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bnoremat
+#   llama1b fp8 moe sweep124 sweep1p3b sweepllama)
 #
 # Meant for a lent GPU machine with JAX (CUDA) and torch installed: plait runs from
 # src/ (PYTHONPATH), missing pure-Python dependencies may be wheels under .whl/, and
@@ -11,12 +11,12 @@
 # failure does not cost the stages after it; logs and JSON go to $OUT (default gpu-out/).
 #
 # A lent GPU comes with about 30 minutes and 10 minutes a command, less than all stages'
-# limits together (about 80 minutes), so take them in the order of what they close:
+# limits together (about 85 minutes), so take them in the order of what they close:
 #   1. llama1b  (issue 26's last item: llama3.2-1b >= 50% MFU; <= 640 s)
 #   2. moe      (issue 28's last item: >= 70% of the dense twin's tokens/s; <= 580 s)
 #   3. env gpt124 nanogpt (issue 29: >= 1.1x nanoGPT; <= 700 s, so two commands)
-#   4. gpt1p3b, fp8, sweep124, sweep1p3b, sweepllama (issue 29's other items), in later
-#      sessions if need be.
+#   4. gpt1p3bnoremat, gpt1p3b, fp8, sweep124, sweep1p3b, sweepllama (issue 29's other
+#      items), in later sessions if need be.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -63,6 +63,12 @@ for stage in "$@"; do
         --layers 64 --rounds 1 --set train.global_batch=16 --json "$OUT/gpt1p3b-start.json"
       run gpt1p3b 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --json "$OUT/gpt1p3b.json" ;;
+    gpt1p3bnoremat)  # without remat (4/3 of the FLOPs less), now that norms and
+      # activations keep only their inputs (40 GiB of activations in 4 loss pieces;
+      # docs/architecture.md "What a layer keeps for the backward")
+      run gpt1p3b-noremat 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
+        --steps 16 --warmup 4 --set "model.remat='none'" --set model.loss_chunks=4 \
+        --json "$OUT/gpt1p3b-noremat.json" ;;
     llama1b)  # issue 26's MFU (16 x 2048, the loss in 8 pieces so that no remat fits),
       # then the pieces' own effect at a batch that fits either way
       run llama1b-chunks8 240 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
@@ -106,8 +112,8 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b llama1b fp8 moe sweep124 sweep1p3b
-       sweepllama)"
+    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bnoremat llama1b fp8
+       moe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
 done
