@@ -53,7 +53,7 @@ def _token_losses(logits: jax.Array, targets: jax.Array, vocab: int | None) -> j
     """Each token's cross-entropy. Its backward keeps only the logits in their own dtype
     and the log-sum-exp per token, and forms softmax - one-hot from them: autodiff kept
     three float32 and two boolean arrays of the logits' size (gpt2-124m at 32 x 1024:
-    21.6 GiB more, docs/architecture.md "What a layer keeps for the backward"), and
+    21.5 GiB against 3.1, docs/architecture.md "What a layer keeps for the backward"), and
     its backward repeats no reduction over the vocabulary (a collective when the
     vocabulary is split)."""
     return _per_token(logits, targets, vocab)[0]
