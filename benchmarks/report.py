@@ -20,22 +20,10 @@ def report(result: dict, json_path: str | Path | None) -> None:
 
 
 def run_script(main: Callable[[], int | None]) -> None:
-    """Run a script's `main` and exit with its status; plait's UserError (a bad key, fp8
-    asked of a CPU) ends in one line and status 2, RunFailed in one line and status 1,
-    Ctrl-C in one line and 130, as with `plait` itself. A script stops at the first such
-    error: a benchmark that refuses one of its runs has no figure to give."""
-    from plait.errors import RunFailed, UserError
+    """Run a script's `main` and exit with its status; a plait UserError (a bad key, fp8
+    asked of a CPU) ends in one line and status 2, as with `plait` itself
+    (`plait.errors.reported`). A script stops at the first such error: a benchmark that
+    refuses one of its runs has no figure to give."""
+    from plait.errors import reported
 
-    name = Path(sys.argv[0]).name
-    try:
-        code = main()
-    except UserError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        code = 2
-    except RunFailed as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        code = 1
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
-        code = 130
-    raise SystemExit(code or 0)
+    raise SystemExit(reported(Path(sys.argv[0]).name, main))

@@ -40,8 +40,7 @@ def main() -> int:
 
     exp = load_experiment(args.experiment, args.sets)
     task = make_task(exp, mesh_lib.build_mesh({"data": 1}, 1))
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
-                          task.layout.abstract()["params"])
+    params = task.layout.shapes["params"]  # shapes and dtypes, no sharding
     b = task.abstract_batch()  # [microbatches, rows, seq + 1]
     tokens = jax.ShapeDtypeStruct(b.shape[1:], b.dtype)
     kept, scores, kinds = 0, 0, collections.Counter()

@@ -21,6 +21,16 @@ from plait.models.norms import LayerNorm, rms
 B, S, D, F, V = 2, 8, 16, 48, 40
 
 
+class P:
+    """An nnx.Param stand-in: `rms` reads scale[...]."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __getitem__(self, _):
+        return self.v
+
+
 def _kept(f, *args) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, shape) of each value f's backward keeps, f's own arguments included."""
     return sorted((str(a.dtype), tuple(a.shape)) for a, _ in saved_residuals(f, *args))
@@ -32,13 +42,6 @@ def test_norms_keep_only_per_token_statistics_and_match_autodiff():
     gradients equal the plain formulas' autodiff."""
     x = jax.random.normal(jax.random.key(0), (B, S, D), jnp.bfloat16)
     scale = jax.random.normal(jax.random.key(1), (D,))
-
-    class P:  # an nnx.Param stand-in: rms reads scale[...]
-        def __init__(self, v):
-            self.v = v
-
-        def __getitem__(self, _):
-            return self.v
 
     def ours(x, scale):
         return rms(x, P(scale), 1e-5).astype(jnp.float32)
@@ -122,8 +125,7 @@ def test_a_llama_layer_keeps_no_float32_copy_of_the_residual_stream():
     exp = tiny(model={"kind": "llama", "kv_heads": 2, "d_ff": 96, "scan_layers": False},
                precision={"compute": "bfloat16"})
     task = GPTTask(exp, make_mesh("data=1"))
-    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
-                          task.layout.abstract()["params"])
+    params = task.layout.shapes["params"]
     b = task.abstract_batch()
     kept = _kept(task.loss, params, jax.ShapeDtypeStruct(b.shape[1:], b.dtype))
     rows, seq = exp.train.global_batch, exp.model.seq_len
@@ -142,13 +144,6 @@ def test_the_split_backward_recomputes_cheap_values_in_w_rather_than_hand_them_o
     halves' gradients equal the whole backward's."""
     from plait.models.norms import _KEEP_STATS, _layer_norm
     from plait.parallel.split_backward import LayerGrad
-
-    class P:
-        def __init__(self, v):
-            self.v = v
-
-        def __getitem__(self, _):
-            return self.v
 
     def norm(p, h):
         if kind == "rmsnorm":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from plait import cluster, xla_flags
 from plait.cli_args import parser
-from plait.errors import RunFailed, UserError
+from plait.errors import UserError, reported
 
 
 def _quiet_libraries() -> None:
@@ -313,20 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     _quiet_libraries()
     xla_flags.apply_defaults()  # before any device is touched
-    try:
-        return {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
-                "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,
-                "launch": cmd_launch, "sample": cmd_sample, "import": cmd_import,
-                "export": cmd_export}[args.command](args)
-    except UserError as e:
-        print(f"plait: error: {e}", file=sys.stderr)
-        return 2
-    except RunFailed as e:
-        print(f"plait: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as e:
-        print("plait: interrupted" + (f"; {e}" if str(e) else ""), file=sys.stderr)
-        return 130
+    command = {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
+               "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,
+               "launch": cmd_launch, "sample": cmd_sample, "import": cmd_import,
+               "export": cmd_export}[args.command]
+    return reported("plait", lambda: command(args))
 
 
 def entry() -> None:

@@ -41,8 +41,7 @@ class Candidate:
 
     @property
     def varied_text(self) -> str:
-        """The `--vary` settings as KEY=VALUE (views.sweep.varied_of reads them off a row)."""
-        return " ".join(f"{k}={v}" for k, v in self.varied_settings.items())
+        return settings_text(self.varied_settings)
 
     @property
     def pipeline(self) -> dict[str, Any]:
@@ -72,6 +71,11 @@ class Candidate:
     def columns(self) -> dict[str, Any]:
         """The settings as result columns: pipeline.schedule -> pipeline_schedule."""
         return {k.replace(".", "_"): v for k, v in self.settings.items()}
+
+
+def settings_text(settings: dict[str, Any]) -> str:
+    """`--vary` settings as KEY=VALUE, the one spelling of labels, tables and sweep.csv."""
+    return " ".join(f"{k}={v}" for k, v in settings.items())
 
 
 def _hashable(value: Any) -> Any:

@@ -38,7 +38,9 @@ def layout_of(r: dict) -> str:
 
 def varied_of(r: dict) -> str:
     """The `--vary` settings of a row, as KEY=VALUE; "" for none."""
-    return " ".join(f"{k}={v}" for k, v in (r.get("varied") or {}).items())
+    from plait.sweep.shapes import settings_text
+
+    return settings_text(r.get("varied") or {})
 
 
 def label_of(r: dict) -> str:
