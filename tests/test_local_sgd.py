@@ -172,3 +172,54 @@ def test_checkpoints_keep_their_sync_method(tmp_path):
     with pytest.raises(UserError, match='trained with sync.method = "allreduce"'):
         run(tiny(checkpoint=ckpt, sync={"method": "diloco"}), "data=2", tmp_path)
     assert (tmp_path / "checkpoints" / "2").is_dir()  # nothing lost
+
+
+@pytest.mark.parametrize("method,on_nonfinite", [("diloco", "stop"), ("easgd", "skip")])
+def test_no_collective_runs_beside_the_meeting(method, on_nonfinite):
+    """The meeting's conditional holds the whole step, so XLA:CPU has no collective to
+    run beside it in another order on another device: with the replicas' loss and
+    norm reduced beside it, the step hung in about one run of three and XLA aborted the
+    process (the CI failure of 2026-11-25)."""
+    from plait import hlo
+
+    exp = tiny(optimizer=SGD, sync={"method": method, "period": 2},
+               train={"on_nonfinite": on_nonfinite})
+    mod = hlo.parse_hlo(Job(exp, make_mesh("data=2,fsdp=2,tensor=2")).compile().as_text())
+    conds = [i for instrs in mod.computations.values() for i in instrs
+             if i.opcode == "conditional"]
+    assert len(conds) == 1
+    assert hlo.unordered_beside_conditionals(mod) == []
+
+
+def test_a_conditional_beside_an_unordered_collective_is_refused_before_it_runs():
+    """plait train's check after compiling, on the shape of program that hung: a psum
+    inside a conditional and another psum neither feeds nor reads."""
+    from plait import hlo
+    from plait.train.loop import _would_hang
+
+    mesh = make_mesh("data=8")
+    spec = jax.sharding.NamedSharding(mesh, jax.P("data"))
+
+    def body(x, y, flag):
+        inner = jax.lax.cond(flag[0] > 0, lambda v: jax.lax.psum(v, "data"), lambda v: v, x)
+        return inner, jax.lax.psum(y, "data")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(jax.P("data"),) * 3,
+                              out_specs=(jax.P("data"),) * 2, check_vma=False))
+    ones = jax.device_put(np.ones(8, np.float32), spec)
+    compiled = f.lower(ones, ones, ones).compile()
+    pairs = hlo.unordered_beside_conditionals(hlo.parse_hlo(compiled.as_text()))
+    assert [(c.opcode, o.opcode) for c, o in pairs] == [("conditional", "all-reduce")]
+
+    class Task:
+        def branches_diverge(self):
+            return False
+
+    assert _would_hang(Task(), compiled).startswith(
+        "the compiled step would hang on XLA:CPU: a conditional holding collectives "
+        "(from ")
+    # The same program with the second psum reading the conditional's result is fine.
+    g = jax.jit(jax.shard_map(lambda x, y, flag: body(x, y + body(x, y, flag)[0], flag),
+                              mesh=mesh, in_specs=(jax.P("data"),) * 3,
+                              out_specs=(jax.P("data"),) * 2, check_vma=False))
+    assert _would_hang(Task(), g.lower(ones, ones, ones).compile()) is None

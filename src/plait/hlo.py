@@ -254,3 +254,56 @@ def ops_in_branches(mod: Module, opcode: str) -> list[Instr]:
                 found.append(ins)
             todo += [c for part in _callees(ins.attrs) for c in part]
     return found
+
+
+_COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute|collective-broadcast|ragged-all-to-all)"
+                         r"(-start)?$")
+
+
+def _holds_collective(mod: Module, comp: str, memo: dict[str, bool]) -> bool:
+    """Whether running `comp` runs a collective, in it or in anything it calls."""
+    if comp not in memo:
+        memo[comp] = False  # a cycle (none in HLO) would read as "no"
+        memo[comp] = any(
+            _COLLECTIVE.match(ins.opcode) or any(
+                _holds_collective(mod, c, memo) for part in _callees(ins.attrs)
+                for c in part)
+            for ins in mod.computations.get(comp, []))
+    return memo[comp]
+
+
+def _upstream(by_name: dict[str, Instr], name: str) -> set[str]:
+    """Every instruction of the computation whose result `name` reads, however
+    indirectly."""
+    seen: set[str] = set()
+    todo = [o for o in by_name[name].operands if o in by_name]
+    while todo:
+        o = todo.pop()
+        if o not in seen:
+            seen.add(o)
+            todo += [p for p in by_name[o].operands if p in by_name]
+    return seen
+
+
+def unordered_beside_conditionals(mod: Module) -> list[tuple[Instr, Instr]]:
+    """(conditional, instruction) pairs of one computation where the conditional holds a
+    collective, the instruction runs one (a collective, or a loop, call or conditional
+    holding one), and neither reads the other's result, however indirectly. XLA:CPU does
+    not order such a pair: one device can enter the conditional's collective while its
+    partner waits in the other one, and the step hangs until XLA aborts the process
+    (docs/architecture.md, "Data replicas that meet a sharded center")."""
+    memo: dict[str, bool] = {}
+    found: list[tuple[Instr, Instr]] = []
+    for instrs in mod.computations.values():
+        runs = [ins for ins in instrs if _COLLECTIVE.match(ins.opcode) or any(
+            _holds_collective(mod, c, memo) for part in _callees(ins.attrs) for c in part)]
+        conds = [ins for ins in runs if ins.opcode == "conditional"]
+        if not conds or len(runs) < 2:
+            continue
+        by_name = {ins.name: ins for ins in instrs}
+        upstream = {ins.name: _upstream(by_name, ins.name) for ins in runs}
+        found += [(cond, other) for cond in conds for other in runs
+                  if other is not cond and other.name not in upstream[cond.name]
+                  and cond.name not in upstream[other.name]]
+    return found

@@ -276,15 +276,28 @@ class LocalSGD:
             per_replica = jax.tree.map(
                 lambda b: jnp.moveaxis(b.reshape(b.shape[0], R, b.shape[1] // R,
                                                  *b.shape[2:]), 1, 0), batch)
-            params, opt_state, loss, norm = run_all(state["params"], state["opt_state"],
-                                                    per_replica)
+
+            def local(args):
+                state, per_replica = args
+                params, opt_state, loss, norm = run_all(state["params"], state["opt_state"],
+                                                        per_replica)
+                return params, opt_state, state["sync"], loss, norm
+
+            def local_then_meet(args):
+                params, opt_state, sync, loss, norm = local(args)
+                params, sync = self.exchange(params, sync, leaves)
+                return params, opt_state, sync, loss, norm
+
             s = state["step"]
-
-            def meet(p_and_sync):
-                return self.exchange(*p_and_sync, leaves)
-
-            params, sync = jax.lax.cond((s + 1) % period == 0, meet, lambda ps: ps,
-                                        (params, state["sync"]))
+            # The whole step is inside the conditional, both branches alike, so no
+            # collective runs beside it: XLA:CPU does not order a conditional holding
+            # collectives against the collectives next to it, and with the replicas'
+            # loss and norm reduced beside the meeting a device could enter the
+            # meeting's reduce-scatter over `data` while its partner waited in the
+            # loss's all-reduce over `tensor`: the step hung until XLA aborted the
+            # process 40 s later (found 2026-11-25, in one run of two or three).
+            params, opt_state, sync, loss, norm = jax.lax.cond(
+                (s + 1) % period == 0, local_then_meet, local, (state, per_replica))
             new = {"step": s + 1, "params": params, "opt_state": opt_state, "sync": sync}
             # One loss and norm per replica: averaged on the host, not over `data`.
             return new, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(s)}

@@ -183,23 +183,41 @@ def _final_line(run: Run, log: MetricsLog, summary: dict, total: int) -> str:
 
 
 def _would_hang(task, compiled) -> str | None:
-    """Why the compiled step would hang, or None. XLA:CPU runs a collective-permute only
-    when every device of the program reaches it, and a pipeline's ranks take different
-    branches of the per-tick switch at once: a permute there waits 40 s and aborts the
-    process (docs/architecture.md). Said before the first step instead."""
-    if not task.branches_diverge() or jax.default_backend() != "cpu":
+    """Why the compiled step would hang on XLA:CPU, or None; said before the first step
+    instead of XLA's abort 40 s into it (docs/architecture.md). Two shapes of program:
+    a collective-permute inside a pipeline's per-tick switch (XLA:CPU runs one only when
+    every device of the program reaches it, and ranks take different branches at once),
+    and a conditional holding collectives beside a collective it is not ordered against
+    (XLA:CPU may run them in either order on different devices)."""
+    text = compiled.as_text()
+    if jax.default_backend() != "cpu" or "conditional(" not in text:
         return None
     from plait import hlo
 
-    found = hlo.ops_in_branches(hlo.parse_hlo(compiled.as_text()), "collective-permute")
-    if not found:
-        return None
-    origin = re.search(r'op_name="([^"]*)"', found[0].attrs)
-    return (f"the compiled step would hang on XLA:CPU: {len(found)} collective-permute(s) "
-            f"inside the pipeline's per-tick switch (the first from "
-            f"{origin.group(1) if origin else found[0].name}), where ranks busy with "
-            "another action never join them; this is a plait bug (please report it with "
-            "this line); another pipeline.schedule or mesh may avoid it")
+    mod = hlo.parse_hlo(text)
+    found = (hlo.ops_in_branches(mod, "collective-permute") if task.branches_diverge()
+             else [])
+    if found:
+        what = (f"{len(found)} collective-permute(s) inside the pipeline's per-tick switch "
+                f"(the first from {_origin(found[0])}), where ranks busy with another "
+                "action never join them")
+    else:
+        pairs = hlo.unordered_beside_conditionals(mod)
+        if not pairs:
+            return None
+        cond, other = pairs[0]
+        what = (f"a conditional holding collectives (from {_origin(cond)}) beside "
+                f"{len({o.name for _, o in pairs})} collective(s) not ordered against it "
+                f"(the first from {_origin(other)}), which devices may run in different "
+                "orders")
+    return (f"the compiled step would hang on XLA:CPU: {what}; this is a plait bug "
+            "(please report it with this line); another mesh or configuration may avoid it")
+
+
+def _origin(ins) -> str:
+    """Where in the traced program an HLO instruction came from."""
+    m = re.search(r'op_name="([^"]*)"', ins.attrs)
+    return m.group(1) if m else ins.name
 
 
 def _close_quietly(log: MetricsLog) -> None:
