@@ -10,8 +10,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).parent))
 
-pytest_plugins = ["crash_rerun"]  # a test whose worker process died runs once more
-
 # Many tests compile the same step on the same mesh: share compiled programs.
 from helpers import CACHE_DIR, TEST_XLA_FLAGS  # noqa: E402
 
