@@ -138,6 +138,7 @@ def wrap_gpt_step(monkeypatch, wrap) -> None:
         def wrapped(state, batch):
             calls.append(1)
             return wrap(len(calls), step, state, batch)
+        wrapped.as_text = step.as_text  # what plait train reads of the compiled step
         return wrapped
 
     monkeypatch.setattr(GPTTask, "compile", compile_wrapped)
