@@ -293,18 +293,23 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
     cands = [candidate_of(r, n) for r in rows]
     lines = progress and not sys.stderr.isatty()
     of_round = f" of {rounds} rounds" if rounds > 1 else ""
+    # Visits to make: none of a shape that failed, in an earlier round or before.
+    total = sum(1 for _, i in todo if "measured_error" not in rows[i])
     with Progress(disable=not progress or lines, transient=True) as bar:
-        task = bar.add_task(f"training {len(todo)} shapes{of_round}", total=len(todo))
-        for k, (round_, i) in enumerate(todo, 1):
+        task = bar.add_task(f"training {total} shapes{of_round}", total=total)
+        done = 0
+        for pos, (round_, i) in enumerate(todo):
             r, label = rows[i], cands[i].label
             at = f" round {round_}" if rounds > 1 else ""
-            if "measured_error" in r:  # failed in an earlier round
-                bar.advance(task)
+            if "measured_error" in r:  # failed in an earlier round: not counted
                 continue
             bar.update(task, description=f"training rank {r['rank']} ({label}){at}")
             got = _train_one(exp, cands[i], n, steps)
+            done += 1
             if isinstance(got, str):
                 r["measured_error"] = got
+                total -= sum(1 for _, j in todo[pos + 1:] if j == i)
+                bar.update(task, total=total)
                 print(f"plait sweep: rank {r['rank']} ({label}) did not run: {got}",
                       file=sys.stderr, flush=True)
             else:
@@ -312,7 +317,7 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
                 if book:
                     book.add(r, round_, label, got)
                 if lines:
-                    print(f"plait sweep: trained {k}/{len(todo)} rank {r['rank']} ({label})"
+                    print(f"plait sweep: trained {done}/{total} rank {r['rank']} ({label})"
                           f"{at}: {1e3 * got:.1f} ms a step", file=sys.stderr, flush=True)
             bar.advance(task)
     for r, got in zip(rows, times, strict=True):
