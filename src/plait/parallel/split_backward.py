@@ -140,10 +140,13 @@ def _cheap_for_w(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int]) -> li
     def walk(v, acc: set[int], leaves: dict) -> None:
         """v's cheap Bx equations into acc, the Bx values they start from into leaves."""
         i = producer.get(v)
-        if i is None and v is not cotangent or i in acc or i in chosen or (
-                i is not None and i not in in_b):
-            return  # a residual, or made in W already
-        if i is None or jaxpr.eqns[i].primitive.name not in _CHEAP:
+        if i is None:  # an input: a residual (W reads it itself) or the cotangent
+            if v is cotangent:
+                leaves[v] = None
+            return
+        if i not in in_b or i in acc or i in chosen:
+            return  # made in W already, or on this walk or an earlier one
+        if jaxpr.eqns[i].primitive.name not in _CHEAP:
             leaves[v] = None
             return
         acc.add(i)
