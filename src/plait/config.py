@@ -4,10 +4,10 @@ one-line errors: plait.config_files)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
-from pydantic import SerializeAsAny, field_validator, model_validator
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
 from plait import kinds
 from plait.model_schema import (  # noqa: F401 - the schema's names, re-exported
@@ -125,6 +125,13 @@ class OptimizerConfig(Section):
     name: Literal["adamw", "sgd", "adagrad"] = "adamw"
     lr: PosFloat = 3e-4
     warmup_steps: NonNegInt = 0
+    # The learning rate after warmup, each ending at lr * min_lr_ratio on step
+    # decay_steps and staying there: "cosine"; "linear" (transformers' default for
+    # fine-tuning); "wsd", warmup-stable-decay: lr held, then a linear cooldown over the
+    # last `cooldown_fraction` of decay_steps (a run can be extended before its
+    # cooldown without a bend in its lr); "constant": lr throughout, no decay.
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    cooldown_fraction: Annotated[float, Field(gt=0, le=1)] = 0.2
     decay_steps: PosInt | None = None
     min_lr_ratio: NonNegFloat = 0.1
     weight_decay: NonNegFloat = 0.1

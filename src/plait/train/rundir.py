@@ -187,7 +187,7 @@ def stderr_to(path: Path | None):
 def kept_schedule(exp: Experiment, run_dir: Path) -> tuple[Experiment, str | None]:
     """The learning-rate rule for a run resumed with another train.steps: the schedule it
     was trained under is kept (decay_steps stays the run's, after which lr stays at
-    lr x min_lr_ratio), unless optimizer.decay_steps is set. Without this, the cosine
+    lr x min_lr_ratio), unless optimizer.decay_steps is set. Without this, the decay
     would be re-stretched over the new length and the lr would jump back up."""
     path = Path(run_dir) / "config.toml"
     ckpts = Path(run_dir) / "checkpoints"

@@ -19,15 +19,28 @@ from plait.config import Experiment, OptimizerConfig
 
 
 def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `decay_steps`."""
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then `opt.schedule` down to
+    `lr * min_lr_ratio` at `decay_steps` (train.steps unless set), flat after it."""
     decay = max(opt.decay_steps or steps, opt.warmup_steps + 1)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if opt.warmup_steps else opt.lr,
-        peak_value=opt.lr,
-        warmup_steps=opt.warmup_steps,
-        decay_steps=decay,
-        end_value=opt.lr * opt.min_lr_ratio,
-    )
+    warmup, end = opt.warmup_steps, opt.lr * opt.min_lr_ratio
+    if opt.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0 if warmup else opt.lr, peak_value=opt.lr,
+            warmup_steps=warmup, decay_steps=decay, end_value=end)
+    if opt.schedule == "constant":
+        end, hold = opt.lr, decay
+    elif opt.schedule == "linear":
+        hold = warmup
+    else:  # wsd: the cooldown is a fraction of the whole run, warmup included
+        hold = decay - min(max(round(opt.cooldown_fraction * decay), 1), decay - warmup)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        ramp = jnp.clip((step - hold) / max(decay - hold, 1), 0.0, 1.0)
+        return jnp.where(step < warmup, opt.lr * step / max(warmup, 1),
+                         opt.lr + (end - opt.lr) * ramp)
+
+    return schedule
 
 
 def optimizer(exp: Experiment, decay_mask=None) -> tuple[optax.GradientTransformation,
