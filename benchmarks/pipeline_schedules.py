@@ -16,6 +16,11 @@ measured step time.
    time, median of several runs. The D simulated devices share this machine's
    cores, so a rank's idle tick frees a core for another: the measured time
    follows the total work and the per-tick overhead, not the bubble.
+4. Compiles (without running) every schedule's step of an 8-layer GPT of GPT-2 small's width
+   and sequence (d_model 768, 12 heads, 1024 tokens) at D = 4, N = 8: temporary
+   memory per device relative to 1F1B's where activations, not the test GPT's
+   small widths, fill the stash. XLA's unfused attention on CPU keeps the
+   [heads, seq, seq] probabilities; a fused kernel (cuDNN on a GPU) would not.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ STAGE_MODEL = {"layers": 2, "d_model": 512, "heads": 8, "d_ff": 2048, "vocab": 4
 STEP_MODEL = {"layers": 16, "d_model": 128, "heads": 4, "d_ff": 512, "vocab": 512,
               "seq_len": 64}
 ROWS_PER_MICROBATCH = 4
+WIDE_MODEL = {"layers": 8, "d_model": 768, "heads": 12, "d_ff": 3072, "vocab": 4096,
+              "seq_len": 1024}
 
 
 def _median_ms(fn, *args, repeats: int = 7) -> float:
@@ -93,17 +100,39 @@ def lockstep_cost(s: schedules.Schedule, ms: dict) -> float:
     return sum(max((ms[a.kind] for a in row if a is not None), default=0.0) for row in s.table)
 
 
-def compiled_step(name: str, D: int, N: int, v: int, repeats: int) -> dict:
-    """FLOPs, temporary memory and measured step time of the pipelined step."""
-    from plait import analysis
+def _pipelined(name: str, D: int, N: int, v: int, model: dict, rows: int):
     from plait.mesh import build_mesh
     from plait.tasks.gpt import GPTTask
 
     exp = Experiment.model_validate({
-        "model": STEP_MODEL, "train": {"global_batch": ROWS_PER_MICROBATCH * N, "steps": 10},
+        "model": model, "train": {"global_batch": rows * N, "steps": 10},
         "pipeline": {"schedule": name, "microbatches": N, "virtual_stages": v}})
     job = GPTTask(exp, build_mesh({"pipeline": D}, D))
-    compiled = job.compile()
+    return job, job.compile()
+
+
+def wide_memory(D: int = 4, N: int = 8) -> list[dict]:
+    """Every schedule's temporary memory per device at WIDE_MODEL, one row a microbatch."""
+    rows = []
+    for name in schedules.SCHEDULES:
+        job, compiled = _pipelined(name, D, N, 2 if name == "interleaved" else 1,
+                                   WIDE_MODEL, 1)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        rows.append({"D": D, "N": N, "schedule": name, "temp_bytes": temp,
+                     "stash_slots": job.pipeline.ticks.held["stash"]})
+        print(f"compiled {name} at GPT-2 small's width: {temp / 2**20:.0f} MiB",
+              file=sys.stderr)
+    base = next(r for r in rows if r["schedule"] == "1f1b")["temp_bytes"]
+    for r in rows:
+        r["temp_bytes_vs_1f1b"] = r["temp_bytes"] / base
+    return rows
+
+
+def compiled_step(name: str, D: int, N: int, v: int, repeats: int) -> dict:
+    """FLOPs, temporary memory and measured step time of the pipelined step."""
+    from plait import analysis
+
+    job, compiled = _pipelined(name, D, N, v, STEP_MODEL, ROWS_PER_MICROBATCH)
     report = analysis.analyze(compiled, dict(job.mesh.shape), job.pipeline.ticks.branch_weights())
     state, source = job.init_state(), job.source()
     batch = job.batch(source, 0)
@@ -129,8 +158,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per compiled program")
     ap.add_argument("--no-compile", action="store_true",
                     help="only the stage times and the lockstep costs (no compiled steps)")
+    ap.add_argument("--wide-only", action="store_true",
+                    help="only part 4, the memory at GPT-2 small's width (about 30 s)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.wide_only:
+        ms, rows, wide = {}, [], wide_memory()
+        _report_wide(wide)
+        _dump(args.json, ms, rows, wide)
+        return
     ms = stage_times(args.batch)
     print(f"one stage ({STAGE_MODEL['layers']} layers, d_model {STAGE_MODEL['d_model']}, "
           f"{args.batch} x {STAGE_MODEL['seq_len']} tokens), CPU, median ms: "
@@ -165,9 +201,28 @@ def main() -> None:
               f"| {r['peak_inflight']} | {r['lockstep_ms_vs_1f1b']:.2f} "
               f"| {r['flops_vs_1f1b']:.3f} | {r['temp_bytes_vs_1f1b']:.2f} "
               f"| {r['step_ms']:.0f} ({r['step_ms_vs_1f1b']:.2f}) |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"stage_ms": ms, "rows": rows}, f, indent=1,
+    wide = [] if args.no_compile else wide_memory()
+    _report_wide(wide)
+    _dump(args.json, ms, rows, wide)
+
+
+def _report_wide(wide: list[dict]) -> None:
+    if not wide:
+        return
+    m = WIDE_MODEL
+    print(f"\n{m['layers']} layers, d_model {m['d_model']}, {m['seq_len']} tokens, "
+          "1 row a microbatch, D = 4, N = 8 (compiled, not run):\n")
+    print("| schedule | peak in flight per rank | temp memory MiB | vs 1F1B |")
+    print("|---|---|---:|---:|")
+    for r in wide:
+        print(f"| {r['schedule']} | {list(r['stash_slots'])} "
+              f"| {r['temp_bytes'] / 2**20:.0f} | {r['temp_bytes_vs_1f1b']:.2f} |")
+
+
+def _dump(path: str | None, ms: dict, rows: list, wide: list) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"stage_ms": ms, "rows": rows, "wide": wide}, f, indent=1,
                       default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o))
 
 
