@@ -27,12 +27,22 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expen
 FAST_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": False}
 
 
+def groups_of(ops: list[dict]) -> dict[tuple, list[float]]:
+    """An analysis's collective ops as {(kind, mesh axes, group size, crosses hosts):
+    [count, wire bytes]}: what pricing needs, and what extrapolation interpolates."""
+    groups: dict[tuple, list[float]] = {}
+    for op in ops:
+        key = (op["kind"], ",".join(op["axes"]), op["group_size"], op["crosses_hosts"])
+        acc = groups.setdefault(key, [0.0, 0.0])
+        acc[0] += op["count"]
+        acc[1] += op["wire_bytes"]
+    return groups
+
+
 def _figures(r: dict) -> dict:
     """What a prediction needs from an analysis report: FLOPs, collectives grouped by
-    (kind, mesh axes, group size, crosses hosts) as [count, wire bytes] (cost.groups_of),
+    (kind, mesh axes, group size, crosses hosts) as [count, wire bytes] (`groups_of`),
     and memory."""
-    from plait.sweep.cost import groups_of
-
     groups = groups_of(r["collective_ops"])
     m = r["memory"]
     return {"flops": r["flops_per_device"], "groups": groups, "memory_parts": m,

@@ -29,6 +29,7 @@ from plait import analysis
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.hardware import Hardware
+from plait.sweep.compiled import between, groups_of
 from plait.sweep.shapes import Candidate
 
 
@@ -73,18 +74,6 @@ def collective_width(exp: Experiment, hw: Hardware, compiled_on: str = "cpu") ->
     accelerator = hw.extra.get("device") != "cpu" and not hw.shared_compute
     return 0.5 if (exp.precision.compute == "bfloat16" and accelerator
                    and compiled_on == "cpu") else 1.0
-
-
-def groups_of(ops: list[dict]) -> dict[tuple, list[float]]:
-    """An analysis's collective ops as {(kind, mesh axes, group size, crosses hosts):
-    [count, wire bytes]}: what pricing needs, and what extrapolation interpolates."""
-    groups: dict[tuple, list[float]] = {}
-    for op in ops:
-        key = (op["kind"], ",".join(op["axes"]), op["group_size"], op["crosses_hosts"])
-        acc = groups.setdefault(key, [0.0, 0.0])
-        acc[0] += op["count"]
-        acc[1] += op["wire_bytes"]
-    return groups
 
 
 def comm_by_link(groups: dict, hw: Hardware, width: float) -> dict[str, dict[str, float]]:
@@ -142,7 +131,6 @@ def predict_group(exp: Experiment, group: list[Candidate], compiled: dict[int, d
     """Rows of candidates that differ only in their pipeline's microbatch count, from the
     figures `compiled` at some of the counts ({N: figures}: the fewest and the most,
     `shapes.anchors`); a count between them is interpolated (`compiled.between`)."""
-    from plait.sweep.compiled import between
     from plait.sweep.shapes import laid_out
 
     rows = []
