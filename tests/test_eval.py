@@ -1,9 +1,12 @@
 """Held-out evaluation of a GPT: the logged loss equals a hand computation on the same
-held-out batches, on one device and on a 3-D mesh."""
+held-out batches, on one device and on a 3-D mesh; `plait eval` scores every window of a
+file the same on any mesh, an imported model as transformers does, and a local-SGD run
+as its center."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,3 +55,128 @@ def test_held_out_loss_equals_a_hand_computation(mesh, tmp_path):
         logits = np.asarray(jax.jit(task.model.apply)(params, tokens[:, :-1]))
         losses.append(_softmax_xent(logits[..., : exp.model.vocab], tokens[:, 1:]))
     np.testing.assert_allclose(evaluated[8]["eval_loss"], np.mean(losses), rtol=2e-5)
+
+
+def _windows_loss(task, params, tokens: np.ndarray, seq: int, n: int) -> float:
+    """The mean loss of the first n consecutive windows, by hand on one device."""
+    import jax
+
+    rows = np.stack([tokens[w * seq: w * seq + seq + 1] for w in range(n)]).astype(np.int32)
+    logits = np.asarray(jax.jit(task.model.apply)(params, rows[:, :-1]))
+    return _softmax_xent(logits[..., : task.exp.model.vocab], rows[:, 1:])
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    """A tiny GPT trained 4 steps (a checkpoint at 4) and a held-out file of 41 windows."""
+    tmp = tmp_path_factory.mktemp("eval")
+    held_out = tmp / "val.bin"
+    write_tokens(np.random.default_rng(3).integers(0, 256, 41 * 32 + 1), held_out, "uint16")
+    exp = tiny(train={"steps": 4}, checkpoint={"enabled": True, "every_steps": 4,
+                                               "async_save": False})
+    run(exp, "data=2", tmp / "r")
+    return tmp / "r", held_out
+
+
+@pytest.mark.parametrize("mesh", ["data=1", "data=2,fsdp=2,tensor=2", "pipeline=2,data=2"])
+def test_plait_eval_scores_every_window_as_a_hand_computation(scored, mesh, tmp_path):
+    import orbax.checkpoint as ocp
+    from helpers import make_mesh
+
+    from plait.cli import main
+    from plait.tasks import make_task
+
+    run_dir, held_out = scored
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(run_dir), "--data", str(held_out), "--mesh", mesh,
+                 "--batch", "8", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    # 41 windows of 32 tokens: 5 batches of 8, the last window short of a batch.
+    assert (got["step"], got["windows"], got["short_windows"], got["tokens"]) == (
+        4, 40, 1, 40 * 32)
+    with ocp.StandardCheckpointer() as reader:
+        params = reader.restore(run_dir / "checkpoints" / "4" / "state")["params"]
+    task = make_task(tiny(), make_mesh("data=1"))
+    tokens = np.fromfile(held_out, np.uint16)
+    np.testing.assert_allclose(got["loss"], _windows_loss(task, params, tokens, 32, 40),
+                               rtol=2e-5)
+    assert got["perplexity"] == pytest.approx(np.exp(got["loss"]))
+
+
+def test_plait_eval_of_an_imported_model_is_transformers_loss(tmp_path):
+    """tests/data/hf/llama3's logits from transformers give the loss plait eval reports."""
+    import shutil
+
+    from plait.cli import main
+    from plait.data.tokenizer import sidecar
+
+    fixture = Path(__file__).parent / "data" / "hf" / "llama3"
+    expected = np.load(fixture / "expected.npz")
+    assert main(["import", str(fixture), "--run-dir", str(tmp_path / "ft"),
+                 "--seq-len", "10"]) == 0
+    for row in range(2):
+        ids, logits = expected["ids"][row], expected["logits"][row]
+        path = tmp_path / f"row{row}.bin"
+        write_tokens(ids, path, "uint16")
+        shutil.copyfile(fixture / "tokenizer.json", sidecar(path))
+        out = tmp_path / f"row{row}.json"
+        assert main(["eval", str(tmp_path / "ft"), "--data", str(path), "--batch", "1",
+                     "--mesh", "data=1", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())
+        assert (got["step"], got["tokens"]) == (0, 10)
+        np.testing.assert_allclose(got["loss"], _softmax_xent(logits[:10], ids[1:11]),
+                                   rtol=1e-5)
+
+
+def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
+    """plait eval, sample and export read a DiLoCo run's center (they failed on its
+    replicas before: the checkpoint was 'unusable')."""
+    import orbax.checkpoint as ocp
+    from helpers import make_mesh
+
+    from plait.cli import main
+    from plait.tasks import make_task
+
+    held_out = tmp_path / "val.bin"
+    write_tokens(np.random.default_rng(4).integers(0, 256, 8 * 32 + 1), held_out, "uint16")
+    exp = tiny(train={"steps": 4}, sync={"method": "diloco", "period": 2},
+               checkpoint={"enabled": True, "every_steps": 4, "async_save": False})
+    run_dir = tmp_path / "r"
+    run(exp, "data=2,fsdp=2", run_dir)
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(run_dir), "--data", str(held_out), "--mesh", "data=2",
+                 "--batch", "8", "--json", str(out)]) == 0
+    assert "the diloco center" in capsys.readouterr().err
+    with ocp.StandardCheckpointer() as reader:
+        center = reader.restore(run_dir / "checkpoints" / "4" / "state")["sync"]["center"]
+    task = make_task(tiny(), make_mesh("data=1"))
+    want = _windows_loss(task, center, np.fromfile(held_out, np.uint16), 32, 8)
+    np.testing.assert_allclose(json.loads(out.read_text())["loss"], want, rtol=2e-5)
+    assert main(["sample", str(run_dir), "--prompt", "ab", "--tokens", "3"]) == 0
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "has no data.eval_path; pass --data"),
+    (["--data", "{tmp}/none.bin"], "not found (--data)"),
+    (["--data", "{val}", "--batch", "64"], "fewer than one batch of 64; pass --batch 41"),
+    (["--data", "{val}", "--step", "3"], "--step 3: no checkpoint of step 3"),
+    (["--data", "{bpe}"], "was tokenized with val_bpe.bin.tokenizer.json, not as the run"),
+    (["--data", "{val}", "--batch", "3", "--mesh", "data=2"], "does not split over data = 2"),
+])
+def test_plait_eval_mistakes_are_one_line(scored, tmp_path, capsys, args, needle):
+    import shutil
+
+    from plait.cli import main
+    from plait.data.tokenizer import sidecar
+
+    run_dir, held_out = scored
+    bpe = tmp_path / "val_bpe.bin"
+    shutil.copyfile(held_out, bpe)
+    shutil.copyfile(Path(__file__).parent / "data" / "hf" / "llama3" / "tokenizer.json",
+                    sidecar(bpe))
+    subs = {"{tmp}": str(tmp_path), "{val}": str(held_out), "{bpe}": str(bpe)}
+    args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
+    assert main(["eval", str(run_dir), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "Traceback" not in err

@@ -1,4 +1,5 @@
-"""`plait train | inspect | sweep | schedule | plan | launch | data | sample | import | export`.
+"""`plait train | inspect | sweep | schedule | plan | launch | data | sample | eval | import |
+export`.
 
 Any mistake in the user's input ends in one line on stderr naming the problem
 and the fix, with exit status 2 and no traceback.
@@ -62,6 +63,30 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from plait.evaluate import evaluate
+    from plait.sample import decoder_run
+
+    run_dir = Path(args.run_dir)
+    exp, _ = decoder_run(run_dir, "plait eval scores")
+    mesh = _mesh(args, exp, f"the [mesh] of {run_dir / 'config.toml'}")
+    got = evaluate(run_dir, args.data, mesh, args.step, args.batch, args.max_batches,
+                   args.dtype)
+    if got["note"]:
+        print(f"plait: {got['note']}", file=sys.stderr)
+    w, short = got["windows"], got["short_windows"]
+    left = (f"; the first {got['batches']} of {got['full_batches']} batches"
+            if got["batches"] < got["full_batches"] else
+            f"; the last {short} window{'s' * (short != 1)}, short of a batch, left out"
+            if short else "")
+    print(f"plait: step {got['step']} of {run_dir} on {got['data']}: loss {got['loss']:.4f}, "
+          f"perplexity {got['perplexity']:.3f} over {got['tokens']:,} tokens "
+          f"({w} window{'s' * (w != 1)} of {got['seq_len']} on mesh {got['mesh']}{left})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(got, indent=1) + "\n")
+    return 0
+
+
 def cmd_import(args) -> int:
     from plait.hf.convert import import_model
 
@@ -88,7 +113,6 @@ def cmd_export(args) -> int:
 
 def _setup(args):
     """Experiment, mesh spec, devices and Mesh: everything checked before any file is written."""
-    from plait import mesh as mesh_lib
     from plait.config_files import load_experiment
 
     sets = list(args.sets)
@@ -99,19 +123,25 @@ def _setup(args):
         from plait.sweep.auto import auto_mesh
 
         return auto_mesh(args, exp)
+    cluster.join(args)
+    return exp, _mesh(args, exp, f"[mesh] of {args.experiment}")
+
+
+def _mesh(args, exp, where: str):
+    """The Mesh of --mesh, else the experiment's [mesh] (`where`), else every device on
+    data. Divisibility is checked by the task, before anything is written."""
+    from plait import mesh as mesh_lib
+
     if args.mesh:
         spec = mesh_lib.load_spec(args.mesh)
     elif exp.mesh:
-        spec = mesh_lib.MeshSpec(dict(exp.mesh), f"[mesh] of {args.experiment}",
-                                 cpu_fallback=True)
+        spec = mesh_lib.MeshSpec(dict(exp.mesh), where, cpu_fallback=True)
     else:
         spec = mesh_lib.MeshSpec({"data": -1}, "the default mesh")
     if args.devices is not None and args.devices < 1:
         raise UserError(f"--devices must be at least 1, got {args.devices}")
-    cluster.join(args)
     n = mesh_lib.provision_devices(spec, args.devices)
-    # Divisibility is checked by train.build.Job, before anything is written.
-    return exp, mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n, spec.dcn)
+    return mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n, spec.dcn)
 
 
 def _profile_window(text: str | None) -> tuple[int, int] | None:
@@ -315,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     xla_flags.apply_defaults()  # before any device is touched
     command = {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
                "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,
-               "launch": cmd_launch, "sample": cmd_sample, "import": cmd_import,
+               "launch": cmd_launch, "sample": cmd_sample, "eval": cmd_eval,
+               "import": cmd_import,
                "export": cmd_export}[args.command]
     return reported("plait", lambda: command(args))
 

@@ -147,6 +147,24 @@ def parser() -> argparse.ArgumentParser:
                     help="draw only among the K most likely tokens (0: all)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the draws")
     sp.add_argument("--step", type=int, help="a kept checkpoint's step (default: the newest)")
+    ev = sub.add_parser(
+        "eval", help="a language-model run's loss and perplexity on every token of a token "
+        "file, on any mesh",
+        usage="plait eval RUN_DIR [--data TOKENS.bin] [--step N] [--mesh SPEC] [--batch ROWS] "
+              "[--max-batches N] [--json FILE]")
+    ev.add_argument("run_dir", metavar="RUN_DIR",
+                    help="the --run-dir of a plait train run or a plait import")
+    ev.add_argument("--data", help="token file to score, made with the run's tokenizer "
+                    "(default: the run's data.eval_path)")
+    ev.add_argument("--dtype", choices=("uint16", "uint32"),
+                    help="element type of the token file (default: the run's data.dtype)")
+    ev.add_argument("--step", type=int, help="a kept checkpoint's step (default: the newest)")
+    ev.add_argument("--mesh", help="mesh file or inline spec (default: the run's mesh)")
+    ev.add_argument("--devices", type=int, default=None, help="devices the mesh uses")
+    ev.add_argument("--batch", type=int,
+                    help="windows of model.seq_len tokens a batch (default: train.global_batch)")
+    ev.add_argument("--max-batches", type=int, help="score only the first N batches")
+    ev.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     im = sub.add_parser(
         "import", help="a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2) -> a run "
         "directory whose step-0 checkpoint plait train continues",

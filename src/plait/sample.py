@@ -69,13 +69,11 @@ def greedy_without_cache(mdef, params: dict, prompt: list[int], n: int, dtype=No
     return seq[len(prompt):]
 
 
-def load(run_dir: Path, step: int | None):
-    """(the run's experiment, the per-layer model, its parameters on one device, step)."""
-    from plait import mesh as mesh_lib
-    from plait.checkpoint import Checkpoints
+def decoder_run(run_dir: Path, does: str = "plait sample generates text from"):
+    """(the experiment, the checkpoint directory) of a language-model run that a reader
+    (sample, export, eval) reads without touching; one line for anything else."""
     from plait.config_files import load_experiment
     from plait.kinds import is_decoder
-    from plait.tasks.gpt import GPTTask
 
     if not run_dir.is_dir():
         raise UserError(f"run directory '{run_dir}' not found; pass the --run-dir of a "
@@ -86,24 +84,41 @@ def load(run_dir: Path, step: int | None):
                         "train run")
     exp = load_experiment(config)
     if not is_decoder(exp.model):
-        raise UserError(f"plait sample generates text from language-model runs (gpt, "
-                        f"llama); '{run_dir}' trained a {exp.model.kind} model")
+        raise UserError(f"{does} language-model runs (gpt, llama); '{run_dir}' trained a "
+                        f"{exp.model.kind} model")
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
         raise UserError(f"'{run_dir}' has no checkpoints yet; train with checkpoints enabled "
                         "(checkpoint.every_steps) first")
-    # The checkpoint's own layout: layers one entry each, no pipeline, on one device.
+    return exp, ckpt_dir
+
+
+def load(run_dir: Path, step: int | None):
+    """(the run's experiment, the per-layer model, its parameters on one device, step)."""
+    from plait import mesh as mesh_lib
+    from plait.checkpoint import Checkpoints
+    from plait.tasks.gpt import GPTTask
+
+    exp, ckpt_dir = decoder_run(run_dir)
+    # The checkpoint's own layout: layers one entry each, no pipeline, one model, on
+    # one device.
     one = exp.model_copy(update={
         "model": exp.model.model_copy(update={"scan_layers": False, "remat": "none"}),
         "train": exp.train.model_copy(update={"global_batch": 1, "microbatches": 1}),
-        "mesh": None})
+        "sync": exp.sync.model_copy(update={"method": "allreduce"}), "mesh": None})
     n = mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": 1}, "plait sample"))
     task = GPTTask(one, mesh_lib.build_mesh({"data": 1}, n))
     ckpts = Checkpoints(ckpt_dir, keep=max(1, exp.checkpoint.keep), async_save=False,
                         read_only=True)
-    abstract = task.canonical_layout.abstract()
-    if ckpts.record(step).get("params_only"):  # imported, not yet trained
-        abstract = {"params": abstract["params"]}
+    params, at, _ = read_params(task, ckpts, run_dir, step)
+    return exp, task.model, params, at
+
+
+def read_params(task, ckpts, run_dir: Path, step: int | None) -> tuple[dict, int, str | None]:
+    """(the model's parameters, one entry per layer, as `task` lays them out; the step;
+    a notice or None) of the checkpoint of `step` or the newest usable one
+    (`DecoderCheckpoints.params_plan`)."""
+    abstract, take, note = task.params_plan(ckpts.record(step))
     if step is not None:
         state, meta = ckpts.restore_step(abstract, step, flag="--step")
     else:
@@ -112,7 +127,7 @@ def load(run_dir: Path, step: int | None):
             raise UserError(f"'{run_dir}' has no checkpoints yet; train with checkpoints "
                             "enabled first")
         state, meta = restored
-    return exp, task.model, state["params"], int(meta["step"])
+    return take(state), int(meta["step"]), note
 
 
 def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, top_k: int,

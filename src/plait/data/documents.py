@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,10 +133,12 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
         parts.append(ids)
         tokens += ids.size
 
+    # Off a terminal (logs, nohup) rich draws nothing: a line every 10 s instead.
+    lines = not sys.stderr.isatty()
     with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), transient=True,
-                  console=Console(stderr=True)) as progress:
+                  console=Console(stderr=True), disable=lines) as progress:
         task = progress.add_task("")
-        t0 = time.monotonic()
+        t0 = said = time.monotonic()
         batch: list[str] = []
         for text in documents(paths, field):
             batch.append(text)
@@ -143,11 +146,14 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
             if len(batch) == BATCH:
                 flush(batch)
                 batch = []
-                rate = docs / max(time.monotonic() - t0, 1e-9)
-                progress.update(task, description=(
-                    f"tokenizing with {tok.name}: {docs:,} documents, {tokens:,} tokens "
-                    f"({rate:,.0f} docs/s, {tokens / max(time.monotonic() - t0, 1e-9):,.0f} "
-                    "tokens/s)"))
+                now = time.monotonic()
+                rate = docs / max(now - t0, 1e-9)
+                line = (f"tokenizing with {tok.name}: {docs:,} documents, {tokens:,} tokens "
+                        f"({rate:,.0f} docs/s, {tokens / max(now - t0, 1e-9):,.0f} tokens/s)")
+                progress.update(task, description=line)
+                if lines and now - said >= 10.0:
+                    print(f"plait data: {line}", file=sys.stderr, flush=True)
+                    said = now
         if batch:
             flush(batch)
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)

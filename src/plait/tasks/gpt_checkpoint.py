@@ -53,6 +53,26 @@ class DecoderCheckpoints:
         return plan or self._fp8_restore_plan(saved_config) or super().restore_plan(
             saved_config)
 
+    def params_plan(self, record: dict):
+        """How a reader of the model (plait sample, export, eval; a task of one model)
+        takes its parameters, one entry per layer, out of the checkpoint whose JSON
+        record is `record`: (abstract state to restore, state -> parameters, a notice
+        or None). Imported weights are read alone, a checkpoint of data replicas
+        (EASGD, DiLoCo) gives its center."""
+        if record.get("params_only"):
+            abstract = fp8.without_state(self.canonical_layout.abstract()["params"])
+            return {"params": abstract}, lambda state: state["params"], None
+        saved = record.get("config") or {}
+        center = local_sgd.center_reader(saved, self.mesh, self._per_layer_params,
+                                         optimizer(self.exp)[0])
+        if center is not None:
+            return (*center, f"the {saved['sync']['method']} center, the model the data "
+                             "replicas meet at")
+        if not saved:
+            return self.canonical_layout.abstract(), lambda state: state["params"], None
+        abstract, adapt, note = self.restore_plan(saved)
+        return abstract, lambda state: adapt(state)["params"], note
+
     def _fp8_restore_plan(self, saved_config: dict):
         """A checkpoint of another precision.matmul (or fp8_history): the weights and
         optimizer moments carried over, the FP8 scaling state fresh or dropped."""

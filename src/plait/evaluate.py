@@ -1,0 +1,113 @@
+"""`plait eval RUN_DIR`: a language model's loss and perplexity on a whole token file.
+
+Training's held-out figure (`data.eval_path`) is a fixed sample of random windows,
+logged as the run goes; this scores a checkpoint (an imported model before
+fine-tuning, a run after it) on every token of a file once. The file is read as
+consecutive windows of model.seq_len + 1 tokens, each starting on the previous
+one's last token, so every token after the first is a target exactly once. Batches
+of --batch windows run on the mesh with the task and loss that training uses (its
+layouts, pipeline and context axes included); windows that do not fill a last
+batch are left out and counted. The checkpoint is read without touching the run
+directory, so a run may go on training beside it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from plait.config import Experiment
+from plait.errors import UserError
+
+
+class Windows:
+    """A token file as consecutive windows: row r of batch k is window k * rows + r,
+    tokens [w * seq, w * seq + seq + 1)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, rows: int):
+        self.tokens, self.seq_len, self.per_batch = tokens, seq_len, rows
+        self.count = (len(tokens) - 1) // seq_len
+
+    def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+        s, first = self.seq_len, step * self.per_batch
+        return np.stack([np.asarray(self.tokens[w * s: w * s + s + 1], np.int32)
+                         for w in range(first + start, first + stop)])
+
+
+def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> np.ndarray:
+    """The file's ids, checked against the run's tokenizer and vocabulary."""
+    from plait.data.tokenizer import RUN_FILE, sidecar
+    from plait.data.tokens import TokenFile
+
+    ours, theirs = run_dir / RUN_FILE, sidecar(path)
+    mine = ours.read_bytes() if ours.is_file() else None
+    made = theirs.read_bytes() if path.is_file() and theirs.is_file() else None
+    if path.is_file() and mine != made:
+        how = f"with {theirs.name}" if made is not None else "byte-level (no tokenizer)"
+        fix = (f"plait data ... --tokenizer {ours}" if mine is not None
+               else "plait data without --tokenizer")
+        raise UserError(f"'{path}' was tokenized {how}, not as the run '{run_dir}' was; "
+                        f"make it again with `{fix}`")
+    return TokenFile(path, dtype, exp.model.seq_len, exp.seed, exp.model.vocab,
+                     key="--data").tokens
+
+
+def evaluate(run_dir: Path, data: str | None, mesh, step: int | None = None,
+             batch: int | None = None, max_batches: int | None = None,
+             dtype: str | None = None, progress: bool = True) -> dict:
+    """{"step", "loss", "perplexity", "tokens", "windows", "short_windows", ...} of
+    the run's checkpoint (the newest, or `step`) on `data` (default: the run's
+    data.eval_path) on `mesh`."""
+    from rich.progress import track
+
+    from plait import hosts
+    from plait.checkpoint import Checkpoints
+    from plait.sample import decoder_run, read_params
+    from plait.tasks import make_task
+    from plait.train.loop import host_value
+
+    exp, ckpt_dir = decoder_run(run_dir, "plait eval scores")
+    path = data or exp.data.eval_path
+    if not path:
+        raise UserError(f"the run '{run_dir}' has no data.eval_path; pass --data TOKENS.bin "
+                        "(a file made by plait data with the run's tokenizer)")
+    rows = exp.train.global_batch if batch is None else batch
+    if rows < 1:
+        raise UserError(f"--batch must be at least 1, got {rows}")
+    if max_batches is not None and max_batches < 1:
+        raise UserError(f"--max-batches must be at least 1, got {max_batches}")
+    windows = Windows(_tokens(Path(path), run_dir, exp, dtype or exp.data.dtype),
+                      exp.model.seq_len, rows)
+    full = windows.count // rows
+    n = full if max_batches is None else min(full, max_batches)
+    if n == 0:
+        raise UserError(f"'{path}' holds {windows.count} window(s) of model.seq_len + 1 = "
+                        f"{exp.model.seq_len + 1} tokens, fewer than one batch of {rows}; "
+                        f"pass --batch {max(windows.count, 1)} or less, or a longer file")
+    # One model, whatever the run's replicas: a local-SGD checkpoint gives its center.
+    exp = exp.model_copy(update={
+        "train": exp.train.model_copy(update={"global_batch": rows}),
+        "sync": exp.sync.model_copy(update={"method": "allreduce"}), "mesh": None})
+    task = make_task(exp, mesh)
+    ckpts = Checkpoints(ckpt_dir, keep=max(1, exp.checkpoint.keep), async_save=False,
+                        read_only=True)
+    params, at, note = read_params(task, ckpts, run_dir, step)
+    # Laid out for the mesh (stacked, pipelined) the way training lays them out.
+    params = task.init_state(params)["params"]
+    losses = []
+    # A bar on a terminal; elsewhere (logs, nohup) a line every tenth of the batches.
+    lines = progress and n >= 4 and not sys.stderr.isatty()
+    for k in track(range(n), description=f"scoring {n} batches of {rows} windows",
+                   transient=True, disable=not progress or n < 4 or lines):
+        losses.append(float(host_value(task.eval_loss_fn(params, task.batch(windows, k)))))
+        if lines and ((k + 1) % max(n // 10, 1) == 0 or k + 1 == n):
+            print(f"plait eval: {k + 1}/{n} batches, loss so far {np.mean(losses):.4f}",
+                  file=sys.stderr, flush=True)
+    loss = float(np.mean(losses))
+    return {"run_dir": str(run_dir), "step": at, "data": str(path), "loss": loss,
+            "perplexity": float(np.exp(min(loss, 80.0))), "tokens": n * rows * exp.model.seq_len,
+            "windows": n * rows, "short_windows": windows.count - full * rows,
+            "batch": rows, "seq_len": exp.model.seq_len, "batches": n, "full_batches": full,
+            "mesh": hosts.mesh_text(mesh), "note": note}
