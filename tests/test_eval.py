@@ -180,3 +180,26 @@ def test_plait_eval_mistakes_are_one_line(scored, tmp_path, capsys, args, needle
     assert main(["eval", str(run_dir), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_a_reader_restores_the_parameters_alone(scored):
+    """plait eval, sample and export read the parameters without the optimizer's moments
+    (a third of the state with AdamW), bit for bit what the whole checkpoint holds."""
+    import jax
+    import orbax.checkpoint as ocp
+    from helpers import make_mesh
+
+    from plait.checkpoint import Checkpoints
+    from plait.tasks import make_task
+
+    run_dir = scored[0]
+    ckpts = Checkpoints(run_dir / "checkpoints", keep=1, async_save=False, read_only=True)
+    task = make_task(tiny(), make_mesh("data=1"))
+    abstract, take, note = task.params_plan(ckpts.record(4))
+    state, meta = ckpts.restore_step(abstract, 4, flag="--step")
+    assert list(state) == ["params"] and note is None and meta["step"] == 4
+    with ocp.StandardCheckpointer() as reader:
+        whole = reader.restore(run_dir / "checkpoints" / "4" / "state")
+    assert "opt_state" in whole
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), take(state), whole["params"])
+    assert all(jax.tree.leaves(same))

@@ -56,7 +56,9 @@ class Checkpoints:
                  read_only: bool = False, save_concurrent_gb: float | None = None,
                  file_per_chunk: bool = False):
         """read_only: for readers beside a run that may be training (plait sample): nothing
-        is created, renamed or cleaned up. save_concurrent_gb: at most this many GB of
+        is created, renamed or cleaned up, and a restore may ask for a part of the saved
+        state (the parameters without the optimizer's moments: a third of the memory
+        with AdamW). save_concurrent_gb: at most this many GB of
         arrays copied out of jax and being written at once (orbax copies every array at
         once by default: twice the state in memory at the peak of a save); it must exceed
         the largest array. file_per_chunk (with save_concurrent_gb): each chunk of an array
@@ -80,7 +82,8 @@ class Checkpoints:
             # StandardCheckpointHandler caps only the bytes being written; the PyTree
             # handler under it also caps the copies out of jax that wait to be written.
             self._limited = save_concurrent_gb is not None
-            handlers = ({} if not self._limited else {"item_handlers": {
+            # The PyTree handler (under the Standard one) restores part of a tree.
+            handlers = ({} if not (self._limited or read_only) else {"item_handlers": {
                 "state": ocp.PyTreeCheckpointHandler(
                     use_ocdbt=not file_per_chunk,
                     save_concurrent_gb=save_concurrent_gb,
@@ -154,11 +157,20 @@ class Checkpoints:
             raise UserError(f"{flag} {step}: no checkpoint of step {step} in "
                             f"'{self.directory}'; the kept ones are: {kept}")
         out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+            state=self._restore_args(abstract_state), meta=ocp.args.JsonRestore()))
         state, meta = out["state"], dict(out["meta"])
         jax.block_until_ready(state)
         self._rename([s for s in steps if s > step], "superseded")
         return state, meta
+
+    def _restore_args(self, abstract_state: dict):
+        """A reader's restore takes the part of the state `abstract_state` names; a run's
+        the whole of it."""
+        if not self.read_only:
+            return ocp.args.StandardRestore(abstract_state)
+        return ocp.args.PyTreeRestore(
+            abstract_state, partial_restore=True,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
 
     def restore_latest(self, abstract_state: dict) -> tuple[dict, dict] | None:
         """Newest checkpoint that loads, resharded onto `abstract_state`'s shardings."""
@@ -167,7 +179,7 @@ class Checkpoints:
         for step in steps:
             try:
                 out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
+                    state=self._restore_args(abstract_state),
                     meta=ocp.args.JsonRestore()))
                 state, meta = out["state"], dict(out["meta"])
                 jax.block_until_ready(state)

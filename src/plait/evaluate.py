@@ -95,7 +95,7 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | None = None,
                         read_only=True)
     params, at, note = read_params(task, ckpts, run_dir, step)
     # Laid out for the mesh (stacked, pipelined) the way training lays them out.
-    params = task.init_state(params)["params"]
+    params = task.laid_out_params(params)
     losses = []
     # A bar on a terminal; elsewhere (logs, nohup) a line every tenth of the batches.
     lines = progress and n >= 4 and not sys.stderr.isatty()

@@ -131,19 +131,24 @@ class GPTTask(DecoderCheckpoints, Task):
     def init_state(self, params: dict | None = None) -> dict:
         """A fresh state: new parameters, or `params` (canonical, one entry per layer:
         imported weights) with a fresh optimizer state."""
-        def make(given=None):
-            if given is None:
-                p = self.model.init(self.exp.seed)
-            else:  # imported weights: FP8 scaling state, if any, starts fresh
-                given = fp8.carry_over({"params": given},
-                                       {"params": self._per_layer_params[0]})["params"]
-                p = models.stack(given, "blocks") if self.stacked else given
-            return self.pipeline.from_canonical(p) if self.pipeline else p
-
         if self.local:
-            return jax.jit(lambda g: self.local.init(make(g), self.tx),
+            return jax.jit(lambda g: self.local.init(self._laid_out(g), self.tx),
                            out_shardings=self.layout.shardings)(params)
-        return init_state(make, self.tx, self.layout, params)
+        return init_state(self._laid_out, self.tx, self.layout, params)
+
+    def laid_out_params(self, params: dict) -> dict:
+        """Canonical parameters (one entry per layer) as this mesh holds them (stacked,
+        pipelined), with no optimizer state: what a reader of the model scores."""
+        return jax.jit(self._laid_out, out_shardings=self.layout.params)(params)
+
+    def _laid_out(self, given: dict | None = None) -> dict:
+        if given is None:
+            p = self.model.init(self.exp.seed)
+        else:  # imported weights: FP8 scaling state, if any, starts fresh
+            given = fp8.carry_over({"params": given},
+                                   {"params": self._per_layer_params[0]})["params"]
+            p = models.stack(given, "blocks") if self.stacked else given
+        return self.pipeline.from_canonical(p) if self.pipeline else p
 
     # ------------------------------------------------------------------ step
     def loss(self, params: dict, tokens: jax.Array, rules: sharding.Rules | None = None

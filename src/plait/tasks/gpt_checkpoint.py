@@ -66,12 +66,16 @@ class DecoderCheckpoints:
         center = local_sgd.center_reader(saved, self.mesh, self._per_layer_params,
                                          optimizer(self.exp)[0])
         if center is not None:
-            return (*center, f"the {saved['sync']['method']} center, the model the data "
-                             "replicas meet at")
-        if not saved:
-            return self.canonical_layout.abstract(), lambda state: state["params"], None
-        abstract, adapt, note = self.restore_plan(saved)
-        return abstract, lambda state: adapt(state)["params"], note
+            abstract, _ = center
+            return ({"sync": {"center": abstract["sync"]["center"]}},
+                    lambda state: state["sync"]["center"],
+                    f"the {saved['sync']['method']} center, the model the data replicas "
+                    "meet at")
+        if saved and self._fp8_restore_plan(saved) is not None:  # converted whole
+            abstract, adapt, note = self.restore_plan(saved)
+            return abstract, lambda state: adapt(state)["params"], note
+        params = self.canonical_layout.abstract()["params"]  # without the optimizer state
+        return {"params": params}, lambda state: state["params"], None
 
     def _fp8_restore_plan(self, saved_config: dict):
         """A checkpoint of another precision.matmul (or fp8_history): the weights and
