@@ -57,6 +57,58 @@ def test_documents_each_end_with_the_end_of_text_id(corpus, tmp_path, capsys):
     np.testing.assert_array_equal(np.fromfile(both, np.uint16), want)
 
 
+def test_held_out_documents_go_to_their_own_file(corpus, tmp_path, capsys):
+    """--held-out 0.05: one document in every 20 (19, 39, ...) in OUT.val.bin, the rest in
+    OUT.bin, each with the tokenizer beside it; together they are every document once."""
+    from tokenizers import Tokenizer
+
+    from plait.data.documents import is_held_out
+
+    out = tmp_path / "docs.bin"
+    assert main(["data", str(corpus / "part*.jsonl"), str(out), "--held-out", "0.05",
+                 "--tokenizer", str(corpus / "tok.json")]) == 0
+    said = capsys.readouterr().out
+    assert "380 documents" in said and "held out" in said and "of 20 documents" in said
+    held = [i for i in range(400) if is_held_out(i, 0.05)]
+    assert held == list(range(19, 400, 20))
+    tok = Tokenizer.from_file(str(corpus / "tok.json"))
+
+    def ids(docs):
+        return [i for d in docs for i in (*tok.encode(d).ids, 1)]
+
+    val = tmp_path / "docs.val.bin"
+    np.testing.assert_array_equal(np.fromfile(val, np.uint16), ids(DOCS[i] for i in held))
+    np.testing.assert_array_equal(np.fromfile(out, np.uint16),
+                                  ids(DOCS[i] for i in range(400) if i not in held))
+    assert (tmp_path / "docs.val.bin.tokenizer.json").read_bytes() == (
+        corpus / "tok.json").read_bytes()
+
+
+def test_a_text_file_holds_out_its_last_part(tmp_path, capsys):
+    text = tmp_path / "a.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "a.bin"
+    assert main(["data", str(text), str(out), "--held-out", "0.1"]) == 0
+    assert "the text's last 180 tokens in" in capsys.readouterr().out
+    whole = np.frombuffer(text.read_bytes(), np.uint8)
+    np.testing.assert_array_equal(np.fromfile(out, np.uint16), whole[:-180])
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "a.val.bin", np.uint16),
+                                  whole[-180:])
+
+
+@pytest.mark.parametrize("fraction, message", [
+    ("1.5", "between 0 and 1"), ("-0.1", "between 0 and 1"),
+    ("0.001", "of 400 document(s) holds none out; nothing was written; use at least 0.0025"),
+])
+def test_held_out_mistakes_are_one_line(corpus, tmp_path, capsys, fraction, message):
+    out = tmp_path / "x.bin"
+    assert main(["data", str(corpus / "part*.jsonl"), str(out), "--held-out", fraction,
+                 "--tokenizer", str(corpus / "tok.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not out.exists() and not (tmp_path / "x.val.bin").exists()
+
+
 @pytest.mark.parametrize("args,message", [
     (["missing*.jsonl"], "matches no file"),
     (["rest.parquet"], "has no column 'text' (it has body)"),

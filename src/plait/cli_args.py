@@ -114,9 +114,10 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "data", help="prepare data: a text file -> a token file (byte-level ids), or Criteo "
         "TSV days -> a directory training memory-maps",
-        usage="plait data TEXT_FILE OUT.bin [--tokenizer tokenizer.json] [--dtype uint16|uint32]\n"
+        usage="plait data TEXT_FILE OUT.bin [--tokenizer tokenizer.json] [--dtype uint16|uint32] "
+              "[--held-out FRACTION]\n"
               "       plait data DOCS.jsonl|DOCS.parquet|'GLOB' [...] OUT.bin [--field text] "
-              "[--tokenizer tokenizer.json] [--eos TOKEN]\n"
+              "[--tokenizer tokenizer.json] [--eos TOKEN] [--held-out FRACTION]\n"
               "       plait data criteo DAY.tsv[.gz] [DAY ...] --out DIR [--malformed skip|stop]")
     d.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="TEXT_FILE OUT.bin; JSON Lines / Parquet files or quoted globs then "
@@ -126,6 +127,10 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--eos", metavar="TOKEN",
                    help="documents: the token that ends each one (default: the tokenizer's "
                         "end-of-text token)")
+    d.add_argument("--held-out", type=float, metavar="FRACTION",
+                   help="also write OUT.val.bin for evaluation: this fraction of the documents "
+                        "(one in every 1/FRACTION) or, for a text file, its last part; "
+                        "OUT.bin keeps the rest")
     d.add_argument("--out", help="criteo: the output directory (rerun to convert only new days)")
     d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16",
                    help="element type of the token file (uint16 for vocabularies up to 65536)")

@@ -104,10 +104,24 @@ def end_of_text(tok: HFTokenizer, name: str | None) -> int | None:
                     f"({', '.join(END_OF_TEXT)}); name one with --eos")
 
 
+def held_out_path(out_path: str | Path) -> Path:
+    """Where `--held-out` writes its documents: OUT.bin -> OUT.val.bin."""
+    out = Path(out_path)
+    return out.with_name(f"{out.stem}.val{out.suffix}")
+
+
+def is_held_out(index: int, fraction: float) -> bool:
+    """Whether document `index` is held out: floor(n x fraction) of the first n, spread
+    evenly (one in every 1 / fraction), the same for every run over the same inputs."""
+    return fraction > 0 and int((index + 1) * fraction) > int(index * fraction)
+
+
 def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: str,
-                  tokenizer: str | Path | None, eos: str | None = None) -> dict:
+                  tokenizer: str | Path | None, eos: str | None = None,
+                  held_out: float = 0.0) -> dict:
     """Tokenize every document of the inputs into OUT (a flat binary of ids); returns
-    counts. The tokenizer is kept beside OUT, as for text files."""
+    counts. The tokenizer is kept beside OUT, as for text files. With `held_out`, that
+    fraction of the documents (`is_held_out`) goes to OUT.val.bin instead."""
     from rich.console import Console
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
@@ -121,6 +135,7 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
     end = end_of_text(tok, eos)
     tail = [] if end is None else [end]
     parts: list[np.ndarray] = []
+    held: list[np.ndarray] = []
     docs = tokens = 0
 
     def flush(batch: list[str]) -> None:
@@ -129,9 +144,11 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
             encoded = [list(t.encode("utf-8")) for t in batch]
         else:
             encoded = tok.encode_lines(batch)
-        ids = np.fromiter((i for e in encoded for i in (*e, *tail)), np.int64)
-        parts.append(ids)
-        tokens += ids.size
+        first = docs - len(batch)
+        for j, e in enumerate(encoded):
+            ids = np.fromiter((*e, *tail), np.int64)
+            (held if is_held_out(first + j, held_out) else parts).append(ids)
+            tokens += ids.size
 
     # Off a terminal (logs, nohup) rich draws nothing: a line every 10 s instead.
     lines = not sys.stderr.isatty()
@@ -156,11 +173,22 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                     said = now
         if batch:
             flush(batch)
-    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    n = write_tokens(ids, out_path, dtype, ", ".join(patterns))
-    if isinstance(tok, HFTokenizer):
-        keep_beside(tok, Path(out_path))
-    else:
-        drop_sidecar(Path(out_path))
-    return {"documents": docs, "tokens": n, "files": len(paths), "eos": end,
-            "tokenizer": tok.name, "vocab": tok.vocab_size}
+    if held_out and not held:
+        raise UserError(f"--held-out {held_out} of {docs} document(s) holds none out; "
+                        f"nothing was written; use at least {1 / max(docs, 1):.3g}")
+    if held_out and not parts:
+        raise UserError(f"--held-out {held_out} holds out all {docs} document(s); nothing "
+                        "was written; use a smaller fraction")
+    outputs = [(Path(out_path), parts)] + [(held_out_path(out_path), held)] * bool(held_out)
+    written = []
+    for path, pieces in outputs:
+        ids = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+        written.append(write_tokens(ids, path, dtype, ", ".join(patterns)))
+        if isinstance(tok, HFTokenizer):
+            keep_beside(tok, path)
+        else:
+            drop_sidecar(path)
+    return {"documents": docs - len(held), "tokens": written[0], "files": len(paths),
+            "eos": end, "tokenizer": tok.name, "vocab": tok.vocab_size,
+            "held_out": ({"path": str(held_out_path(out_path)), "documents": len(held),
+                          "tokens": written[1]} if held_out else None)}

@@ -66,8 +66,10 @@ class TokenFile:
 
 
 def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "uint16",
-                     tokenizer: str | Path | None = None) -> int:
-    """Tokenize a UTF-8 text file into a flat binary of ids; returns how many.
+                     tokenizer: str | Path | None = None, held_out: float = 0.0
+                     ) -> list[int]:
+    """Tokenize a UTF-8 text file into a flat binary of ids; returns how many (and, with
+    `held_out`, how many of the text's last tokens went to OUT.val.bin instead).
 
     Without `tokenizer`: byte-level (ids 0-255, no vocabulary file). With a
     tokenizer.json: its ids, the text encoded line by line (each line with its
@@ -78,9 +80,8 @@ def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "
         raise UserError(f"text file '{text_path}' not found; check the path")
     if tokenizer is None:
         ids = np.frombuffer(text_path.read_bytes(), dtype=np.uint8)
-        n = write_tokens(ids, out_path, dtype, f"text file '{text_path}'")
-        drop_sidecar(Path(out_path))
-        return n
+        return _write_split(ids, Path(out_path), dtype, f"text file '{text_path}'", held_out,
+                            None)
     tok = HFTokenizer(tokenizer)
     if tok.vocab_size - 1 > np.iinfo(dtype).max:
         raise UserError(f"{tok.name} has {tok.vocab_size:,} ids, more than {dtype} holds; "
@@ -97,9 +98,30 @@ def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "
              for b in track(batches, description=f"tokenizing with {tok.name}",
                             transient=True, disable=len(batches) < 8)]
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    n = write_tokens(ids, out_path, dtype, f"text file '{text_path}'")
-    keep_beside(tok, Path(out_path))
-    return n
+    return _write_split(ids, Path(out_path), dtype, f"text file '{text_path}'", held_out, tok)
+
+
+def _write_split(ids: np.ndarray, out: Path, dtype: str, source: str, held_out: float,
+                 tok: HFTokenizer | None) -> list[int]:
+    """OUT, and with `held_out` the last part of the text in OUT.val.bin (a text file's
+    lines run on into each other: a contiguous tail, as nanoGPT's prepare scripts hold
+    out); each with the tokenizer beside it, or none."""
+    from plait.data.documents import held_out_path
+
+    cut = len(ids) - int(round(len(ids) * held_out))
+    if held_out and not 0 < cut < len(ids):
+        raise UserError(f"--held-out {held_out} of {len(ids)} tokens leaves "
+                        f"{'none' if cut == len(ids) else 'nothing to train on'}; nothing "
+                        "was written; choose another fraction")
+    pieces = [(out, ids[:cut])] + [(held_out_path(out), ids[cut:])] * bool(held_out)
+    written = []
+    for path, part in pieces:
+        written.append(write_tokens(part, path, dtype, source))
+        if tok is not None:
+            keep_beside(tok, path)
+        else:
+            drop_sidecar(path)
+    return written
 
 
 def write_tokens(ids: np.ndarray, out_path: str | Path, dtype: str = "uint16",
