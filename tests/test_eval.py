@@ -126,6 +126,13 @@ def test_plait_eval_of_an_imported_model_is_transformers_loss(tmp_path):
         assert (got["step"], got["tokens"]) == (0, 10)
         np.testing.assert_allclose(got["loss"], _softmax_xent(logits[:10], ids[1:11]),
                                    rtol=1e-5)
+    # A rotary model scored past the length it was imported for: the whole row.
+    assert main(["eval", str(tmp_path / "ft"), "--data", str(tmp_path / "row1.bin"),
+                 "--batch", "1", "--mesh", "data=1", "--seq-len", "11", "--json",
+                 str(tmp_path / "long.json")]) == 0
+    got = json.loads((tmp_path / "long.json").read_text())
+    assert got["tokens"] == 11
+    np.testing.assert_allclose(got["loss"], _softmax_xent(logits[:11], ids[1:12]), rtol=1e-5)
 
 
 def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
@@ -163,6 +170,7 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
     (["--data", "{val}", "--step", "3"], "--step 3: no checkpoint of step 3"),
     (["--data", "{bpe}"], "was tokenized with val_bpe.bin.tokenizer.json, not as the run"),
     (["--data", "{val}", "--batch", "3", "--mesh", "data=2"], "does not split over data = 2"),
+    (["--data", "{val}", "--seq-len", "64"], "learned position table holds model.seq_len = 32"),
 ])
 def test_plait_eval_mistakes_are_one_line(scored, tmp_path, capsys, args, needle):
     import shutil

@@ -71,7 +71,7 @@ def cmd_eval(args) -> int:
     exp, _ = decoder_run(run_dir, "plait eval scores")
     mesh = _mesh(args, exp, f"the [mesh] of {run_dir / 'config.toml'}")
     got = evaluate(run_dir, args.data, mesh, args.step, args.batch, args.max_batches,
-                   args.dtype)
+                   args.dtype, args.seq_len)
     if got["note"]:
         print(f"plait: {got['note']}", file=sys.stderr)
     w, short = got["windows"], got["short_windows"]

@@ -156,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
         "eval", help="a language-model run's loss and perplexity on every token of a token "
         "file, on any mesh",
         usage="plait eval RUN_DIR [--data TOKENS.bin] [--step N] [--mesh SPEC] [--batch ROWS] "
-              "[--max-batches N] [--json FILE]")
+              "[--max-batches N] [--seq-len N] [--json FILE]")
     ev.add_argument("run_dir", metavar="RUN_DIR",
                     help="the --run-dir of a plait train run or a plait import")
     ev.add_argument("--data", help="token file to score, made with the run's tokenizer "
@@ -169,6 +169,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch", type=int,
                     help="windows of model.seq_len tokens a batch (default: train.global_batch)")
     ev.add_argument("--max-batches", type=int, help="score only the first N batches")
+    ev.add_argument("--seq-len", type=int,
+                    help="tokens a window (default: the run's model.seq_len; rotary models "
+                         "only, e.g. to score a context longer than the one trained)")
     ev.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     im = sub.add_parser(
         "import", help="a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2) -> a run "

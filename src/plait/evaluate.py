@@ -51,15 +51,17 @@ def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> np.ndarra
         raise UserError(f"'{path}' was tokenized {how}, not as the run '{run_dir}' was; "
                         f"make it again with `{fix}`")
     return TokenFile(path, dtype, exp.model.seq_len, exp.seed, exp.model.vocab,
-                     key="--data").tokens
+                     key="--data", spare=0).tokens
 
 
 def evaluate(run_dir: Path, data: str | None, mesh, step: int | None = None,
              batch: int | None = None, max_batches: int | None = None,
-             dtype: str | None = None, progress: bool = True) -> dict:
+             dtype: str | None = None, seq_len: int | None = None,
+             progress: bool = True) -> dict:
     """{"step", "loss", "perplexity", "tokens", "windows", "short_windows", ...} of
     the run's checkpoint (the newest, or `step`) on `data` (default: the run's
-    data.eval_path) on `mesh`."""
+    data.eval_path) on `mesh`, in windows of `seq_len` tokens (default: the run's; a
+    rotary model may be scored at another length, e.g. past the one it trained at)."""
     from rich.progress import track
 
     from plait import hosts
@@ -69,6 +71,14 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | None = None,
     from plait.train.loop import host_value
 
     exp, ckpt_dir = decoder_run(run_dir, "plait eval scores")
+    if seq_len is not None and seq_len < 1:
+        raise UserError(f"--seq-len must be at least 1, got {seq_len}")
+    if seq_len is not None and seq_len != exp.model.seq_len:
+        if "seq_len" in exp.model.shape_keys_now():
+            raise UserError(f"--seq-len {seq_len}: this model's learned position table "
+                            f"holds model.seq_len = {exp.model.seq_len} positions; score it "
+                            "at that length (rotary models take any)")
+        exp, _ = decoder_run(run_dir, "plait eval scores", [f"model.seq_len={seq_len}"])
     path = data or exp.data.eval_path
     if not path:
         raise UserError(f"the run '{run_dir}' has no data.eval_path; pass --data TOKENS.bin "

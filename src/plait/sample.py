@@ -69,9 +69,11 @@ def greedy_without_cache(mdef, params: dict, prompt: list[int], n: int, dtype=No
     return seq[len(prompt):]
 
 
-def decoder_run(run_dir: Path, does: str = "plait sample generates text from"):
-    """(the experiment, the checkpoint directory) of a language-model run that a reader
-    (sample, export, eval) reads without touching; one line for anything else."""
+def decoder_run(run_dir: Path, does: str = "plait sample generates text from",
+                sets: list[str] | None = None):
+    """(the experiment, with `sets` applied as --set would; the checkpoint directory) of
+    a language-model run that a reader (sample, export, eval) reads without touching;
+    one line for anything else."""
     from plait.config_files import load_experiment
     from plait.kinds import is_decoder
 
@@ -82,7 +84,7 @@ def decoder_run(run_dir: Path, does: str = "plait sample generates text from"):
     if not config.is_file():
         raise UserError(f"'{run_dir}' has no config.toml; pass the directory of a plait "
                         "train run")
-    exp = load_experiment(config)
+    exp = load_experiment(config, sets or [])
     if not is_decoder(exp.model):
         raise UserError(f"{does} language-model runs (gpt, llama); '{run_dir}' trained a "
                         f"{exp.model.kind} model")

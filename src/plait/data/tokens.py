@@ -17,7 +17,9 @@ from plait.errors import UserError
 
 class TokenFile:
     def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab: int,
-                 key: str = "data.path"):
+                 key: str = "data.path", spare: int = 1):
+        """`spare`: tokens the file must hold past one window of seq_len + 1 (random
+        offsets need one; consecutive windows, plait eval's, none)."""
         path = Path(path)
         if not path.is_file():
             raise UserError(
@@ -33,10 +35,12 @@ class TokenFile:
                 f"data file '{path}' is {size} bytes, not a whole number of {dtype} tokens; "
                 "check data.dtype"
             )
-        if size // itemsize < seq_len + 2:  # an empty file cannot even be mapped
+        need = seq_len + 1 + spare
+        if size // itemsize < max(need, 1):  # an empty file cannot even be mapped
             raise UserError(
                 f"data file '{path}' ({key}) holds {size // itemsize} tokens, fewer than "
-                f"model.seq_len + 2 = {seq_len + 2}; use a longer file or shorter sequences"
+                f"model.seq_len + {1 + spare} = {need}; use a longer file or shorter "
+                "sequences"
             )
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
         self.seq_len, self.seed = seq_len, seed
