@@ -9,7 +9,7 @@ import pytest
 from helpers import losses, one_layer, run
 
 from plait.config import OptimizerConfig
-from plait.train.state import lr_schedule, optimizer
+from plait.train.state import lr_schedule, optimizer, schedule_text
 
 
 def _expected(schedule: str, step: int, lr: float, warmup: int, decay: int,
@@ -75,3 +75,6 @@ def test_a_run_logs_the_schedule_it_steps_by(tmp_path):
     np.testing.assert_allclose(lrs, [0.0, 1e-2, 1e-2, 1e-2, 1e-2 * 2 / 3, 1e-2 / 3],
                                rtol=1e-5, atol=1e-9)
     assert np.isfinite(losses(summary)).all()
+    # The run's header says it in words.
+    assert schedule_text(exp.optimizer, 6) == (
+        "adamw, lr 0.01: warmup 1 steps, then held to step 3, then linear to 0 at step 6")

@@ -26,6 +26,7 @@ from plait.models import fp8
 from plait.tasks import check_memory, make_task
 from plait.train import lock, rundir
 from plait.train.metrics import MetricsLog
+from plait.train.state import schedule_text
 
 logger = logging.getLogger("plait")
 
@@ -167,6 +168,7 @@ class Run:
                  f"devices{hosts.hosts_text(mesh)}), run dir {self.run_dir}")
         if restored:
             log.note(f"plait: resumed from the checkpoint at step {start}")
+        log.note(f"plait: {schedule_text(self.exp.optimizer, self.exp.train.steps)}")
         for line in self.task.describe(state):
             log.note(line)
 

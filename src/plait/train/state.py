@@ -27,12 +27,9 @@ def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0 if warmup else opt.lr, peak_value=opt.lr,
             warmup_steps=warmup, decay_steps=decay, end_value=end)
+    hold = _decay_start(opt, decay)
     if opt.schedule == "constant":
-        end, hold = opt.lr, decay
-    elif opt.schedule == "linear":
-        hold = warmup
-    else:  # wsd: the cooldown is a fraction of the whole run, warmup included
-        hold = decay - min(max(round(opt.cooldown_fraction * decay), 1), decay - warmup)
+        end = opt.lr
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
@@ -41,6 +38,25 @@ def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
                          opt.lr + (end - opt.lr) * ramp)
 
     return schedule
+
+
+def _decay_start(opt: OptimizerConfig, decay: int) -> int:
+    """The step the learning rate starts down from lr (decay for "constant": never).
+    wsd's cooldown is a fraction of the whole run, warmup included, at least one step."""
+    if opt.schedule == "wsd":
+        return decay - min(max(round(opt.cooldown_fraction * decay), 1),
+                           decay - opt.warmup_steps)
+    return decay if opt.schedule == "constant" else opt.warmup_steps
+
+
+def schedule_text(opt: OptimizerConfig, steps: int) -> str:
+    """The optimizer and its learning rate in words, for the run's header."""
+    decay = max(opt.decay_steps or steps, opt.warmup_steps + 1)
+    warm = f"warmup {opt.warmup_steps} steps, then " if opt.warmup_steps else ""
+    end = f"{opt.lr * opt.min_lr_ratio:.3g} at step {decay}"
+    rest = {"constant": "constant", "wsd": f"held to step {_decay_start(opt, decay)}, then "
+            f"linear to {end}"}.get(opt.schedule, f"{opt.schedule} to {end}")
+    return f"{opt.name}, lr {opt.lr:.3g}: {warm}{rest}"
 
 
 def optimizer(exp: Experiment, decay_mask=None) -> tuple[optax.GradientTransformation,
