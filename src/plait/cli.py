@@ -304,6 +304,9 @@ def cmd_data(args) -> int:
 
         if not args.out:
             raise UserError("plait data criteo needs --out DIR (the directory to write)")
+        if args.held_out:
+            raise UserError("plait data criteo converts whole days: hold a day out instead "
+                            "and give it as data.eval_path")
         if len(args.inputs) < 2:
             raise UserError("plait data criteo needs at least one Criteo TSV day file")
         manifest = convert(args.inputs[1:], args.out, args.malformed)
