@@ -109,6 +109,13 @@ def test_held_out_mistakes_are_one_line(corpus, tmp_path, capsys, fraction, mess
     assert not out.exists() and not (tmp_path / "x.val.bin").exists()
 
 
+def test_criteo_days_are_held_out_whole(tmp_path, capsys):
+    assert main(["data", "criteo", str(tmp_path / "day.tsv"), "--out", str(tmp_path / "c"),
+                 "--held-out", "0.1"]) == 2
+    assert "hold a day out instead" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("args,message", [
     (["missing*.jsonl"], "matches no file"),
     (["rest.parquet"], "has no column 'text' (it has body)"),
