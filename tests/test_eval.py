@@ -169,7 +169,8 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
     (["--data", "{val}", "--batch", "64"], "fewer than one batch of 64; pass --batch 41"),
     (["--data", "{val}", "--step", "3"], "--step 3: no checkpoint of step 3"),
     (["--data", "{bpe}"], "was tokenized with val_bpe.bin.tokenizer.json, not as the run"),
-    (["--data", "{val}", "--batch", "3", "--mesh", "data=2"], "does not split over data = 2"),
+    (["--data", "{val}", "--batch", "3", "--mesh", "data=2"],
+     "--batch 3 does not split over data = 2"),
     (["--data", "{val}", "--seq-len", "64"], "learned position table holds model.seq_len = 32"),
 ])
 def test_plait_eval_mistakes_are_one_line(scored, tmp_path, capsys, args, needle):

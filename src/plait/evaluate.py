@@ -100,7 +100,13 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | None = None,
     exp = exp.model_copy(update={
         "train": exp.train.model_copy(update={"global_batch": rows}),
         "sync": exp.sync.model_copy(update={"method": "allreduce"}), "mesh": None})
-    task = make_task(exp, mesh)
+    try:
+        task = make_task(exp, mesh)
+    except UserError as e:  # the batch is the user's --batch here, not train.global_batch
+        if batch is None:
+            raise
+        raise UserError(str(e).replace(f"train.global_batch = {rows}", f"--batch {rows}")
+                        .replace("make global_batch", "make --batch")) from None
     ckpts = Checkpoints(ckpt_dir, keep=max(1, exp.checkpoint.keep), async_save=False,
                         read_only=True)
     params, at, note = read_params(task, ckpts, run_dir, step)
