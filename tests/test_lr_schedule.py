@@ -1,6 +1,7 @@
 """The learning-rate schedules: each against its formula written out here, the
 optimizer stepping by them, and a run logging them."""
 
+import json
 import math
 
 import jax.numpy as jnp
@@ -78,3 +79,33 @@ def test_a_run_logs_the_schedule_it_steps_by(tmp_path):
     # The run's header says it in words.
     assert schedule_text(exp.optimizer, 6) == (
         "adamw, lr 0.01: warmup 1 steps, then held to step 3, then linear to 0 at step 6")
+
+
+def test_a_wsd_run_extended_from_before_its_cooldown_holds_then_cools_down_later(tmp_path,
+                                                                               capsys):
+    """The reason to choose wsd: resume from a checkpoint of the stable phase with a later
+    decay_steps, and the lr goes on at its peak (no bend) and cools down at the new end."""
+    from helpers import write_experiment
+
+    from plait.cli import main
+
+    raw = one_layer(train={"steps": 8}, checkpoint={"enabled": True, "every_steps": 2,
+                                                    "keep": 4, "async_save": False},
+                    optimizer={"lr": 1e-2, "warmup_steps": 2, "decay_steps": None,
+                               "schedule": "wsd", "cooldown_fraction": 0.25,
+                               "min_lr_ratio": 0.0})
+    exp = write_experiment(tmp_path / "t.toml", raw)
+    run_dir = tmp_path / "r"
+    args = ["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]
+    def lrs():
+        return [json.loads(x)["lr"] for x in
+                (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    assert main(args) == 0  # the lr of step s is the schedule at s - 1: cooldown 2 of 8
+    np.testing.assert_allclose(lrs(), [0.0, 5e-3] + [1e-2] * 5 + [5e-3], atol=1e-9)
+    assert main(args + ["--from-step", "4", "--steps", "12",
+                        "--set", "optimizer.decay_steps=12"]) == 0
+    # Steps 5-12 again from the checkpoint of step 4, at the peak until the cooldown, now
+    # 3 of 12 steps (the records after step 4 are the new run's).
+    np.testing.assert_allclose(lrs(), [0.0, 5e-3] + [1e-2] * 8 + [1e-2 * 2 / 3, 1e-2 / 3],
+                               atol=1e-9)
