@@ -68,11 +68,12 @@ def _windows_loss(task, params, tokens: np.ndarray, seq: int, n: int) -> float:
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
-    """A tiny GPT trained 4 steps (a checkpoint at 4) and a held-out file of 41 windows."""
+    """A tiny GPT trained 4 steps (checkpoints at 2 and 4) and a held-out file of 41
+    windows."""
     tmp = tmp_path_factory.mktemp("eval")
     held_out = tmp / "val.bin"
     write_tokens(np.random.default_rng(3).integers(0, 256, 41 * 32 + 1), held_out, "uint16")
-    exp = tiny(train={"steps": 4}, checkpoint={"enabled": True, "every_steps": 4,
+    exp = tiny(train={"steps": 4}, checkpoint={"enabled": True, "every_steps": 2,
                                                "async_save": False})
     run(exp, "data=2", tmp / "r")
     return tmp / "r", held_out
@@ -101,6 +102,27 @@ def test_plait_eval_scores_every_window_as_a_hand_computation(scored, mesh, tmp_
     np.testing.assert_allclose(got["loss"], _windows_loss(task, params, tokens, 32, 40),
                                rtol=2e-5)
     assert got["perplexity"] == pytest.approx(np.exp(got["loss"]))
+
+
+def test_every_kept_checkpoint_scored_as_each_alone(scored, tmp_path, capsys):
+    """--step all: one loss per kept checkpoint, each what --step N gives, the best named,
+    and the curve drawn."""
+    from plait.cli import main
+
+    run_dir, held_out = scored
+    common = ["eval", str(run_dir), "--data", str(held_out), "--mesh", "data=2", "--batch", "8"]
+    assert main([*common, "--step", "all", "--png", str(tmp_path / "c.png"),
+                 "--json", str(tmp_path / "all.json")]) == 0
+    got = json.loads((tmp_path / "all.json").read_text())
+    assert [c["step"] for c in got["curve"]] == [2, 4]
+    for c in got["curve"]:
+        assert main([*common, "--step", str(c["step"]), "--json", str(tmp_path / "one.json")]
+                    ) == 0
+        assert json.loads((tmp_path / "one.json").read_text())["loss"] == c["loss"]
+    best = min(got["curve"], key=lambda c: c["loss"])
+    assert (got["step"], got["loss"]) == (best["step"], best["loss"])
+    assert f"best: step {best['step']} of" in capsys.readouterr().out
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_plait_eval_of_an_imported_model_is_transformers_loss(tmp_path):
@@ -172,6 +194,8 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
     (["--data", "{val}", "--batch", "3", "--mesh", "data=2"],
      "--batch 3 does not split over data = 2"),
     (["--data", "{val}", "--seq-len", "64"], "learned position table holds model.seq_len = 32"),
+    (["--data", "{val}", "--png", "{tmp}/c.png"], "--png draws the loss of every kept"),
+    (["--data", "{val}", "--step", "last"], "--step takes a checkpoint's step or 'all'"),
 ])
 def test_plait_eval_mistakes_are_one_line(scored, tmp_path, capsys, args, needle):
     import shutil

@@ -67,10 +67,18 @@ def cmd_eval(args) -> int:
     from plait.evaluate import evaluate
     from plait.sample import decoder_run
 
+    step: int | str | None = args.step
+    if step is not None and step != "all":
+        try:
+            step = int(step)
+        except ValueError:
+            raise UserError(f"--step takes a checkpoint's step or 'all', got '{step}'") from None
+    if args.png and step != "all":
+        raise UserError("--png draws the loss of every kept checkpoint; add --step all")
     run_dir = Path(args.run_dir)
     exp, _ = decoder_run(run_dir, "plait eval scores")
     mesh = _mesh(args, exp, f"the [mesh] of {run_dir / 'config.toml'}")
-    got = evaluate(run_dir, args.data, mesh, args.step, args.batch, args.max_batches,
+    got = evaluate(run_dir, args.data, mesh, step, args.batch, args.max_batches,
                    args.dtype, args.seq_len)
     if got["note"]:
         print(f"plait: {got['note']}", file=sys.stderr)
@@ -79,8 +87,15 @@ def cmd_eval(args) -> int:
             if got["batches"] < got["full_batches"] else
             f"; the last {short} window{'s' * (short != 1)}, short of a batch, left out"
             if short else "")
-    print(f"plait: step {got['step']} of {run_dir} on {got['data']}: loss {got['loss']:.4f}, "
-          f"perplexity {got['perplexity']:.3f} over {got['tokens']:,} tokens "
+    if step == "all":
+        from plait.views import evaluation
+
+        evaluation.table(got["curve"], got["step"])
+        if args.png:
+            evaluation.draw(got["curve"], f"{run_dir} on {got['data']}", args.png)
+    which = "best: step" if step == "all" else "step"
+    print(f"plait: {which} {got['step']} of {run_dir} on {got['data']}: loss "
+          f"{got['loss']:.4f}, perplexity {got['perplexity']:.3f} over {got['tokens']:,} tokens "
           f"({w} window{'s' * (w != 1)} of {got['seq_len']} on mesh {got['mesh']}{left})")
     if args.json:
         Path(args.json).write_text(json.dumps(got, indent=1) + "\n")

@@ -155,15 +155,17 @@ def parser() -> argparse.ArgumentParser:
     ev = sub.add_parser(
         "eval", help="a language-model run's loss and perplexity on every token of a token "
         "file, on any mesh",
-        usage="plait eval RUN_DIR [--data TOKENS.bin] [--step N] [--mesh SPEC] [--batch ROWS] "
-              "[--max-batches N] [--seq-len N] [--json FILE]")
+        usage="plait eval RUN_DIR [--data TOKENS.bin] [--step N|all [--png FILE]] [--mesh SPEC] "
+              "[--batch ROWS] [--max-batches N] [--seq-len N] [--json FILE]")
     ev.add_argument("run_dir", metavar="RUN_DIR",
                     help="the --run-dir of a plait train run or a plait import")
     ev.add_argument("--data", help="token file to score, made with the run's tokenizer "
                     "(default: the run's data.eval_path)")
     ev.add_argument("--dtype", choices=("uint16", "uint32"),
                     help="element type of the token file (default: the run's data.dtype)")
-    ev.add_argument("--step", type=int, help="a kept checkpoint's step (default: the newest)")
+    ev.add_argument("--step", help="a kept checkpoint's step, or 'all' for every kept one "
+                    "(a table, and the best; default: the newest)")
+    ev.add_argument("--png", help="with --step all: draw the loss against the step here")
     ev.add_argument("--mesh", help="mesh file or inline spec (default: the run's mesh)")
     ev.add_argument("--devices", type=int, default=None, help="devices the mesh uses")
     ev.add_argument("--batch", type=int,

@@ -54,21 +54,19 @@ def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> np.ndarra
                      key="--data", spare=0).tokens
 
 
-def evaluate(run_dir: Path, data: str | None, mesh, step: int | None = None,
+def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = None,
              batch: int | None = None, max_batches: int | None = None,
              dtype: str | None = None, seq_len: int | None = None,
              progress: bool = True) -> dict:
-    """{"step", "loss", "perplexity", "tokens", "windows", "short_windows", ...} of
-    the run's checkpoint (the newest, or `step`) on `data` (default: the run's
-    data.eval_path) on `mesh`, in windows of `seq_len` tokens (default: the run's; a
-    rotary model may be scored at another length, e.g. past the one it trained at)."""
-    from rich.progress import track
-
+    """{"step", "loss", "perplexity", "tokens", "windows", "short_windows", "curve", ...}
+    of the run's checkpoint (the newest, `step`, or with step "all" every kept one: the
+    figures are then the best one's, "curve" has them all) on `data` (default: the
+    run's data.eval_path) on `mesh`, in windows of `seq_len` tokens (default: the run's;
+    a rotary model may be scored at another length, e.g. past the one it trained at)."""
     from plait import hosts
     from plait.checkpoint import Checkpoints
-    from plait.sample import decoder_run, read_params
+    from plait.sample import decoder_run
     from plait.tasks import make_task
-    from plait.train.loop import host_value
 
     exp, ckpt_dir = decoder_run(run_dir, "plait eval scores")
     if seq_len is not None and seq_len < 1:
@@ -109,21 +107,55 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | None = None,
                         .replace("make global_batch", "make --batch")) from None
     ckpts = Checkpoints(ckpt_dir, keep=max(1, exp.checkpoint.keep), async_save=False,
                         read_only=True)
+    steps: list[int | None] = [step] if step != "all" else sorted(ckpts.steps())
+    if not steps:
+        raise UserError(f"'{run_dir}' has no checkpoints yet; train with checkpoints "
+                        "enabled first")
+    curve, notes = [], []
+    for s in steps:
+        try:
+            loss, at, note = _score(task, ckpts, run_dir, s, windows, n, rows, progress)
+        except Exception as e:  # noqa: BLE001 - one unreadable checkpoint of many
+            if step != "all" or isinstance(e, UserError):
+                raise
+            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            print(f"plait eval: the checkpoint at step {s} is unusable ({reason}); skipped",
+                  file=sys.stderr)
+            continue
+        curve.append({"step": at, "loss": loss, "perplexity": float(np.exp(min(loss, 80.0)))})
+        notes += [note] if note and note not in notes else []
+    if not curve:
+        raise UserError(f"no usable checkpoint in '{ckpt_dir}' (tried steps "
+                        f"{', '.join(map(str, steps))})")
+    best = min(curve, key=lambda c: c["loss"])
+    return {"run_dir": str(run_dir), "data": str(path), **best, "curve": curve,
+            "tokens": n * rows * exp.model.seq_len, "windows": n * rows,
+            "short_windows": windows.count - full * rows, "batch": rows,
+            "seq_len": exp.model.seq_len, "batches": n, "full_batches": full,
+            "mesh": hosts.mesh_text(mesh), "note": "; ".join(notes) or None}
+
+
+def _score(task, ckpts, run_dir: Path, step: int | None, windows: Windows, n: int,
+           rows: int, progress: bool) -> tuple[float, int, str | None]:
+    """(mean loss, step, notice) of one checkpoint over the first n batches."""
+    from rich.progress import track
+
+    from plait.sample import read_params
+    from plait.train.loop import host_value
+
+    imported = ckpts.record(step).get("params_only", False)
     params, at, note = read_params(task, ckpts, run_dir, step)
+    if imported:  # (its notice is about the optimizer, which is not used here)
+        note = None
     # Laid out for the mesh (stacked, pipelined) the way training lays them out.
     params = task.laid_out_params(params)
-    losses = []
+    losses: list[float] = []
     # A bar on a terminal; elsewhere (logs, nohup) a line every tenth of the batches.
     lines = progress and n >= 4 and not sys.stderr.isatty()
-    for k in track(range(n), description=f"scoring {n} batches of {rows} windows",
+    for k in track(range(n), description=f"step {at}: scoring {n} batches of {rows} windows",
                    transient=True, disable=not progress or n < 4 or lines):
         losses.append(float(host_value(task.eval_loss_fn(params, task.batch(windows, k)))))
         if lines and ((k + 1) % max(n // 10, 1) == 0 or k + 1 == n):
-            print(f"plait eval: {k + 1}/{n} batches, loss so far {np.mean(losses):.4f}",
-                  file=sys.stderr, flush=True)
-    loss = float(np.mean(losses))
-    return {"run_dir": str(run_dir), "step": at, "data": str(path), "loss": loss,
-            "perplexity": float(np.exp(min(loss, 80.0))), "tokens": n * rows * exp.model.seq_len,
-            "windows": n * rows, "short_windows": windows.count - full * rows,
-            "batch": rows, "seq_len": exp.model.seq_len, "batches": n, "full_batches": full,
-            "mesh": hosts.mesh_text(mesh), "note": note}
+            print(f"plait eval: step {at}: {k + 1}/{n} batches, loss so far "
+                  f"{np.mean(losses):.4f}", file=sys.stderr, flush=True)
+    return float(np.mean(losses)), at, note
