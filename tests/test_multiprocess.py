@@ -148,3 +148,28 @@ def test_launch_reports_the_lost_process_in_one_line(tmp_path):
     errors = [x for x in lines if x.startswith("plait: error:")]
     assert len(errors) == 1 and "process 1 of 2 failed first" in errors[0] and \
         "killed (SIGKILL)" in errors[0] or "exit -9" in errors[0], lines
+
+
+@pytest.mark.slow
+def test_two_processes_score_a_checkpoint_like_one(tmp_path):
+    """plait launch -- eval: each process makes only its windows, the loss is the same."""
+    import json
+
+    from plait.cli import main
+    from plait.data.tokens import write_tokens
+
+    exp = tiny(train={"steps": 2}, checkpoint={"enabled": True, "every_steps": 2, "keep": 1,
+                                               "async_save": False})
+    run(exp, "data=2", tmp_path / "r")
+    write_tokens(np.random.default_rng(5).integers(0, 256, 16 * 32 + 1), tmp_path / "v.bin",
+                 "uint16")
+    args = ["eval", str(tmp_path / "r"), "--data", str(tmp_path / "v.bin"), "--mesh",
+            "data=4", "--batch", "8"]
+    assert main([*args, "--json", str(tmp_path / "one.json")]) == 0
+    out = subprocess.run([sys.executable, "-m", "plait", "launch", "--processes", "2", "--",
+                          *args, "--json", str(tmp_path / "two.json")], cwd=ROOT,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert two["mesh"] == "data=2@dcn,data=2" and two["windows"] == one["windows"] == 16
+    np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)

@@ -77,9 +77,15 @@ def cmd_eval(args) -> int:
         raise UserError("--png draws the loss of every kept checkpoint; add --step all")
     run_dir = Path(args.run_dir)
     exp, _ = decoder_run(run_dir, "plait eval scores")
+    cluster.join(args)
     mesh = _mesh(args, exp, f"the [mesh] of {run_dir / 'config.toml'}")
+    import jax
+
+    writer = jax.process_index() == 0
     got = evaluate(run_dir, args.data, mesh, step, args.batch, args.max_batches,
-                   args.dtype, args.seq_len)
+                   args.dtype, args.seq_len, progress=writer)
+    if not writer:  # every process scored its rows; process 0 reports
+        return 0
     if got["note"]:
         print(f"plait: {got['note']}", file=sys.stderr)
     w, short = got["windows"], got["short_windows"]

@@ -8,6 +8,12 @@ import argparse
 import plait
 
 
+def processes(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", help="host:port of process 0, to join a multi-process run")
+    p.add_argument("--num-processes", type=int, help="processes in the multi-process run")
+    p.add_argument("--process-id", type=int, help="this process's index in the run")
+
+
 def common(p: argparse.ArgumentParser) -> None:
     p.add_argument("experiment", help="experiment file, e.g. experiments/quickstart.toml")
     p.add_argument("--mesh", help="mesh file (meshes/x.toml) or inline spec like data=2,tensor=4")
@@ -16,9 +22,7 @@ def common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=None,
                    help="devices the mesh uses (default: what the mesh needs; with a -1 axis, "
                         "every accelerator or one simulated device per CPU core)")
-    p.add_argument("--coordinator", help="host:port of process 0, to join a multi-process run")
-    p.add_argument("--num-processes", type=int, help="processes in the multi-process run")
-    p.add_argument("--process-id", type=int, help="this process's index in the run")
+    processes(p)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -175,6 +179,7 @@ def parser() -> argparse.ArgumentParser:
                     help="tokens a window (default: the run's model.seq_len; rotary models "
                          "only, e.g. to score a context longer than the one trained)")
     ev.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    processes(ev)
     im = sub.add_parser(
         "import", help="a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2) -> a run "
         "directory whose step-0 checkpoint plait train continues",

@@ -20,7 +20,7 @@ import time
 
 from plait.errors import UserError
 
-LAUNCHABLE = ("train", "inspect", "plan")
+LAUNCHABLE = ("train", "inspect", "plan", "eval")
 
 
 def _free_port() -> int:

@@ -44,8 +44,9 @@ _OWN = re.compile(r"^(plait: |step\s+\d|Traceback |\S+Error\b)")
 
 def needed(argv: list[str]) -> bool:
     """Whether this invocation joins a multi-process run and is not yet supervised."""
-    if os.environ.get(SUPERVISED) == "1" or not argv or argv[0] not in ("train", "inspect",
-                                                                         "plan"):
+    from plait.launch import LAUNCHABLE
+
+    if os.environ.get(SUPERVISED) == "1" or not argv or argv[0] not in LAUNCHABLE:
         return False
     from plait.cluster import from_environment
 
