@@ -370,7 +370,7 @@ def cmd_data(args) -> int:
     print(f"plait: wrote {written[0]:,} {what} ({args.dtype}) to {out}; use data.source = "
           f"\"tokens\", data.path = \"{out}\", model.vocab >= {size}")
     if held:
-        from plait.data.documents import held_out_path
+        from plait.data.tokens import held_out_path
 
         _print_held_out(held_out_path(out), f"the text's last {written[1]:,} tokens")
     return 0

@@ -104,12 +104,6 @@ def end_of_text(tok: HFTokenizer, name: str | None) -> int | None:
                     f"({', '.join(END_OF_TEXT)}); name one with --eos")
 
 
-def held_out_path(out_path: str | Path) -> Path:
-    """Where `--held-out` writes its documents: OUT.bin -> OUT.val.bin."""
-    out = Path(out_path)
-    return out.with_name(f"{out.stem}.val{out.suffix}")
-
-
 def is_held_out(index: int, fraction: float) -> bool:
     """Whether document `index` is held out: floor(n x fraction) of the first n, spread
     evenly (one in every 1 / fraction), the same for every run over the same inputs."""
@@ -125,7 +119,7 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
     from rich.console import Console
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-    from plait.data.tokens import write_tokens
+    from plait.data.tokens import held_out_path, write_tokens
 
     paths = expand(patterns)
     tok = HFTokenizer(tokenizer) if tokenizer else Bytes()

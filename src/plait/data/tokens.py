@@ -105,13 +105,17 @@ def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "
     return _write_split(ids, Path(out_path), dtype, f"text file '{text_path}'", held_out, tok)
 
 
+def held_out_path(out_path: str | Path) -> Path:
+    """Where `--held-out` writes what it holds out: OUT.bin -> OUT.val.bin."""
+    out = Path(out_path)
+    return out.with_name(f"{out.stem}.val{out.suffix}")
+
+
 def _write_split(ids: np.ndarray, out: Path, dtype: str, source: str, held_out: float,
                  tok: HFTokenizer | None) -> list[int]:
     """OUT, and with `held_out` the last part of the text in OUT.val.bin (a text file's
     lines run on into each other: a contiguous tail, as nanoGPT's prepare scripts hold
     out); each with the tokenizer beside it, or none."""
-    from plait.data.documents import held_out_path
-
     cut = len(ids) - int(round(len(ids) * held_out))
     if held_out and not 0 < cut < len(ids):
         raise UserError(f"--held-out {held_out} of {len(ids)} tokens leaves "
