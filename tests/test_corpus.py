@@ -133,8 +133,9 @@ def test_corpus_mistakes_are_one_line(corpus, tmp_path, capsys, args, message, m
 def test_an_empty_corpus_is_refused_and_writes_nothing(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "empty.jsonl").write_text("")
-    for src in ("empty.txt", "empty.jsonl"):
-        assert main(["data", str(tmp_path / src), str(tmp_path / "out.bin")]) == 2
+    for src, extra in (("empty.txt", []), ("empty.jsonl", []),
+                       ("empty.jsonl", ["--held-out", "0.5"])):
+        assert main(["data", str(tmp_path / src), str(tmp_path / "out.bin"), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "gives no tokens (it is empty)" in err
         assert not (tmp_path / "out.bin").exists()

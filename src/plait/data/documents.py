@@ -167,10 +167,10 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                     said = now
         if batch:
             flush(batch)
-    if held_out and not held:
+    if held_out and docs and not held:  # (no documents at all: write_tokens says so)
         raise UserError(f"--held-out {held_out} of {docs} document(s) holds none out; "
                         f"nothing was written; use at least {1 / max(docs, 1):.3g}")
-    if held_out and not parts:
+    if held_out and docs and not parts:
         raise UserError(f"--held-out {held_out} holds out all {docs} document(s); nothing "
                         "was written; use a smaller fraction")
     outputs = [(Path(out_path), parts)] + [(held_out_path(out_path), held)] * bool(held_out)
