@@ -134,6 +134,7 @@ def test_an_empty_corpus_is_refused_and_writes_nothing(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "empty.jsonl").write_text("")
     for src, extra in (("empty.txt", []), ("empty.jsonl", []),
+                       ("empty.txt", ["--held-out", "0.5"]),
                        ("empty.jsonl", ["--held-out", "0.5"])):
         assert main(["data", str(tmp_path / src), str(tmp_path / "out.bin"), *extra]) == 2
         err = capsys.readouterr().err.strip()

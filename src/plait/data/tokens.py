@@ -117,7 +117,7 @@ def _write_split(ids: np.ndarray, out: Path, dtype: str, source: str, held_out: 
     lines run on into each other: a contiguous tail, as nanoGPT's prepare scripts hold
     out); each with the tokenizer beside it, or none."""
     cut = len(ids) - int(round(len(ids) * held_out))
-    if held_out and not 0 < cut < len(ids):
+    if held_out and len(ids) and not 0 < cut < len(ids):  # (none at all: said below)
         raise UserError(f"--held-out {held_out} of {len(ids)} tokens leaves "
                         f"{'none' if cut == len(ids) else 'nothing to train on'}; nothing "
                         "was written; choose another fraction")
