@@ -351,21 +351,6 @@ def restore_plan(saved_config: dict, cfg: SyncConfig, local: LocalSGD | None,
     return abstract, adapt, notice
 
 
-def center_reader(saved_config: dict, mesh: Mesh, per_layer: tuple[dict, dict],
-                  tx: optax.GradientTransformation):
-    """How a reader of the model (plait sample, export, eval) reads a checkpoint of
-    replicas: (its abstract state, nothing split over data; the function that takes its
-    center, the model the replicas meet at, laid out one entry per layer), or None for a
-    checkpoint of one model (sync.method "allreduce")."""
-    sync = saved_config.get("sync") or {}
-    if sync.get("method", "allreduce") == "allreduce":
-        return None
-    replicas = int((saved_config.get("mesh") or {}).get(AXIS, 1))
-    saved = LocalSGD(SyncConfig.model_validate(sync), mesh, replicas)
-    abstract = saved.state_layout(*per_layer, tx, sharded=False).abstract()
-    return abstract, lambda state: state["sync"]["center"]
-
-
 def phases(period: int) -> dict[str, dict[int, list[float]]]:
     """Branch weights that read a local step, a meeting step, and the average step out
     of the compiled program (plait.analysis: the step's one two-way conditional)."""

@@ -63,18 +63,14 @@ class DecoderCheckpoints:
             abstract = fp8.without_state(self.canonical_layout.abstract()["params"])
             return {"params": abstract}, lambda state: state["params"], None
         saved = record.get("config") or {}
-        center = local_sgd.center_reader(saved, self.mesh, self._per_layer_params,
-                                         optimizer(self.exp)[0])
-        if center is not None:
-            abstract, _ = center
-            return ({"sync": {"center": abstract["sync"]["center"]}},
-                    lambda state: state["sync"]["center"],
-                    f"the {saved['sync']['method']} center, the model the data replicas "
-                    "meet at")
+        params = self.canonical_layout.abstract()["params"]  # without the optimizer state
+        method = (saved.get("sync") or {}).get("method", "allreduce")
+        if method != "allreduce":  # the center is laid out as one model's parameters
+            return ({"sync": {"center": params}}, lambda state: state["sync"]["center"],
+                    f"the {method} center, the model the data replicas meet at")
         if saved and self._fp8_restore_plan(saved) is not None:  # converted whole
             abstract, adapt, note = self.restore_plan(saved)
             return abstract, lambda state: adapt(state)["params"], note
-        params = self.canonical_layout.abstract()["params"]  # without the optimizer state
         return {"params": params}, lambda state: state["params"], None
 
     def _fp8_restore_plan(self, saved_config: dict):
