@@ -143,10 +143,7 @@ def _score(task, ckpts, run_dir: Path, step: int | None, windows: Windows, n: in
     from plait.sample import read_params
     from plait.train.loop import host_value
 
-    imported = ckpts.record(step).get("params_only", False)
     params, at, note = read_params(task, ckpts, run_dir, step)
-    if imported:  # (its notice is about the optimizer, which is not used here)
-        note = None
     # Laid out for the mesh (stacked, pipelined) the way training lays them out.
     params = task.laid_out_params(params)
     losses: list[float] = []
