@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.data.tokenizer import Bytes, HFTokenizer, drop_sidecar, keep_beside
+from plait.data.tokenizer import Bytes, HFTokenizer
 from plait.errors import UserError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -119,7 +119,7 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
     from rich.console import Console
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-    from plait.data.tokens import held_out_path, write_tokens
+    from plait.data.tokens import held_out_path, write_with_tokenizer
 
     paths = expand(patterns)
     tok = HFTokenizer(tokenizer) if tokenizer else Bytes()
@@ -174,14 +174,10 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
         raise UserError(f"--held-out {held_out} holds out all {docs} document(s); nothing "
                         "was written; use a smaller fraction")
     outputs = [(Path(out_path), parts)] + [(held_out_path(out_path), held)] * bool(held_out)
-    written = []
-    for path, pieces in outputs:
-        ids = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-        written.append(write_tokens(ids, path, dtype, ", ".join(patterns)))
-        if isinstance(tok, HFTokenizer):
-            keep_beside(tok, path)
-        else:
-            drop_sidecar(path)
+    written = [write_with_tokenizer(np.concatenate(pieces) if pieces else np.zeros(0, np.int64),
+                                    path, dtype, ", ".join(patterns),
+                                    tok if isinstance(tok, HFTokenizer) else None)
+               for path, pieces in outputs]
     return {"documents": docs - len(held), "tokens": written[0], "files": len(paths),
             "eos": end, "tokenizer": tok.name, "vocab": tok.vocab_size,
             "held_out": ({"path": str(held_out_path(out_path)), "documents": len(held),

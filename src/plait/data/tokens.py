@@ -122,14 +122,19 @@ def _write_split(ids: np.ndarray, out: Path, dtype: str, source: str, held_out: 
                         f"{'none' if cut == len(ids) else 'nothing to train on'}; nothing "
                         "was written; choose another fraction")
     pieces = [(out, ids[:cut])] + [(held_out_path(out), ids[cut:])] * bool(held_out)
-    written = []
-    for path, part in pieces:
-        written.append(write_tokens(part, path, dtype, source))
-        if tok is not None:
-            keep_beside(tok, path)
-        else:
-            drop_sidecar(path)
-    return written
+    return [write_with_tokenizer(part, path, dtype, source, tok) for path, part in pieces]
+
+
+def write_with_tokenizer(ids: np.ndarray, path: Path, dtype: str, source: str,
+                         tok: HFTokenizer | None) -> int:
+    """`write_tokens`, then the tokenizer that made the ids kept beside the file (or, for
+    byte-level ids, any older one removed)."""
+    n = write_tokens(ids, path, dtype, source)
+    if tok is not None:
+        keep_beside(tok, path)
+    else:
+        drop_sidecar(path)
+    return n
 
 
 def write_tokens(ids: np.ndarray, out_path: str | Path, dtype: str = "uint16",
