@@ -261,15 +261,19 @@ _COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|"
                          r"(-start)?$")
 
 
+def _runs_collective(mod: Module, ins: Instr, memo: dict[str, bool]) -> bool:
+    """Whether running `ins` runs a collective: it is one, or a computation it calls
+    (a loop's, a call's, a conditional's branches) holds one, however deep."""
+    return bool(_COLLECTIVE.match(ins.opcode)) or any(
+        _holds_collective(mod, c, memo) for part in _callees(ins.attrs) for c in part)
+
+
 def _holds_collective(mod: Module, comp: str, memo: dict[str, bool]) -> bool:
     """Whether running `comp` runs a collective, in it or in anything it calls."""
     if comp not in memo:
         memo[comp] = False  # a cycle (none in HLO) would read as "no"
-        memo[comp] = any(
-            _COLLECTIVE.match(ins.opcode) or any(
-                _holds_collective(mod, c, memo) for part in _callees(ins.attrs)
-                for c in part)
-            for ins in mod.computations.get(comp, []))
+        memo[comp] = any(_runs_collective(mod, ins, memo)
+                         for ins in mod.computations.get(comp, []))
     return memo[comp]
 
 
@@ -296,8 +300,7 @@ def unordered_beside_conditionals(mod: Module) -> list[tuple[Instr, Instr]]:
     memo: dict[str, bool] = {}
     found: list[tuple[Instr, Instr]] = []
     for instrs in mod.computations.values():
-        runs = [ins for ins in instrs if _COLLECTIVE.match(ins.opcode) or any(
-            _holds_collective(mod, c, memo) for part in _callees(ins.attrs) for c in part)]
+        runs = [ins for ins in instrs if _runs_collective(mod, ins, memo)]
         conds = [ins for ins in runs if ins.opcode == "conditional"]
         if not conds or len(runs) < 2:
             continue

@@ -21,7 +21,7 @@ from plait.config import Experiment, OptimizerConfig
 def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
     """Linear warmup from 0 to `lr` over `warmup_steps`, then `opt.schedule` down to
     `lr * min_lr_ratio` at `decay_steps` (train.steps unless set), flat after it."""
-    decay = max(opt.decay_steps or steps, opt.warmup_steps + 1)
+    decay = _decay_end(opt, steps)
     warmup, end = opt.warmup_steps, opt.lr * opt.min_lr_ratio
     if opt.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
@@ -40,6 +40,12 @@ def lr_schedule(opt: OptimizerConfig, steps: int) -> optax.Schedule:
     return schedule
 
 
+def _decay_end(opt: OptimizerConfig, steps: int) -> int:
+    """The step the learning rate reaches lr * min_lr_ratio: decay_steps, else the run's
+    length, and never inside the warmup."""
+    return max(opt.decay_steps or steps, opt.warmup_steps + 1)
+
+
 def _decay_start(opt: OptimizerConfig, decay: int) -> int:
     """The step the learning rate starts down from lr (decay for "constant": never).
     wsd's cooldown is a fraction of the whole run, warmup included, at least one step."""
@@ -51,7 +57,7 @@ def _decay_start(opt: OptimizerConfig, decay: int) -> int:
 
 def schedule_text(opt: OptimizerConfig, steps: int) -> str:
     """The optimizer and its learning rate in words, for the run's header."""
-    decay = max(opt.decay_steps or steps, opt.warmup_steps + 1)
+    decay = _decay_end(opt, steps)
     warm = f"warmup {opt.warmup_steps} steps, then " if opt.warmup_steps else ""
     end = f"{opt.lr * opt.min_lr_ratio:.3g} at step {decay}"
     rest = {"constant": "constant", "wsd": f"held to step {_decay_start(opt, decay)}, then "
