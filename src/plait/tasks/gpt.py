@@ -25,7 +25,7 @@ from plait import data, models, sharding
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
-from plait.models import fp8, gpt, gpt_counts
+from plait.models import gpt, gpt_counts
 from plait.models.gpt import abstract_model
 from plait.parallel import context, experts, formulas, hierarchical, local_sgd
 from plait.tasks import gpt_sweep
@@ -135,20 +135,6 @@ class GPTTask(DecoderCheckpoints, Task):
             return jax.jit(lambda g: self.local.init(self._laid_out(g), self.tx),
                            out_shardings=self.layout.shardings)(params)
         return init_state(self._laid_out, self.tx, self.layout, params)
-
-    def laid_out_params(self, params: dict) -> dict:
-        """Canonical parameters (one entry per layer) as this mesh holds them (stacked,
-        pipelined), with no optimizer state: what a reader of the model scores."""
-        return jax.jit(self._laid_out, out_shardings=self.layout.params)(params)
-
-    def _laid_out(self, given: dict | None = None) -> dict:
-        if given is None:
-            p = self.model.init(self.exp.seed)
-        else:  # imported weights: FP8 scaling state, if any, starts fresh
-            given = fp8.carry_over({"params": given},
-                                   {"params": self._per_layer_params[0]})["params"]
-            p = models.stack(given, "blocks") if self.stacked else given
-        return self.pipeline.from_canonical(p) if self.pipeline else p
 
     # ------------------------------------------------------------------ step
     def loss(self, params: dict, tokens: jax.Array, rules: sharding.Rules | None = None

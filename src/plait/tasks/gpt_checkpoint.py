@@ -1,6 +1,7 @@
 """How a decoder's train state lies on disk (GPTTask's checkpoint side): one entry per
-layer whatever a pipeline or stacked layers do in memory, conversions both ways, and
-how to read a checkpoint of another replica count (sync.method) or precision.matmul."""
+layer whatever a pipeline or stacked layers do in memory, conversions both ways (the
+parameters alone too, for readers), and how to read a checkpoint of another replica
+count (sync.method) or precision.matmul."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from plait.train.state import StateLayout, layout, map_params, optimizer
 
 
 class DecoderCheckpoints:
-    """The checkpoint side of GPTTask: it reads the task's exp, mesh, rules, layout,
+    """The checkpoint side of GPTTask: it reads the task's exp, mesh, model, rules, layout,
     pipeline, stacked and local (set by GPTTask.__init__)."""
 
     @property
@@ -52,6 +53,22 @@ class DecoderCheckpoints:
                                       self.canonical_layout.shardings)
         return plan or self._fp8_restore_plan(saved_config) or super().restore_plan(
             saved_config)
+
+    def laid_out_params(self, params: dict) -> dict:
+        """Canonical parameters (one entry per layer) as this mesh holds them (stacked,
+        pipelined), with no optimizer state: what a reader of the model scores."""
+        return jax.jit(self._laid_out, out_shardings=self.layout.params)(params)
+
+    def _laid_out(self, given: dict | None = None) -> dict:
+        """Parameters as this mesh holds them: new ones, or `given` (canonical; imported
+        weights, whose FP8 scaling state, if any, starts fresh)."""
+        if given is None:
+            p = self.model.init(self.exp.seed)
+        else:
+            given = fp8.carry_over({"params": given},
+                                   {"params": self._per_layer_params[0]})["params"]
+            p = models.stack(given, "blocks") if self.stacked else given
+        return self.pipeline.from_canonical(p) if self.pipeline else p
 
     def params_plan(self, record: dict):
         """How a reader of the model (plait sample, export, eval; a task of one model)
