@@ -1,5 +1,5 @@
-"""`plait train | inspect | sweep | schedule | plan | launch | data | sample | eval | import |
-export`.
+"""`plait train | inspect | sweep | schedule | plan | launch | sample | eval | import | export`
+(and `plait data`'s handler from plait.cli_data).
 
 Any mistake in the user's input ends in one line on stderr naming the problem
 and the fix, with exit status 2 and no traceback.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from plait import cluster, xla_flags
 from plait.cli_args import parser
+from plait.cli_data import cmd_data
 from plait.errors import UserError, reported
 
 
@@ -317,68 +318,6 @@ def cmd_schedule(args) -> int:
     s = schedules.build(args.name, args.stages, args.microbatches, args.virtual_stages or 0)
     show(s, args.json, args.png, args.recompute)
     return 0
-
-
-def cmd_data(args) -> int:
-    if args.inputs[0] == "criteo":
-        from plait.data.criteo_bin import convert
-
-        if not args.out:
-            raise UserError("plait data criteo needs --out DIR (the directory to write)")
-        if args.held_out:
-            raise UserError("plait data criteo converts whole days: hold a day out instead "
-                            "and give it as data.eval_path")
-        if len(args.inputs) < 2:
-            raise UserError("plait data criteo needs at least one Criteo TSV day file")
-        manifest = convert(args.inputs[1:], args.out, args.malformed)
-        rows = sum(p["rows"] for p in manifest["parts"])
-        print(f"plait: {args.out} holds {rows:,} rows in {len(manifest['parts'])} part(s); use "
-              f"data.source = \"criteo_bin\", data.path = \"{args.out}\"")
-        return 0
-    from plait.data.documents import encode_corpus, is_corpus
-    from plait.data.tokens import encode_text_file
-
-    held = args.held_out or 0.0
-    if not 0.0 <= held < 1.0:
-        raise UserError(f"--held-out is the fraction held out for evaluation, between 0 and "
-                        f"1 (e.g. 0.05); got {held}")
-    if len(args.inputs) >= 2 and is_corpus(args.inputs[:-1]) and not args.out:
-        *inputs, out = args.inputs
-        got = encode_corpus(inputs, out, args.field, args.dtype, args.tokenizer, args.eos,
-                            held)
-        end = (f", each ended by id {got['eos']}" if got["eos"] is not None
-               else " (byte-level: no end-of-text id)")
-        print(f"plait: wrote {got['tokens']:,} tokens of {got['documents']:,} documents from "
-              f"{got['files']} file(s){end} ({args.dtype}) to {out}; use data.source = "
-              f"\"tokens\", data.path = \"{out}\", model.vocab >= {got['vocab']}")
-        if got["held_out"]:
-            h = got["held_out"]
-            _print_held_out(h["path"], f"{h['tokens']:,} tokens of {h['documents']:,} "
-                            f"documents (one in every {1 / held:.3g})")
-        return 0
-    if len(args.inputs) != 2 or args.out:
-        raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), documents "
-                        "(*.jsonl / *.parquet ...) OUT.bin, or criteo DAY.tsv ... --out DIR")
-    text, out = args.inputs
-    written = encode_text_file(text, out, args.dtype, args.tokenizer, held)
-    if args.tokenizer:
-        from plait.data.tokenizer import HFTokenizer
-
-        size, what = HFTokenizer(args.tokenizer).vocab_size, f"{Path(args.tokenizer).name} ids"
-    else:
-        size, what = 256, "byte-level tokens"
-    print(f"plait: wrote {written[0]:,} {what} ({args.dtype}) to {out}; use data.source = "
-          f"\"tokens\", data.path = \"{out}\", model.vocab >= {size}")
-    if held:
-        from plait.data.tokens import held_out_path
-
-        _print_held_out(held_out_path(out), f"the text's last {written[1]:,} tokens")
-    return 0
-
-
-def _print_held_out(path, what: str) -> None:
-    print(f"plait: held out {what} in {path}; use data.eval_path = \"{path}\", or "
-          f"plait eval RUN_DIR --data {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
