@@ -16,7 +16,6 @@ import argparse
 import itertools
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,23 +30,18 @@ MODEL = {"d_model": 768, "heads": 12, "kv_heads": 4, "d_ff": 2048, "layers": 12,
          "vocab": 32000, "seq_len": 128}
 
 
-def _plait(tree: Path, *args: str, cwd: Path) -> float:
-    """Peak resident GiB of `python -m plait ARGS` run on the code under `tree` (the
-    largest child so far: call it once per process)."""
-    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
-    subprocess.run([sys.executable, "-m", "plait", *args], env=env, cwd=cwd, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+# Run in a fresh interpreter per measurement: ru_maxrss of its children is then the
+# one plait command's peak, not the largest of several.
+_PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+         "stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20)")
 
 
 def _one(tree: Path, command: str, work: Path) -> float:
-    """Measure one reader in a fresh parent, so ru_maxrss is that reader's alone."""
-    code = (f"import sys; sys.path.insert(0, {str(HERE / 'benchmarks')!r}); "
-            f"import reader_memory as r; from pathlib import Path; "
-            f"print(r._plait(Path({str(tree)!r}), *{_args(command, work)!r}, "
-            f"cwd=Path({str(work)!r})))")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True)
+    """Peak resident GiB of one reader run on the code under `tree`."""
+    out = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "plait",
+                          *_args(command, work)], cwd=work, check=True, capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=str(tree / "src")))
     return float(out.stdout.strip().splitlines()[-1])
 
 
