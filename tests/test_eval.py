@@ -159,7 +159,8 @@ def test_plait_eval_of_an_imported_model_is_transformers_loss(tmp_path):
 
 def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
     """plait eval, sample and export read a DiLoCo run's center (they failed on its
-    replicas before: the checkpoint was 'unusable')."""
+    replicas before: the checkpoint was 'unusable'), and so does the held-out loss the
+    run logs (it failed with a traceback before: the replicas' stacked parameters)."""
     import orbax.checkpoint as ocp
     from helpers import make_mesh
 
@@ -169,9 +170,10 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
     held_out = tmp_path / "val.bin"
     write_tokens(np.random.default_rng(4).integers(0, 256, 8 * 32 + 1), held_out, "uint16")
     exp = tiny(train={"steps": 4}, sync={"method": "diloco", "period": 2},
-               checkpoint={"enabled": True, "every_steps": 4, "async_save": False})
+               checkpoint={"enabled": True, "every_steps": 4, "async_save": False},
+               data={"eval_path": str(held_out), "eval_batches": 1, "eval_every_steps": 4})
     run_dir = tmp_path / "r"
-    run(exp, "data=2,fsdp=2", run_dir)
+    logged = run(exp, "data=2,fsdp=2", run_dir)["records"][-1]["eval_loss"]
     out = tmp_path / "eval.json"
     assert main(["eval", str(run_dir), "--data", str(held_out), "--mesh", "data=2",
                  "--batch", "8", "--json", str(out)]) == 0
@@ -181,6 +183,13 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
     task = make_task(tiny(), make_mesh("data=1"))
     want = _windows_loss(task, center, np.fromfile(held_out, np.uint16), 32, 8)
     np.testing.assert_allclose(json.loads(out.read_text())["loss"], want, rtol=2e-5)
+    # The step-4 held-out loss: the center (met at step 4) on the first held-out batch.
+    import jax
+
+    rows = TokenFile(held_out, "uint16", 32, exp.seed, 256).rows(0, 0, 16)
+    logits = np.asarray(jax.jit(task.model.apply)(center, rows[:, :-1]))
+    np.testing.assert_allclose(logged, _softmax_xent(logits[..., :256], rows[:, 1:]),
+                               rtol=2e-5)
     assert main(["sample", str(run_dir), "--prompt", "ab", "--tokens", "3"]) == 0
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
 

@@ -101,8 +101,11 @@ def cmd_eval(args) -> int:
         if args.png:
             evaluation.draw(got["curve"], f"{run_dir} on {got['data']}", args.png)
     which = "best: step" if step == "all" else "step"
+    counted = (f"{got['tokens']:,} tokens" if got["kept_targets"] is None else
+               f"the {got['kept_targets']:,} targets its loss mask keeps of {got['tokens']:,} "
+               "tokens")
     print(f"plait: {which} {got['step']} of {run_dir} on {got['data']}: loss "
-          f"{got['loss']:.4f}, perplexity {got['perplexity']:.3f} over {got['tokens']:,} tokens "
+          f"{got['loss']:.4f}, perplexity {got['perplexity']:.3f} over {counted} "
           f"({w} window{'s' * (w != 1)} of {got['seq_len']} on mesh {got['mesh']}{left})")
     if args.json:
         Path(args.json).write_text(json.dumps(got, indent=1) + "\n")

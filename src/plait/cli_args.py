@@ -121,13 +121,18 @@ def parser() -> argparse.ArgumentParser:
         usage="plait data TEXT_FILE OUT.bin [--tokenizer tokenizer.json] [--dtype uint16|uint32] "
               "[--held-out FRACTION]\n"
               "       plait data DOCS.jsonl|DOCS.parquet|'GLOB' [...] OUT.bin [--field text] "
-              "[--tokenizer tokenizer.json] [--eos TOKEN] [--held-out FRACTION]\n"
+              "[--prompt-field NAME] [--tokenizer tokenizer.json] [--eos TOKEN] "
+              "[--held-out FRACTION]\n"
               "       plait data criteo DAY.tsv[.gz] [DAY ...] --out DIR [--malformed skip|stop]")
     d.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="TEXT_FILE OUT.bin; JSON Lines / Parquet files or quoted globs then "
                         "OUT.bin; or the word criteo and Criteo TSV day files")
     d.add_argument("--field", default="text",
                    help="documents: the text field of each JSON record / Parquet column")
+    d.add_argument("--prompt-field", metavar="NAME",
+                   help="documents: each record is this prompt then its response (--field); "
+                        "training learns the responses, not the prompts (a loss mask is "
+                        "written beside OUT.bin)")
     d.add_argument("--eos", metavar="TOKEN",
                    help="documents: the token that ends each one (default: the tokenizer's "
                         "end-of-text token)")

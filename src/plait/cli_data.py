@@ -26,7 +26,7 @@ def cmd_data(args) -> int:
               f"data.source = \"criteo_bin\", data.path = \"{args.out}\"")
         return 0
     from plait.data.documents import encode_corpus, is_corpus
-    from plait.data.tokens import encode_text_file
+    from plait.data.tokens import encode_text_file, loss_mask_path
 
     held = args.held_out or 0.0
     if not 0.0 <= held < 1.0:
@@ -34,13 +34,20 @@ def cmd_data(args) -> int:
                         f"1 (e.g. 0.05); got {held}")
     if len(args.inputs) >= 2 and is_corpus(args.inputs[:-1]) and not args.out:
         *inputs, out = args.inputs
+        if args.prompt_field is not None and args.prompt_field == args.field:
+            raise UserError(f"--prompt-field and --field both name '{args.field}'; the "
+                            "prompt and the response are two fields of each record")
         got = encode_corpus(inputs, out, args.field, args.dtype, args.tokenizer, args.eos,
-                            held)
+                            held, args.prompt_field)
         end = (f", each ended by id {got['eos']}" if got["eos"] is not None
                else " (byte-level: no end-of-text id)")
+        learned = ("" if got["kept"] is None else
+                   f"; training learns the {got['kept']:,} tokens of the responses "
+                   f"({got['kept'] / got['tokens']:.0%}, the loss mask "
+                   f"{loss_mask_path(out)})")
         print(f"plait: wrote {got['tokens']:,} tokens of {got['documents']:,} documents from "
-              f"{got['files']} file(s){end} ({args.dtype}) to {out}; use data.source = "
-              f"\"tokens\", data.path = \"{out}\", model.vocab >= {got['vocab']}")
+              f"{got['files']} file(s){end} ({args.dtype}) to {out}{learned}; use data.source "
+              f"= \"tokens\", data.path = \"{out}\", model.vocab >= {got['vocab']}")
         if got["held_out"]:
             h = got["held_out"]
             _print_held_out(h["path"], f"{h['tokens']:,} tokens of {h['documents']:,} "
@@ -50,6 +57,9 @@ def cmd_data(args) -> int:
         raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), documents "
                         "(*.jsonl / *.parquet ...) OUT.bin, or criteo DAY.tsv ... --out DIR")
     text, out = args.inputs
+    if args.prompt_field is not None:
+        raise UserError("--prompt-field reads prompts and responses from JSON Lines or "
+                        "Parquet records (*.jsonl, *.parquet); a text file is one document")
     written = encode_text_file(text, out, args.dtype, args.tokenizer, held)
     if args.tokenizer:
         from plait.data.tokenizer import HFTokenizer

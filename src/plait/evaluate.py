@@ -19,27 +19,27 @@ from pathlib import Path
 import numpy as np
 
 from plait.config import Experiment
+from plait.data.tokens import TokenFile
 from plait.errors import UserError
 
 
 class Windows:
     """A token file as consecutive windows: row r of batch k is window k * rows + r,
-    tokens [w * seq, w * seq + seq + 1)."""
+    tokens [w * seq, w * seq + seq + 1) (those its loss mask leaves out as ~id)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, rows: int):
-        self.tokens, self.seq_len, self.per_batch = tokens, seq_len, rows
-        self.count = (len(tokens) - 1) // seq_len
+    def __init__(self, file: TokenFile, seq_len: int, rows: int):
+        self.file, self.seq_len, self.per_batch = file, seq_len, rows
+        self.count = (len(file.tokens) - 1) // seq_len
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         s, first = self.seq_len, step * self.per_batch
-        return np.stack([np.asarray(self.tokens[w * s: w * s + s + 1], np.int32)
+        return np.stack([self.file.window(w * s, s + 1)
                          for w in range(first + start, first + stop)])
 
 
-def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> np.ndarray:
-    """The file's ids, checked against the run's tokenizer and vocabulary."""
+def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> TokenFile:
+    """The file (and its loss mask), checked against the run's tokenizer and vocabulary."""
     from plait.data.tokenizer import RUN_FILE, sidecar
-    from plait.data.tokens import TokenFile
 
     ours, theirs = run_dir / RUN_FILE, sidecar(path)
     mine = ours.read_bytes() if ours.is_file() else None
@@ -51,7 +51,7 @@ def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> np.ndarra
         raise UserError(f"'{path}' was tokenized {how}, not as the run '{run_dir}' was; "
                         f"make it again with `{fix}`")
     return TokenFile(path, dtype, exp.model.seq_len, exp.seed, exp.model.vocab,
-                     key="--data", spare=0).tokens
+                     key="--data", spare=0)
 
 
 def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = None,
@@ -114,7 +114,8 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = Non
     curve, notes = [], []
     for s in steps:
         try:
-            loss, at, note = _score(task, ckpts, run_dir, s, windows, n, rows, progress)
+            loss, at, note, kept = _score(task, ckpts, run_dir, s, windows, n, rows,
+                                          progress)
         except Exception as e:  # noqa: BLE001 - one unreadable checkpoint of many
             if step != "all" or isinstance(e, UserError):
                 raise
@@ -122,22 +123,27 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = Non
             print(f"plait eval: the checkpoint at step {s} is unusable ({reason}); skipped",
                   file=sys.stderr)
             continue
-        curve.append({"step": at, "loss": loss, "perplexity": float(np.exp(min(loss, 80.0)))})
+        curve.append({"step": at, "loss": loss, "perplexity": float(np.exp(min(loss, 80.0))),
+                      "kept": kept})
         notes += [note] if note and note not in notes else []
     if not curve:
         raise UserError(f"no usable checkpoint in '{ckpt_dir}' (tried steps "
                         f"{', '.join(map(str, steps))})")
     best = min(curve, key=lambda c: c["loss"])
+    kept = best.pop("kept") if windows.file.mask is not None else None
+    for c in curve:
+        c.pop("kept", None)
     return {"run_dir": str(run_dir), "data": str(path), **best, "curve": curve,
-            "tokens": n * rows * exp.model.seq_len, "windows": n * rows,
+            "tokens": n * rows * exp.model.seq_len, "kept_targets": kept, "windows": n * rows,
             "short_windows": windows.count - full * rows, "batch": rows,
             "seq_len": exp.model.seq_len, "batches": n, "full_batches": full,
             "mesh": hosts.mesh_text(mesh), "note": "; ".join(notes) or None}
 
 
 def _score(task, ckpts, run_dir: Path, step: int | None, windows: Windows, n: int,
-           rows: int, progress: bool) -> tuple[float, int, str | None]:
-    """(mean loss, step, notice) of one checkpoint over the first n batches."""
+           rows: int, progress: bool) -> tuple[float, int, str | None, int]:
+    """(mean loss, step, notice, targets counted) of one checkpoint over the first n
+    batches."""
     from rich.progress import track
 
     from plait.sample import read_params
@@ -146,13 +152,19 @@ def _score(task, ckpts, run_dir: Path, step: int | None, windows: Windows, n: in
     params, at, note = read_params(task, ckpts, run_dir, step)
     # Laid out for the mesh (stacked, pipelined) the way training lays them out.
     params = task.laid_out_params(params)
-    losses: list[float] = []
+    total = kept = 0.0  # the loss summed over the kept targets, and how many
     # A bar on a terminal; elsewhere (logs, nohup) a line every tenth of the batches.
     lines = progress and n >= 4 and not sys.stderr.isatty()
     for k in track(range(n), description=f"step {at}: scoring {n} batches of {rows} windows",
                    transient=True, disable=not progress or n < 4 or lines):
-        losses.append(float(host_value(task.eval_loss_fn(params, task.batch(windows, k)))))
+        loss, count = task.eval_loss_fn(params, task.batch(windows, k))
+        count = float(host_value(count))
+        total, kept = total + float(host_value(loss)) * count, kept + count
         if lines and ((k + 1) % max(n // 10, 1) == 0 or k + 1 == n):
             print(f"plait eval: step {at}: {k + 1}/{n} batches, loss so far "
-                  f"{np.mean(losses):.4f}", file=sys.stderr, flush=True)
-    return float(np.mean(losses)), at, note
+                  f"{total / max(kept, 1):.4f}", file=sys.stderr, flush=True)
+    if not kept:
+        raise UserError(f"the loss mask of '{windows.file.path}' keeps no target in the "
+                        f"{n} batch(es) scored; score more of it (--max-batches) or another "
+                        "file")
+    return total / kept, at, note, int(kept)

@@ -49,7 +49,7 @@ def expand(patterns: list[str]) -> list[Path]:
     return out
 
 
-def _jsonl(path: Path, field: str) -> Iterator[str]:
+def _jsonl(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -58,13 +58,23 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
                 record = json.loads(line)
             except ValueError as e:
                 raise UserError(f"{path}:{n} is not JSON ({e}); fix or drop that line") from None
-            if not isinstance(record, dict) or field not in record:
-                raise UserError(f"{path}:{n} has no field '{field}'; pass the text field's "
-                                "name with --field")
-            yield str(record[field])
+            for field in fields:
+                if not isinstance(record, dict) or field not in record:
+                    raise UserError(f"{path}:{n} has no field '{field}'; pass the "
+                                    f"{_role(field, fields)} field's name with "
+                                    f"{_flag(field, fields)}")
+            yield tuple(str(record[field]) for field in fields)
 
 
-def _parquet(path: Path, field: str) -> Iterator[str]:
+def _role(field: str, fields: tuple[str, ...]) -> str:
+    return "prompt" if len(fields) == 2 and field == fields[0] else "text"
+
+
+def _flag(field: str, fields: tuple[str, ...]) -> str:
+    return "--prompt-field" if _role(field, fields) == "prompt" else "--field"
+
+
+def _parquet(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -75,16 +85,21 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
     except Exception as e:  # noqa: BLE001 - the library's error, on one line
         raise UserError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]})"
                         ) from None
-    if field not in f.schema_arrow.names:
-        raise UserError(f"{path} has no column '{field}' (it has "
-                        f"{', '.join(f.schema_arrow.names)}); pass the text column with --field")
-    for batch in f.iter_batches(columns=[field], batch_size=BATCH):
-        yield from (t for t in batch.column(0).to_pylist() if t is not None)
+    for field in fields:
+        if field not in f.schema_arrow.names:
+            raise UserError(f"{path} has no column '{field}' (it has "
+                            f"{', '.join(f.schema_arrow.names)}); pass the "
+                            f"{_role(field, fields)} column with {_flag(field, fields)}")
+    for batch in f.iter_batches(columns=list(fields), batch_size=BATCH):
+        columns = [batch.column(field).to_pylist() for field in fields]
+        yield from (row for row in zip(*columns, strict=True) if None not in row)
 
 
-def documents(paths: list[Path], field: str) -> Iterator[str]:
+def documents(paths: list[Path], fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    """Each record's fields (the text; or the prompt and the response), records missing
+    one skipped in Parquet (a null), refused in JSON Lines."""
     for path in paths:
-        yield from (_parquet if path.suffix == ".parquet" else _jsonl)(path, field)
+        yield from (_parquet if path.suffix == ".parquet" else _jsonl)(path, fields)
 
 
 def end_of_text(tok: HFTokenizer, name: str | None) -> int | None:
@@ -112,10 +127,16 @@ def is_held_out(index: int, fraction: float) -> bool:
 
 def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: str,
                   tokenizer: str | Path | None, eos: str | None = None,
-                  held_out: float = 0.0) -> dict:
+                  held_out: float = 0.0, prompt_field: str | None = None) -> dict:
     """Tokenize every document of the inputs into OUT (a flat binary of ids); returns
     counts. The tokenizer is kept beside OUT, as for text files. With `held_out`, that
-    fraction of the documents (`is_held_out`) goes to OUT.val.bin instead."""
+    fraction of the documents (`is_held_out`) goes to OUT.val.bin instead.
+
+    With `prompt_field`, each record is a prompt and its response (`field`): the
+    prompt encoded as a document starts (the tokenizer's begin-of-text token, if it
+    adds one), the response run on after it without, then the end-of-text token; a
+    loss mask beside OUT (data.tokens) keeps the response and its end, not the prompt,
+    so fine-tuning learns to answer and not to ask."""
     from rich.console import Console
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
@@ -128,20 +149,28 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                         "use --dtype uint32")
     end = end_of_text(tok, eos)
     tail = [] if end is None else [end]
-    parts: list[np.ndarray] = []
-    held: list[np.ndarray] = []
+    fields = (field,) if prompt_field is None else (prompt_field, field)
+    # (ids, loss mask) of each document, for OUT and for OUT.val.bin
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    held: list[tuple[np.ndarray, np.ndarray]] = []
     docs = tokens = 0
 
-    def flush(batch: list[str]) -> None:
-        nonlocal tokens
+    def encode(texts: list[str], starts: bool) -> list[list[int]]:
         if isinstance(tok, Bytes):
-            encoded = [list(t.encode("utf-8")) for t in batch]
-        else:
-            encoded = tok.encode_lines(batch)
+            return [list(t.encode("utf-8")) for t in texts]
+        return tok.encode_lines(texts, special=starts)
+
+    def flush(batch: list[tuple[str, ...]]) -> None:
+        nonlocal tokens
+        columns = [encode(list(c), starts=i == 0) for i, c in enumerate(zip(*batch, strict=True))]
         first = docs - len(batch)
-        for j, e in enumerate(encoded):
-            ids = np.fromiter((*e, *tail), np.int64)
-            (held if is_held_out(first + j, held_out) else parts).append(ids)
+        for j, pieces in enumerate(zip(*columns, strict=True)):
+            ids = np.fromiter((i for piece in pieces for i in piece), np.int64)
+            ids = np.concatenate([ids, np.asarray(tail, np.int64)])
+            asked = len(pieces[0]) if len(pieces) == 2 else 0  # the prompt: not learned
+            mask = np.concatenate([np.zeros(asked, np.uint8),
+                                   np.ones(ids.size - asked, np.uint8)])
+            (held if is_held_out(first + j, held_out) else parts).append((ids, mask))
             tokens += ids.size
 
     # Off a terminal (logs, nohup) rich draws nothing: a line every 10 s instead.
@@ -150,9 +179,9 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                   console=Console(stderr=True), disable=lines) as progress:
         task = progress.add_task("")
         t0 = said = time.monotonic()
-        batch: list[str] = []
-        for text in documents(paths, field):
-            batch.append(text)
+        batch: list[tuple[str, ...]] = []
+        for record in documents(paths, fields):
+            batch.append(record)
             docs += 1
             if len(batch) == BATCH:
                 flush(batch)
@@ -174,11 +203,16 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
         raise UserError(f"--held-out {held_out} holds out all {docs} document(s); nothing "
                         "was written; use a smaller fraction")
     outputs = [(Path(out_path), parts)] + [(held_out_path(out_path), held)] * bool(held_out)
-    written = [write_with_tokenizer(np.concatenate(pieces) if pieces else np.zeros(0, np.int64),
-                                    path, dtype, ", ".join(patterns),
-                                    tok if isinstance(tok, HFTokenizer) else None)
-               for path, pieces in outputs]
+    written, kept = [], []
+    for path, pieces in outputs:
+        ids, mask = ((np.concatenate(column) for column in zip(*pieces, strict=True)) if pieces
+                     else (np.zeros(0, np.int64), np.zeros(0, np.uint8)))
+        written.append(write_with_tokenizer(ids, path, dtype, ", ".join(patterns),
+                                            tok if isinstance(tok, HFTokenizer) else None,
+                                            mask if prompt_field is not None else None))
+        kept.append(int(np.count_nonzero(mask)))
     return {"documents": docs - len(held), "tokens": written[0], "files": len(paths),
+            "kept": kept[0] if prompt_field is not None else None,
             "eos": end, "tokenizer": tok.name, "vocab": tok.vocab_size,
             "held_out": ({"path": str(held_out_path(out_path)), "documents": len(held),
                           "tokens": written[1]} if held_out else None)}

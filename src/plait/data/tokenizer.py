@@ -68,8 +68,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
 
-    def encode_lines(self, lines: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(lines)]
+    def encode_lines(self, lines: list[str], special: bool = True) -> list[list[int]]:
+        """Each line's ids; `special`: with the tokens the tokenizer adds around a text
+        (a begin-of-text token), as a document starts; without, as text runs on."""
+        return [e.ids for e in self.tok.encode_batch(lines, add_special_tokens=special)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

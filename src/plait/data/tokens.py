@@ -3,6 +3,11 @@
 Row r of step k starts at an offset drawn from (seed, k, r), so any process can
 read exactly its rows with no shared state, and a resumed run on any mesh sees
 the same batches.
+
+A loss mask beside the file (OUT.bin.loss_mask, one byte per token, 1 where the
+model learns to predict the token: `plait data --prompt-field` writes it, 0 on
+each prompt) travels into the batch as ~id for the tokens the loss leaves out
+(models.loss.kept_targets).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import numpy as np
 
 from plait.data.tokenizer import HFTokenizer, drop_sidecar, keep_beside, sidecar
 from plait.errors import UserError
+
+MASK_SUFFIX = ".loss_mask"
 
 
 class TokenFile:
@@ -42,8 +49,9 @@ class TokenFile:
                 f"model.seq_len + {1 + spare} = {need}; use a longer file or shorter "
                 "sequences"
             )
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.path, self.tokens = path, np.memmap(path, dtype=dtype, mode="r")
         self.seq_len, self.seed = seq_len, seed
+        self.mask = _read_mask(path, len(self.tokens), key)
         # The tokenizer the file was made with (None: byte-level), kept by the run.
         self.tokenizer: Path | None = sidecar(path) if sidecar(path).is_file() else None
         if self.tokenizer is not None:
@@ -65,8 +73,36 @@ class TokenFile:
         out = np.empty((stop - start, length), np.int32)
         for i, row in enumerate(range(start, stop)):
             offset = int(np.random.default_rng([self.seed, step, row]).integers(0, hi + 1))
-            out[i] = self.tokens[offset : offset + length]
+            out[i] = self.window(offset, length)
         return out
+
+    def window(self, offset: int, length: int) -> np.ndarray:
+        """int32 tokens [offset, offset + length), those the loss mask leaves out as ~id."""
+        ids = np.asarray(self.tokens[offset: offset + length], np.int32)
+        if self.mask is None:
+            return ids
+        return np.where(self.mask[offset: offset + length] != 0, ids, ~ids)
+
+    def kept_fraction(self) -> float:
+        """The fraction of the file's tokens the loss counts (1.0 without a mask)."""
+        return 1.0 if self.mask is None else float(np.count_nonzero(self.mask)) / self.mask.size
+
+
+def loss_mask_path(token_file: str | Path) -> Path:
+    """The loss mask kept beside a token file (it may not exist: every token counts)."""
+    return Path(str(token_file) + MASK_SUFFIX)
+
+
+def _read_mask(path: Path, tokens: int, key: str) -> np.ndarray | None:
+    side = loss_mask_path(path)
+    if not side.is_file():
+        return None
+    size = side.stat().st_size
+    if size != tokens:
+        raise UserError(f"the loss mask '{side}' holds {size} entries but '{path}' ({key}) "
+                        f"{tokens} tokens; write both again with plait data (or delete the "
+                        "mask to train on every token)")
+    return np.memmap(side, dtype=np.uint8, mode="r")
 
 
 def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "uint16",
@@ -126,14 +162,22 @@ def _write_split(ids: np.ndarray, out: Path, dtype: str, source: str, held_out: 
 
 
 def write_with_tokenizer(ids: np.ndarray, path: Path, dtype: str, source: str,
-                         tok: HFTokenizer | None) -> int:
+                         tok: HFTokenizer | None, mask: np.ndarray | None = None) -> int:
     """`write_tokens`, then the tokenizer that made the ids kept beside the file (or, for
-    byte-level ids, any older one removed)."""
+    byte-level ids, any older one removed), and the loss mask beside it (or, without one,
+    any older one removed: a file written again is trained on whole)."""
     n = write_tokens(ids, path, dtype, source)
     if tok is not None:
         keep_beside(tok, path)
     else:
         drop_sidecar(path)
+    side = loss_mask_path(path)
+    if mask is None:
+        side.unlink(missing_ok=True)
+    else:
+        tmp = side.with_name(side.name + ".tmp")
+        np.asarray(mask, np.uint8).tofile(tmp)
+        tmp.replace(side)
     return n
 
 

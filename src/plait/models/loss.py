@@ -8,17 +8,58 @@ backward only scales them. The whole step then never holds more than one piece
 of the [tokens, vocabulary] logits, nor their float32 copy, nor their gradient
 (for a 128k vocabulary at 16k tokens: about 25 GB fewer at the peak), and it
 runs the head's matmuls once each, as the unfused loss does (no recomputation).
+
+Targets the loss leaves out (a prompt's tokens when fine-tuning on its response:
+a token file's loss mask, data.tokens) travel in the token batch as ~id, a
+negative number, so every path a batch takes (microbatches, pipeline stages,
+context and data splits) carries them without a second array. Inside
+`kept_targets(batch)` the loss is the mean over the kept targets of the whole
+batch: each piece's sum over its kept targets, divided by its number of
+targets, times (targets / kept) of the whole batch (a traced scalar), so the
+means of equal pieces that the step already averages come out normalized over
+the batch, not piece by piece, and one loss is one loss on every mesh.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 
 from plait.sharding import varying_like
+
+# (targets / kept targets) of the batch being traced; None: every target counts.
+_SCALE: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("kept_scale",
+                                                                          default=None)
+
+
+def kept_fraction(batch: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(kept targets, all targets) of a token batch [..., seq + 1] whose left-out targets
+    are stored as ~id, as float32 scalars (a batch that keeps none counts as one kept, so
+    its loss and gradients are 0, not NaN)."""
+    kept = jnp.sum(batch[..., 1:] >= 0, dtype=jnp.int32)
+    return jnp.maximum(kept, 1).astype(jnp.float32), jnp.float32(batch[..., 1:].size)
+
+
+@contextlib.contextmanager
+def kept_targets(batch: jax.Array) -> Iterator[None]:
+    """Within: the loss of any piece of `batch` leaves out its targets stored as ~id and is
+    normalized by the kept targets of the whole of `batch` (the module docstring)."""
+    kept, total = kept_fraction(batch)
+    token = _SCALE.set(total / kept)
+    try:
+        yield
+    finally:
+        _SCALE.reset(token)
+
+
+def token_ids(tokens: jax.Array) -> jax.Array:
+    """The ids of tokens as the model reads them: ~id undone inside `kept_targets`."""
+    return tokens if _SCALE.get() is None else jnp.where(tokens < 0, ~tokens, tokens)
 
 
 def _masked(logits: jax.Array, vocab: int | None) -> tuple[jax.Array, jax.Array]:
@@ -44,8 +85,12 @@ def _per_token(logits: jax.Array, targets: jax.Array, vocab: int | None):
 def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
     """Mean token cross-entropy in float32. Logits at ids >= `vocab` (the padding of a
     vocabulary rounded up for sharding) are left out, so padding does not change the
-    loss."""
-    return jnp.mean(_token_losses(logits, targets, vocab))
+    loss. Inside `kept_targets`, the mean over the kept targets of the whole batch."""
+    scale = _SCALE.get()
+    if scale is None:
+        return jnp.mean(_token_losses(logits, targets, vocab))
+    per_token = _token_losses(logits, token_ids(targets), vocab)
+    return jnp.mean(jnp.where(targets >= 0, per_token, 0.0)) * scale
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -75,11 +120,23 @@ _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
 def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
-                      scale: float) -> tuple[jax.Array, jax.Array]:
-    """(the summed cross-entropy of these logits, scale x its gradient in their dtype)."""
-    per_token, masked, lse, hit = _per_token(logits, targets, vocab)
+                      scale: jax.Array | float) -> tuple[jax.Array, jax.Array]:
+    """(the summed cross-entropy of these logits' kept targets, scale x its gradient in
+    their dtype)."""
+    per_token, masked, lse, hit = _per_token(logits, token_ids(targets), vocab)
     grad = (jnp.exp(masked - lse[..., None]) - hit) * scale
-    return jnp.sum(per_token), grad.astype(logits.dtype)
+    if _SCALE.get() is None:
+        return jnp.sum(per_token), grad.astype(logits.dtype)
+    kept = targets >= 0
+    return (jnp.sum(jnp.where(kept, per_token, 0.0)),
+            jnp.where(kept[..., None], grad, 0.0).astype(logits.dtype))
+
+
+def _summed(logits: jax.Array, targets: jax.Array, vocab: int | None) -> jax.Array:
+    """The summed cross-entropy of these logits' kept targets."""
+    per_token = _per_token(logits, token_ids(targets), vocab)[0]
+    return jnp.sum(per_token if _SCALE.get() is None
+                   else jnp.where(targets >= 0, per_token, 0.0))
 
 
 def _pieces(a: jax.Array, n: int) -> jax.Array:
@@ -109,17 +166,21 @@ def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
     """
     tokens = targets.size
     h_pieces, t_pieces = _pieces(h, chunks), _pieces(targets, chunks)
+    # Inside kept_targets: (targets / kept) of the whole batch, an argument of the fused
+    # loss rather than a value its rules close over.
+    kept_scale = _SCALE.get()
+    scale = 1.0 if kept_scale is None else kept_scale
 
-    def loss_only(h_pieces, w, t_pieces):
+    def loss_only(h_pieces, w, t_pieces, scale):
         def body(total, xs):
             hc, tc = xs
-            return total + jnp.sum(_per_token(project(hc, w), tc, vocab)[0]), None
+            return total + _summed(project(hc, w), tc, vocab), None
 
         init = _zeros((), h_pieces, w, t_pieces)
         total, _ = jax.lax.scan(body, init, (h_pieces, t_pieces))
-        return total / tokens
+        return total / tokens * scale
 
-    def with_gradients(h_pieces, w, t_pieces):
+    def with_gradients(h_pieces, w, t_pieces, scale):
         def body(carry, xs):
             total, dw = carry
             hc, tc = xs
@@ -127,7 +188,7 @@ def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
                 logits, pull = jax.vjp(project, hc, w)
             else:
                 logits, pull_h = jax.vjp(lambda hc: project(hc, w), hc)
-            s, g = _sum_and_gradient(logits, tc, vocab, 1.0 / tokens)
+            s, g = _sum_and_gradient(logits, tc, vocab, 1.0 / tokens * scale)
             if weight_grad is None:
                 dh, dwc = pull(g)
                 dw = dw + dwc.astype(jnp.float32)
@@ -141,12 +202,13 @@ def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
         (total, dw), dh = jax.lax.scan(body, init, (h_pieces, t_pieces))
         if weight_grad is not None:
             dw = weight_grad[1](dw)
-        return total / tokens, (dh, dw.astype(w.dtype))
+        return total / tokens * scale, (dh, dw.astype(w.dtype), scale)
 
     def backward(res, g):
-        dh, dw = res
-        return dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), None
+        dh, dw, scale = res
+        return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), None,
+                jnp.zeros_like(scale))
 
     fused = jax.custom_vjp(loss_only)
     fused.defvjp(with_gradients, backward)
-    return fused(h_pieces, w, t_pieces)
+    return fused(h_pieces, w, t_pieces, scale)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from plait.models.loss import token_ids
 from plait.sharding import active
 
 AXIS = "context"
@@ -66,8 +67,9 @@ def positions(seq: int) -> np.ndarray | None:
 
 def inputs_targets(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """tokens [rows, seq + 1] -> (inputs, next-token targets) [rows, seq], in the order
-    the model stores a sequence under the active mesh."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    the model stores a sequence under the active mesh (the inputs as ids; targets the
+    loss leaves out stay ~id, models.loss.kept_targets)."""
+    inputs, targets = token_ids(tokens[:, :-1]), tokens[:, 1:]
     order = positions(inputs.shape[1])
     if order is None:
         return inputs, targets

@@ -24,15 +24,17 @@ from jax.sharding import Mesh, NamedSharding
 from plait import data, models, sharding
 from plait import mesh as mesh_lib
 from plait.config import Experiment
+from plait.data.tokens import loss_mask_path
 from plait.errors import UserError
 from plait.models import gpt, gpt_counts
+from plait.models import loss as loss_lib
 from plait.models.gpt import abstract_model
 from plait.parallel import context, experts, formulas, hierarchical, local_sgd
 from plait.tasks import gpt_sweep
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checkpoint import DecoderCheckpoints
 from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules, memory_fixes
-from plait.tasks.gpt_runtime import attention_for, scan_for
+from plait.tasks.gpt_runtime import attention_for, scan_for, start_up_lines
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, optimizer
 from plait.train.step import (
@@ -50,14 +52,19 @@ MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_tokens_max", "moe_tokens_mean"
 
 
 class HeldOutLoss:
-    """Mean loss (and its exp, perplexity) of the state on fixed held-out batches."""
+    """Mean loss (and its exp, perplexity) of the state on fixed held-out batches: of its
+    parameters, or of replicas that train apart (sync.method) their center, the model
+    they meet at and that checkpoint readers take."""
 
     def __init__(self, task: GPTTask, batches: list[jax.Array]):
         self.task, self.batches = task, batches
 
     def __call__(self, state: dict) -> dict[str, float]:
-        losses = [self.task.eval_loss_fn(state["params"], b) for b in self.batches]
-        mean = float(np.mean([np.asarray(x.addressable_shards[0].data) for x in losses]))
+        params = state["sync"]["center"] if self.task.local else state["params"]
+        scored = [self.task.eval_loss_fn(params, b) for b in self.batches]
+        loss, kept = (np.array([np.asarray(x.addressable_shards[0].data) for x in column])
+                      for column in zip(*scored, strict=True))
+        mean = float(np.sum(loss * kept) / max(np.sum(kept), 1))  # over the kept targets
         return {"eval_loss": mean, "eval_perplexity": float(np.exp(min(mean, 80.0)))}
 
 
@@ -117,6 +124,9 @@ class GPTTask(DecoderCheckpoints, Task):
         self._params = params
         self._layout = (self.local.state_layout(*params, self.tx) if self.local
                         else layout(*params, self.tx, mesh))
+        # A loss mask beside the token file: the step's loss counts the targets it keeps.
+        self.kept_only = (exp.data.source == "tokens" and bool(exp.data.path)
+                          and loss_mask_path(exp.data.path).is_file())
         t, n = exp.train, (self.pipeline.microbatches if self.pipeline else exp.train.microbatches)
         # [microbatch, row, token]: rows split over the batch axes.
         self.batch_shape = (n, t.global_batch // n, exp.model.seq_len + 1)
@@ -188,10 +198,21 @@ class GPTTask(DecoderCheckpoints, Task):
         return jnp.mean(loss), hierarchical.mean_over_data(grads, specs, self.mesh,
                                                             self.data_split)
 
+    def _over_kept(self, loss_and_grads):
+        """loss_and_grads normalized over the kept targets of the whole batch it is given
+        (models.loss.kept_targets), when the data has a loss mask."""
+        if not self.kept_only:
+            return loss_and_grads
+
+        def over_kept(params, batch):
+            with loss_lib.kept_targets(batch):
+                return loss_and_grads(params, batch)
+        return over_kept
+
     def _local_step(self):
         """The step of replicas that sync every sync.period steps (parallel.local_sgd)."""
         shapes, shardings = self._params
-        grads_of = self._replica_grads()
+        grads_of = self._over_kept(self._replica_grads())  # each replica's own mean
 
         def replica_step(params, opt_state, batch):
             value, grads = grads_of(params, batch)
@@ -213,9 +234,14 @@ class GPTTask(DecoderCheckpoints, Task):
         loss_and_grads = (self._pipeline_loss_and_grads if pipe else
                           self._hierarchical_loss_and_grads if self.data_split else None)
         extra = self.model_metrics
+        loss_fn = self.loss_and_metrics if extra else self.loss
+        if self.kept_only:
+            loss_and_grads = self._over_kept(loss_and_grads or accumulated(
+                loss_fn, lambda g: jax.lax.with_sharding_constraint(g, self.layout.params),
+                has_aux=bool(extra)))
         return make_train_step(
             self.mesh, self.layout, self.batch_sharding, self.tx, self.lr_schedule,
-            self.exp.optimizer.grad_clip, loss_fn=self.loss_and_metrics if extra else self.loss,
+            self.exp.optimizer.grad_clip, loss_fn=loss_fn,
             loss_and_grads=loss_and_grads, skip_nonfinite=self.exp.train.on_nonfinite == "skip",
             extra_metrics=extra, **({"grad_norm": pipe.grad_norm} if pipe else {}))
 
@@ -282,16 +308,21 @@ class GPTTask(DecoderCheckpoints, Task):
 
     @functools.cached_property
     def eval_loss_fn(self):
-        """jit(params, batch) -> mean loss, replicated; on the training mesh and layout
-        (no gather of the parameters), in train.microbatches pieces like the step."""
+        """jit(params, batch) -> (mean loss over the batch's kept targets, how many it
+        keeps), replicated; on the training mesh and layout (no gather of the
+        parameters), in train.microbatches pieces like the step."""
         pipe = self.pipeline
 
-        def loss(params, batch):
+        def mean(params, batch):
             if pipe is not None:  # the pipeline's forward comes with its backward
                 return self._pipeline_loss_and_grads(params, batch)[0]
             if batch.ndim == 3:  # [microbatches, rows, seq + 1], as the step takes it
                 return jnp.mean(jax.lax.map(lambda b: self.loss(params, b), batch))
             return self.loss(params, batch)
+
+        def loss(params, batch):
+            with loss_lib.kept_targets(batch):
+                return mean(params, batch), jnp.sum(batch[..., 1:] >= 0)
         return jax.jit(loss, out_shardings=sharding.replicated(self.mesh))
 
     # ------------------------------------------------------------------ figures
@@ -310,34 +341,7 @@ class GPTTask(DecoderCheckpoints, Task):
         return gpt_counts.flops_per_token(self.exp.model)
 
     def describe(self, state: dict) -> list[str]:
-        layers = "scanned" if self.exp.model.scan_layers else "unrolled"
-        n = self.exp.model.loss_chunks
-        loss = "" if n == 1 else (
-            f"; loss in {n} pieces of {self.exp.model.seq_len // n} positions per sequence "
-            "(model.loss_chunks)")
-        out = [f"plait: attention {self.attention} ({self.attention_why}); layers {layers} "
-               f"({self.scan_why}){loss}"]
-        moe = self.exp.model.moe
-        if moe is not None:
-            m = self.exp.model
-            sparse = m.sparse_count
-            routing = (f"capacity factor {moe.capacity_factor:g}" if moe.capacity_factor
-                       else "dropless")
-            X = self.mesh.shape.get("expert", 1)
-            where = (f"{moe.experts // X} per rank of the expert axis ({X}), "
-                     + ("all-to-all" if moe.capacity_factor else
-                        "tokens all-gathered across it, outputs reduce-scattered back")
-                     if X > 1 else "all on every device")
-            out.append(f"plait: mixture of experts in {sparse} of {m.layers} layers: "
-                       f"{moe.experts} experts, {moe.top_k} per token, {routing}; {where}; "
-                       f"{gpt_counts.active_matmul_params(m) / 1e6:.2f}M matmul weights active per "
-                       "token (FLOPs and MFU count those)")
-        C = self.mesh.shape.get("context", 1)
-        if C > 1:
-            out.append(f"plait: context axis {C}: {self.exp.model.seq_len // C} tokens of each "
-                       f"sequence per rank, balanced causal order; attention "
-                       f"{self.context_attention} ({self.context_why})")
-        return out
+        return start_up_lines(self)
 
     def param_bytes_per_device(self) -> int:
         """Bytes of this device's shards of the parameters (fp32 master weights)."""

@@ -1,10 +1,11 @@
 """What a GPT runs on a device when its config says "auto": the attention kernel
 (`model.attention`) and scanned or unrolled blocks (`model.scan_layers`), each with
-the reason, which the run's start-up line prints."""
+the reason, and the start-up lines that say them."""
 
 from __future__ import annotations
 
 from plait.config import GPTConfig
+from plait.models import gpt_counts
 
 
 def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str
@@ -45,3 +46,40 @@ def scan_for(cfg: GPTConfig, platform: str) -> tuple[bool, str]:
     if platform == "gpu":
         return True, f"auto: scanned on a GPU beyond {UNROLL_MAX_LAYERS} layers"
     return True, f"auto: scanned on {platform}"
+
+
+def start_up_lines(task) -> list[str]:
+    """The lines a run prints after its header: the kernel and layout chosen and why, how
+    the loss is formed, a mixture of experts' routing, a context axis's split."""
+    layers = "scanned" if task.exp.model.scan_layers else "unrolled"
+    n = task.exp.model.loss_chunks
+    loss = "" if n == 1 else (
+        f"; loss in {n} pieces of {task.exp.model.seq_len // n} positions per sequence "
+        "(model.loss_chunks)")
+    out = [f"plait: attention {task.attention} ({task.attention_why}); layers {layers} "
+           f"({task.scan_why}){loss}"]
+    if task.kept_only:
+        out.append(f"plait: the loss counts the targets that {task.exp.data.path}'s loss "
+                   "mask keeps (the responses, not the prompts), its mean over each whole "
+                   "batch")
+    moe = task.exp.model.moe
+    if moe is not None:
+        m = task.exp.model
+        sparse = m.sparse_count
+        routing = (f"capacity factor {moe.capacity_factor:g}" if moe.capacity_factor
+                   else "dropless")
+        X = task.mesh.shape.get("expert", 1)
+        where = (f"{moe.experts // X} per rank of the expert axis ({X}), "
+                 + ("all-to-all" if moe.capacity_factor else
+                    "tokens all-gathered across it, outputs reduce-scattered back")
+                 if X > 1 else "all on every device")
+        out.append(f"plait: mixture of experts in {sparse} of {m.layers} layers: "
+                   f"{moe.experts} experts, {moe.top_k} per token, {routing}; {where}; "
+                   f"{gpt_counts.active_matmul_params(m) / 1e6:.2f}M matmul weights active per "
+                   "token (FLOPs and MFU count those)")
+    C = task.mesh.shape.get("context", 1)
+    if C > 1:
+        out.append(f"plait: context axis {C}: {task.exp.model.seq_len // C} tokens of each "
+                   f"sequence per rank, balanced causal order; attention "
+                   f"{task.context_attention} ({task.context_why})")
+    return out
