@@ -57,8 +57,8 @@ def cmd_sample(args) -> int:
     from plait.sample import sample
 
     text, info = sample(args.run_dir, args.prompt, args.tokens, args.temperature,
-                        args.top_k, args.seed, args.step)
-    print(args.prompt + text)
+                        args.top_k, args.seed, args.step, args.chat)
+    print(text if args.chat else args.prompt + text)
     print(f"plait: {len(info['tokens'])} tokens from the checkpoint at step {info['step']} "
           f"(tokenizer: {info['tokenizer']})", file=sys.stderr)
     return 0

@@ -121,8 +121,8 @@ def parser() -> argparse.ArgumentParser:
         usage="plait data TEXT_FILE OUT.bin [--tokenizer tokenizer.json] [--dtype uint16|uint32] "
               "[--held-out FRACTION]\n"
               "       plait data DOCS.jsonl|DOCS.parquet|'GLOB' [...] OUT.bin [--field text] "
-              "[--prompt-field NAME] [--tokenizer tokenizer.json] [--eos TOKEN] "
-              "[--held-out FRACTION]\n"
+              "[--prompt-field NAME | --chat NAME [--chat-template FILE]] "
+              "[--tokenizer tokenizer.json] [--eos TOKEN] [--held-out FRACTION]\n"
               "       plait data criteo DAY.tsv[.gz] [DAY ...] --out DIR [--malformed skip|stop]")
     d.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="TEXT_FILE OUT.bin; JSON Lines / Parquet files or quoted globs then "
@@ -133,6 +133,13 @@ def parser() -> argparse.ArgumentParser:
                    help="documents: each record is this prompt then its response (--field); "
                         "training learns the responses, not the prompts (a loss mask is "
                         "written beside OUT.bin)")
+    d.add_argument("--chat", metavar="NAME",
+                   help="documents: each record's NAME field is a conversation (a list of "
+                        "{role, content}), rendered with the model's chat template; training "
+                        "learns the assistant's turns (a loss mask is written beside OUT.bin)")
+    d.add_argument("--chat-template", metavar="FILE",
+                   help="--chat: a .jinja template or a tokenizer_config.json (default: the "
+                        "one beside --tokenizer, which plait import copies into the run)")
     d.add_argument("--eos", metavar="TOKEN",
                    help="documents: the token that ends each one (default: the tokenizer's "
                         "end-of-text token)")
@@ -150,10 +157,14 @@ def parser() -> argparse.ArgumentParser:
                    help="criteo: skip lines that do not parse (counted) or stop at the first")
     sp = sub.add_parser(
         "sample", help="generate text from a GPT run's checkpoint (KV cache, one device)",
-        usage="plait sample RUN_DIR --prompt TEXT [--tokens N] [--temperature T] [--top-k K] "
-              "[--seed S] [--step N]")
+        usage="plait sample RUN_DIR --prompt TEXT [--chat] [--tokens N] [--temperature T] "
+              "[--top-k K] [--seed S] [--step N]")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a plait train run")
     sp.add_argument("--prompt", required=True, help="the text to continue")
+    sp.add_argument("--chat", action="store_true",
+                    help="the prompt is a user's message: put it through the run's chat "
+                         "template (from plait import) and print the assistant's answer, "
+                         "up to its end-of-text token")
     sp.add_argument("--tokens", type=int, default=100, help="how many tokens to generate")
     sp.add_argument("--temperature", type=float, default=1.0,
                     help="softmax temperature; 0 takes the most likely token every time")

@@ -37,12 +37,21 @@ def cmd_data(args) -> int:
         if args.prompt_field is not None and args.prompt_field == args.field:
             raise UserError(f"--prompt-field and --field both name '{args.field}'; the "
                             "prompt and the response are two fields of each record")
+        if args.chat is not None and args.prompt_field is not None:
+            raise UserError("--chat and --prompt-field are two ways to read a record; pass "
+                            "one (--chat for a list of messages, --prompt-field for a prompt "
+                            "and a response)")
+        if args.chat_template is not None and args.chat is None:
+            raise UserError("--chat-template renders conversations: pass --chat NAME, the "
+                            "field that holds them")
         got = encode_corpus(inputs, out, args.field, args.dtype, args.tokenizer, args.eos,
-                            held, args.prompt_field)
+                            held, args.prompt_field, args.chat, args.chat_template)
         end = (f", each ended by id {got['eos']}" if got["eos"] is not None
+               else ", each ended by its chat template" if args.chat is not None
                else " (byte-level: no end-of-text id)")
+        what = "the assistant's turns" if args.chat is not None else "the responses"
         learned = ("" if got["kept"] is None else
-                   f"; training learns the {got['kept']:,} tokens of the responses "
+                   f"; training learns the {got['kept']:,} tokens of {what} "
                    f"({got['kept'] / got['tokens']:.0%}, the loss mask "
                    f"{loss_mask_path(out)})")
         print(f"plait: wrote {got['tokens']:,} tokens of {got['documents']:,} documents from "
@@ -57,9 +66,10 @@ def cmd_data(args) -> int:
         raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), documents "
                         "(*.jsonl / *.parquet ...) OUT.bin, or criteo DAY.tsv ... --out DIR")
     text, out = args.inputs
-    if args.prompt_field is not None:
-        raise UserError("--prompt-field reads prompts and responses from JSON Lines or "
-                        "Parquet records (*.jsonl, *.parquet); a text file is one document")
+    for flag, value in (("--prompt-field", args.prompt_field), ("--chat", args.chat)):
+        if value is not None:
+            raise UserError(f"{flag} reads prompts and responses from JSON Lines or Parquet "
+                            "records (*.jsonl, *.parquet); a text file is one document")
     written = encode_text_file(text, out, args.dtype, args.tokenizer, held)
     if args.tokenizer:
         from plait.data.tokenizer import HFTokenizer

@@ -133,8 +133,10 @@ def read_params(task, ckpts, run_dir: Path, step: int | None) -> tuple[dict, int
 
 
 def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, top_k: int,
-           seed: int, step: int | None) -> tuple[str, dict]:
-    """The generated text (after the prompt) and what made it."""
+           seed: int, step: int | None, chat: bool = False) -> tuple[str, dict]:
+    """The generated text (after the prompt) and what made it. With `chat`, the prompt
+    is a user's message put through the run's chat template with the assistant's turn
+    opened, and the answer ends at the template's end-of-text token."""
     from plait.data.tokenizer import for_run
     from plait.train.step import compute_dtype
 
@@ -148,7 +150,21 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
     run_dir = Path(run_dir)
     exp, mdef, params, at = load(run_dir, step)
     codec = for_run(run_dir)
-    ids = codec.encode(prompt)
+    stop = None
+    if chat:
+        from plait.data import chat as chats
+        from plait.data.tokenizer import RUN_FILE, HFTokenizer
+
+        if not isinstance(codec, HFTokenizer):
+            raise UserError(f"--chat needs the run's tokenizer and chat template; '{run_dir}' "
+                            "has no tokenizer.json (byte-level)")
+        template = chats.find(run_dir / RUN_FILE)
+        text = template.render([{"role": "user", "content": prompt}],
+                               add_generation_prompt=True)
+        ids = codec.encode_with_offsets([text])[0][0]
+        stop = codec.tok.token_to_id(template.eos) if template.eos else None
+    else:
+        ids = codec.encode(prompt)
     if not ids:
         raise UserError("the prompt is empty; give --prompt some text")
     room = exp.model.seq_len
@@ -162,5 +178,7 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
     generate = generator(mdef, compute_dtype(exp), tokens, temperature, top_k)
     out = generate(params, jnp.asarray(ids, jnp.int32), jax.random.key(seed))
     new = [int(t) for t in np.asarray(out)]
+    if stop is not None and stop in new:  # the assistant's turn is over
+        new = new[:new.index(stop)]
     return codec.decode(new), {"step": at, "prompt_tokens": len(ids), "tokens": new,
                                "tokenizer": codec.name}

@@ -49,7 +49,11 @@ def expand(patterns: list[str]) -> list[Path]:
     return out
 
 
-def _jsonl(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+# Each field read, by the flag that names it: what its error message tells the user to pass.
+Fields = dict[str, str]
+
+
+def _jsonl(path: Path, fields: Fields) -> Iterator[tuple]:
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -58,23 +62,14 @@ def _jsonl(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
                 record = json.loads(line)
             except ValueError as e:
                 raise UserError(f"{path}:{n} is not JSON ({e}); fix or drop that line") from None
-            for field in fields:
+            for field, flag in fields.items():
                 if not isinstance(record, dict) or field not in record:
-                    raise UserError(f"{path}:{n} has no field '{field}'; pass the "
-                                    f"{_role(field, fields)} field's name with "
-                                    f"{_flag(field, fields)}")
-            yield tuple(str(record[field]) for field in fields)
+                    raise UserError(f"{path}:{n} has no field '{field}'; pass the field's "
+                                    f"name with {flag}")
+            yield tuple(record[field] for field in fields)
 
 
-def _role(field: str, fields: tuple[str, ...]) -> str:
-    return "prompt" if len(fields) == 2 and field == fields[0] else "text"
-
-
-def _flag(field: str, fields: tuple[str, ...]) -> str:
-    return "--prompt-field" if _role(field, fields) == "prompt" else "--field"
-
-
-def _parquet(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+def _parquet(path: Path, fields: Fields) -> Iterator[tuple]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -85,19 +80,19 @@ def _parquet(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
     except Exception as e:  # noqa: BLE001 - the library's error, on one line
         raise UserError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]})"
                         ) from None
-    for field in fields:
+    for field, flag in fields.items():
         if field not in f.schema_arrow.names:
             raise UserError(f"{path} has no column '{field}' (it has "
-                            f"{', '.join(f.schema_arrow.names)}); pass the "
-                            f"{_role(field, fields)} column with {_flag(field, fields)}")
+                            f"{', '.join(f.schema_arrow.names)}); pass the column's name "
+                            f"with {flag}")
     for batch in f.iter_batches(columns=list(fields), batch_size=BATCH):
         columns = [batch.column(field).to_pylist() for field in fields]
         yield from (row for row in zip(*columns, strict=True) if None not in row)
 
 
-def documents(paths: list[Path], fields: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
-    """Each record's fields (the text; or the prompt and the response), records missing
-    one skipped in Parquet (a null), refused in JSON Lines."""
+def documents(paths: list[Path], fields: Fields) -> Iterator[tuple]:
+    """Each record's fields as stored (the text; the prompt and the response; the
+    messages), records missing one skipped in Parquet (a null), refused in JSON Lines."""
     for path in paths:
         yield from (_parquet if path.suffix == ".parquet" else _jsonl)(path, fields)
 
@@ -127,7 +122,8 @@ def is_held_out(index: int, fraction: float) -> bool:
 
 def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: str,
                   tokenizer: str | Path | None, eos: str | None = None,
-                  held_out: float = 0.0, prompt_field: str | None = None) -> dict:
+                  held_out: float = 0.0, prompt_field: str | None = None,
+                  chat: str | None = None, chat_template: str | Path | None = None) -> dict:
     """Tokenize every document of the inputs into OUT (a flat binary of ids); returns
     counts. The tokenizer is kept beside OUT, as for text files. With `held_out`, that
     fraction of the documents (`is_held_out`) goes to OUT.val.bin instead.
@@ -136,42 +132,68 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
     prompt encoded as a document starts (the tokenizer's begin-of-text token, if it
     adds one), the response run on after it without, then the end-of-text token; a
     loss mask beside OUT (data.tokens) keeps the response and its end, not the prompt,
-    so fine-tuning learns to answer and not to ask."""
+    so fine-tuning learns to answer and not to ask. With `chat`, each record's `chat`
+    field is a conversation, rendered by the model's chat template (data.chat) and
+    masked to keep the assistant's turns."""
     from rich.console import Console
     from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
     from plait.data.tokens import held_out_path, write_with_tokenizer
 
     paths = expand(patterns)
+    if chat is not None and not tokenizer:
+        raise UserError("--chat renders conversations with the model's chat template; pass "
+                        "its tokenizer with --tokenizer (e.g. RUN/tokenizer.json after plait "
+                        "import)")
     tok = HFTokenizer(tokenizer) if tokenizer else Bytes()
     if tok.vocab_size - 1 > np.iinfo(dtype).max:
         raise UserError(f"{tok.name} has {tok.vocab_size:,} ids, more than {dtype} holds; "
                         "use --dtype uint32")
-    end = end_of_text(tok, eos)
+    template = None
+    if chat is not None:
+        from plait.data import chat as chats
+
+        template = chats.find(tokenizer, chat_template)
+    # A chat template ends each turn itself; a plain document gets the end-of-text id.
+    end = None if template is not None else end_of_text(tok, eos)
     tail = [] if end is None else [end]
-    fields = (field,) if prompt_field is None else (prompt_field, field)
+    fields: Fields = ({chat: "--chat"} if chat is not None else {field: "--field"}
+                      if prompt_field is None else {prompt_field: "--prompt-field",
+                                                    field: "--field"})
+    masked = chat is not None or prompt_field is not None
     # (ids, loss mask) of each document, for OUT and for OUT.val.bin
     parts: list[tuple[np.ndarray, np.ndarray]] = []
     held: list[tuple[np.ndarray, np.ndarray]] = []
     docs = tokens = 0
 
     def encode(texts: list[str], starts: bool) -> list[list[int]]:
+        texts = [str(t) for t in texts]
         if isinstance(tok, Bytes):
             return [list(t.encode("utf-8")) for t in texts]
         return tok.encode_lines(texts, special=starts)
 
-    def flush(batch: list[tuple[str, ...]]) -> None:
-        nonlocal tokens
-        columns = [encode(list(c), starts=i == 0) for i, c in enumerate(zip(*batch, strict=True))]
+    def encoded(batch: list[tuple]) -> list[tuple[list[int], list[int]]]:
+        """(ids, loss mask) of each record, the end-of-text id (if any) after it."""
         first = docs - len(batch)
-        for j, pieces in enumerate(zip(*columns, strict=True)):
-            ids = np.fromiter((i for piece in pieces for i in piece), np.int64)
-            ids = np.concatenate([ids, np.asarray(tail, np.int64)])
+        if template is not None:
+            conversations = [chats.conversation(r[0], f"record {first + j + 1} of the inputs")
+                             for j, r in enumerate(batch)]
+            return chats.encode(conversations, template, tok)
+        columns = [encode(list(c), starts=i == 0) for i, c in enumerate(zip(*batch, strict=True))]
+        out = []
+        for pieces in zip(*columns, strict=True):
             asked = len(pieces[0]) if len(pieces) == 2 else 0  # the prompt: not learned
-            mask = np.concatenate([np.zeros(asked, np.uint8),
-                                   np.ones(ids.size - asked, np.uint8)])
-            (held if is_held_out(first + j, held_out) else parts).append((ids, mask))
-            tokens += ids.size
+            ids = [i for piece in pieces for i in piece] + tail
+            out.append((ids, [0] * asked + [1] * (len(ids) - asked)))
+        return out
+
+    def flush(batch: list[tuple]) -> None:
+        nonlocal tokens
+        first = docs - len(batch)
+        for j, (ids, mask) in enumerate(encoded(batch)):
+            pair = (np.asarray(ids, np.int64), np.asarray(mask, np.uint8))
+            (held if is_held_out(first + j, held_out) else parts).append(pair)
+            tokens += len(ids)
 
     # Off a terminal (logs, nohup) rich draws nothing: a line every 10 s instead.
     lines = not sys.stderr.isatty()
@@ -179,7 +201,7 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                   console=Console(stderr=True), disable=lines) as progress:
         task = progress.add_task("")
         t0 = said = time.monotonic()
-        batch: list[tuple[str, ...]] = []
+        batch: list[tuple] = []
         for record in documents(paths, fields):
             batch.append(record)
             docs += 1
@@ -209,10 +231,10 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                      else (np.zeros(0, np.int64), np.zeros(0, np.uint8)))
         written.append(write_with_tokenizer(ids, path, dtype, ", ".join(patterns),
                                             tok if isinstance(tok, HFTokenizer) else None,
-                                            mask if prompt_field is not None else None))
+                                            mask if masked else None))
         kept.append(int(np.count_nonzero(mask)))
     return {"documents": docs - len(held), "tokens": written[0], "files": len(paths),
-            "kept": kept[0] if prompt_field is not None else None,
+            "kept": kept[0] if masked else None,
             "eos": end, "tokenizer": tok.name, "vocab": tok.vocab_size,
             "held_out": ({"path": str(held_out_path(out_path)), "documents": len(held),
                           "tokens": written[1]} if held_out else None)}

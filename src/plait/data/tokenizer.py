@@ -73,6 +73,13 @@ class HFTokenizer:
         (a begin-of-text token), as a document starts; without, as text runs on."""
         return [e.ids for e in self.tok.encode_batch(lines, add_special_tokens=special)]
 
+    def encode_with_offsets(self, texts: list[str]
+                            ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids, with no tokens added around it, and the [start, end)
+        characters of the text each one covers."""
+        return [(e.ids, e.offsets) for e in self.tok.encode_batch(texts,
+                                                                 add_special_tokens=False)]
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 

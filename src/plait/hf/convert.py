@@ -1,8 +1,9 @@
 """`plait import HF_DIR --run-dir RUN` and `plait export RUN --out DIR`.
 
 Import reads a local Hugging Face model directory (config.json, model.safetensors
-or shards listed in model.safetensors.index.json, tokenizer.json when present)
-and writes a run directory: the experiment (config.toml), the tokenizer, and a
+or shards listed in model.safetensors.index.json, tokenizer.json,
+tokenizer_config.json and chat_template.jinja when present) and writes a run
+directory: the experiment (config.toml), the tokenizer and its chat template, and a
 step-0 checkpoint holding only the parameters, in the dtype they were stored in,
 which `plait train` restores (cast to float32 master weights on load) with a
 fresh optimizer state. Tensors are read one at a time through `safetensors`
@@ -14,7 +15,7 @@ a temporary name and renamed when complete: an interrupted import leaves
 nothing that looks like a run.
 
 Export writes what `transformers.AutoModelForCausalLM.from_pretrained` loads:
-config.json, model.safetensors (float32 or bfloat16) and the run's tokenizer.
+config.json, model.safetensors (float32 or bfloat16) and the run's tokenizer files.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from plait.data import chat
 from plait.errors import UserError
 from plait.hf import config_json, layout
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+# Carried from a model directory into the run and back out: the tokenizer, and its
+# special tokens and chat template (plait data --chat, plait sample --chat).
+TOKENIZER_FILES = (TOKENIZER, *chat.FILES)
 IMPORT_CHUNK_BYTES = 64 * 2**20  # the checkpoint's chunks: TensorStore encodes one at a time
 
 
@@ -182,8 +187,9 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
             _set(params, path, jax.device_put(value))  # the host copy goes with `value`
             del value
         (tmp / "config.toml").write_text(exp.to_toml())
-        if (hf_dir / TOKENIZER).is_file():
-            shutil.copyfile(hf_dir / TOKENIZER, tmp / TOKENIZER)
+        for name in TOKENIZER_FILES:  # the tokenizer and its chat template, if any
+            if (hf_dir / name).is_file():
+                shutil.copyfile(hf_dir / name, tmp / name)
         meta = {"step": 0, "params_only": True, "imported_from": str(hf_dir.absolute()),
                 "architecture": arch, "mesh": "-",
                 "data": {"source": exp.data.source, "seed": exp.seed, "next_step": 0,
@@ -234,8 +240,9 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
                    for name, a in layout.to_hf(cfg, host)}
         save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if (run_dir / TOKENIZER).is_file():
-            shutil.copyfile(run_dir / TOKENIZER, tmp / TOKENIZER)
+        for name in TOKENIZER_FILES:
+            if (run_dir / name).is_file():
+                shutil.copyfile(run_dir / name, tmp / name)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -94,6 +94,22 @@ def tokenizer(path: Path) -> None:
     tok.save(str(path))
 
 
+# A chat template in the form Hugging Face keeps it (tokenizer_config.json), over text the
+# tiny tokenizer has and its end-of-text token: `plait data --chat` and `plait sample
+# --chat` read it from the run `plait import` makes (README, tests/test_chat.py).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<' + message['role'] + '>\\n' + message['content'] | trim + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>\\n' }}{% endif %}")
+
+
+def tokenizer_config(path: Path) -> None:
+    path.write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+        "eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for name, config in MODELS.items():
@@ -115,6 +131,7 @@ def main() -> None:
             (out / extra).unlink(missing_ok=True)
         if name == "llama3":
             tokenizer(out / "tokenizer.json")
+            tokenizer_config(out / "tokenizer_config.json")
         print(name, json.loads((out / "config.json").read_text())["architectures"],
               logits.shape, cont.numpy()[0, 5:])
 

@@ -1,0 +1,133 @@
+"""Conversations through a model's chat template (tests/data/hf/llama3's, in its
+tokenizer_config.json): `plait data --chat` writes the rendered text and a loss mask
+that keeps exactly the assistant's turns; import and export carry the template; `plait
+sample --chat` answers a message as the model's greedy decode does; mistakes are one
+line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from helpers import ROOT
+
+from plait.cli import main
+from plait.data.tokens import loss_mask_path
+
+FIXTURE = ROOT / "tests" / "data" / "hf" / "llama3"
+EOS = "<|end_of_text|>"
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "be brief"},
+     {"role": "user", "content": f"what is the mesh {i}?"},
+     {"role": "assistant", "content": "  the model layer " * (1 + i % 3)},
+     {"role": "user", "content": "and the shard?"},
+     {"role": "assistant", "content": f"the tensor axis {i}"}]
+    for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("chat") / "run"
+    assert main(["import", str(FIXTURE), "--run-dir", str(run_dir), "--seq-len", "64"]) == 0
+    return run_dir
+
+
+def _rendered(messages) -> str:
+    """The fixture's template written out by hand."""
+    return "".join(f"<{m['role']}>\n{m['content'].strip()}{EOS}\n" for m in messages)
+
+
+def test_conversations_become_their_text_and_a_mask_of_the_assistant_turns(imported,
+                                                                           tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    with (tmp_path / "a.jsonl").open("w") as f:
+        f.writelines(json.dumps({"messages": c, "id": i}) + "\n"
+                     for i, c in enumerate(CONVERSATIONS[:6]))
+    pq.write_table(pa.table({"messages": CONVERSATIONS[6:]}), tmp_path / "b.parquet")
+    out = tmp_path / "chat.bin"
+    assert main(["data", str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet"), str(out),
+                 "--chat", "messages", "--tokenizer", str(imported / "tokenizer.json")]) == 0
+    said = capsys.readouterr().out
+    assert "12 documents" in said and "each ended by its chat template" in said
+    tok = Tokenizer.from_file(str(imported / "tokenizer.json"))
+    ids = np.fromfile(out, np.uint16)
+    mask = np.fromfile(loss_mask_path(out), np.uint8)
+    want = [i for c in CONVERSATIONS
+            for i in tok.encode(_rendered(c), add_special_tokens=False).ids]
+    np.testing.assert_array_equal(ids, want)
+    # What the mask keeps decodes to the assistant's turns, each with its end.
+    kept = tok.decode([int(i) for i, k in zip(ids, mask, strict=True) if k],
+                      skip_special_tokens=False)
+    assert kept == "".join(f"{m['content'].strip()}{EOS}\n" for c in CONVERSATIONS
+                           for m in c if m["role"] == "assistant")
+
+
+def test_import_and_export_carry_the_chat_template(imported, tmp_path):
+    config = (FIXTURE / "tokenizer_config.json").read_bytes()
+    assert (imported / "tokenizer_config.json").read_bytes() == config
+    assert main(["export", str(imported), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer_config.json").read_bytes() == config
+
+
+def test_sample_chat_answers_as_the_greedy_decode_does(imported, capsys):
+    """The message through the template with the assistant's turn opened, continued
+    greedily (the reference decode without a cache), cut at the end-of-text token."""
+    from tokenizers import Tokenizer
+
+    from plait.sample import greedy_without_cache, load
+
+    assert main(["sample", str(imported), "--chat", "--prompt", "what is the mesh?",
+                 "--tokens", "12", "--temperature", "0"]) == 0
+    got = capsys.readouterr().out
+    tok = Tokenizer.from_file(str(imported / "tokenizer.json"))
+    prompt = tok.encode("<user>\nwhat is the mesh?" + EOS + "\n<assistant>\n",
+                        add_special_tokens=False).ids
+    _, mdef, params, _ = load(imported, None)
+    new = greedy_without_cache(mdef, params, prompt, 12)
+    end = tok.token_to_id(EOS)
+    new = new[:new.index(end)] if end in new else new
+    assert got == tok.decode(new, skip_special_tokens=False) + "\n"
+
+
+# A template that does not render a conversation as a continuation of its first turns.
+COUNTING = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["c.jsonl", "o.bin", "--chat", "messages"], "--chat renders conversations with the "
+     "model's chat template; pass its tokenizer with --tokenizer"),
+    (["c.jsonl", "o.bin", "--chat", "messages", "--prompt-field", "p", "--tokenizer", "{t}"],
+     "--chat and --prompt-field are two ways to read a record"),
+    (["c.jsonl", "o.bin", "--chat-template", "x.jinja", "--tokenizer", "{t}"],
+     "--chat-template renders conversations: pass --chat NAME"),
+    (["c.jsonl", "o.bin", "--chat", "talk", "--tokenizer", "{t}"],
+     "has no field 'talk'; pass the field's name with --chat"),
+    (["c.jsonl", "o.bin", "--chat", "text", "--tokenizer", "{t}"],
+     "record 1 of the inputs is not a conversation"),
+    (["c.jsonl", "o.bin", "--chat", "messages", "--tokenizer", "{bare}"],
+     "no chat template beside"),
+    (["c.jsonl", "o.bin", "--chat", "messages", "--tokenizer", "{t}", "--chat-template",
+      "counting.jinja"], "does not render a conversation as the continuation of its first"),
+    (["c.jsonl", "o.bin", "--chat", "messages", "--tokenizer", "{t}", "--chat-template",
+      "broken.jinja"], "is not valid Jinja"),
+])
+def test_chat_mistakes_are_one_line(imported, tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CONVERSATIONS[0],
+                                                  "text": "hello"}) + "\n")
+    (tmp_path / "counting.jinja").write_text(COUNTING)
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    (tmp_path / "bare").mkdir()
+    shutil.copyfile(imported / "tokenizer.json", tmp_path / "bare" / "tokenizer.json")
+    args = [a.format(t=imported / "tokenizer.json", bare=tmp_path / "bare" / "tokenizer.json")
+            for a in args]
+    assert main(["data", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o.bin").exists()
