@@ -99,7 +99,7 @@ def test_records_become_tokens_and_a_mask_that_keeps_the_responses(tmp_path, cap
     (["sft.jsonl", "out.bin", "--prompt-field", "response", "--field", "response"],
      "--prompt-field and --field both name 'response'"),
     (["sft.jsonl", "out.bin", "--prompt-field", "question", "--field", "response"],
-     "has no field 'question'; pass the prompt field's name with --prompt-field"),
+     "has no field 'question'; pass the field's name with --prompt-field"),
 ])
 def test_record_mistakes_are_one_line(sft, tmp_path, capsys, args, message, monkeypatch):
     (tmp_path / "text.txt").write_text("some text\n")

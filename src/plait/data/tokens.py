@@ -7,7 +7,7 @@ the same batches.
 A loss mask beside the file (OUT.bin.loss_mask, one byte per token, 1 where the
 model learns to predict the token: `plait data --prompt-field` writes it, 0 on
 each prompt) travels into the batch as ~id for the tokens the loss leaves out
-(models.loss.kept_targets).
+(plait.loss_mask).
 """
 
 from __future__ import annotations
@@ -82,10 +82,6 @@ class TokenFile:
         if self.mask is None:
             return ids
         return np.where(self.mask[offset: offset + length] != 0, ids, ~ids)
-
-    def kept_fraction(self) -> float:
-        """The fraction of the file's tokens the loss counts (1.0 without a mask)."""
-        return 1.0 if self.mask is None else float(np.count_nonzero(self.mask)) / self.mask.size
 
 
 def loss_mask_path(token_file: str | Path) -> Path:

@@ -10,56 +10,23 @@ of the [tokens, vocabulary] logits, nor their float32 copy, nor their gradient
 runs the head's matmuls once each, as the unfused loss does (no recomputation).
 
 Targets the loss leaves out (a prompt's tokens when fine-tuning on its response:
-a token file's loss mask, data.tokens) travel in the token batch as ~id, a
-negative number, so every path a batch takes (microbatches, pipeline stages,
-context and data splits) carries them without a second array. Inside
-`kept_targets(batch)` the loss is the mean over the kept targets of the whole
-batch: each piece's sum over its kept targets, divided by its number of
-targets, times (targets / kept) of the whole batch (a traced scalar), so the
-means of equal pieces that the step already averages come out normalized over
-the batch, not piece by piece, and one loss is one loss on every mesh.
+plait.loss_mask) are ~id in the targets. Inside `loss_mask.kept_targets(batch)`
+each piece's loss is its sum over its kept targets, divided by its number of
+targets, times (targets / kept) of the whole batch (a traced scalar): the means
+of equal pieces that the step already averages come out normalized over the
+batch, not piece by piece, and one loss is one loss on every mesh.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from plait.loss_mask import kept_scale, token_ids
 from plait.sharding import varying_like
-
-# (targets / kept targets) of the batch being traced; None: every target counts.
-_SCALE: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("kept_scale",
-                                                                          default=None)
-
-
-def kept_fraction(batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(kept targets, all targets) of a token batch [..., seq + 1] whose left-out targets
-    are stored as ~id, as float32 scalars (a batch that keeps none counts as one kept, so
-    its loss and gradients are 0, not NaN)."""
-    kept = jnp.sum(batch[..., 1:] >= 0, dtype=jnp.int32)
-    return jnp.maximum(kept, 1).astype(jnp.float32), jnp.float32(batch[..., 1:].size)
-
-
-@contextlib.contextmanager
-def kept_targets(batch: jax.Array) -> Iterator[None]:
-    """Within: the loss of any piece of `batch` leaves out its targets stored as ~id and is
-    normalized by the kept targets of the whole of `batch` (the module docstring)."""
-    kept, total = kept_fraction(batch)
-    token = _SCALE.set(total / kept)
-    try:
-        yield
-    finally:
-        _SCALE.reset(token)
-
-
-def token_ids(tokens: jax.Array) -> jax.Array:
-    """The ids of tokens as the model reads them: ~id undone inside `kept_targets`."""
-    return tokens if _SCALE.get() is None else jnp.where(tokens < 0, ~tokens, tokens)
 
 
 def _masked(logits: jax.Array, vocab: int | None) -> tuple[jax.Array, jax.Array]:
@@ -86,7 +53,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = Non
     """Mean token cross-entropy in float32. Logits at ids >= `vocab` (the padding of a
     vocabulary rounded up for sharding) are left out, so padding does not change the
     loss. Inside `kept_targets`, the mean over the kept targets of the whole batch."""
-    scale = _SCALE.get()
+    scale = kept_scale()
     if scale is None:
         return jnp.mean(_token_losses(logits, targets, vocab))
     per_token = _token_losses(logits, token_ids(targets), vocab)
@@ -125,7 +92,7 @@ def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
     their dtype)."""
     per_token, masked, lse, hit = _per_token(logits, token_ids(targets), vocab)
     grad = (jnp.exp(masked - lse[..., None]) - hit) * scale
-    if _SCALE.get() is None:
+    if kept_scale() is None:
         return jnp.sum(per_token), grad.astype(logits.dtype)
     kept = targets >= 0
     return (jnp.sum(jnp.where(kept, per_token, 0.0)),
@@ -135,7 +102,7 @@ def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
 def _summed(logits: jax.Array, targets: jax.Array, vocab: int | None) -> jax.Array:
     """The summed cross-entropy of these logits' kept targets."""
     per_token = _per_token(logits, token_ids(targets), vocab)[0]
-    return jnp.sum(per_token if _SCALE.get() is None
+    return jnp.sum(per_token if kept_scale() is None
                    else jnp.where(targets >= 0, per_token, 0.0))
 
 
@@ -168,8 +135,8 @@ def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
     h_pieces, t_pieces = _pieces(h, chunks), _pieces(targets, chunks)
     # Inside kept_targets: (targets / kept) of the whole batch, an argument of the fused
     # loss rather than a value its rules close over.
-    kept_scale = _SCALE.get()
-    scale = 1.0 if kept_scale is None else kept_scale
+    batch_scale = kept_scale()
+    scale = 1.0 if batch_scale is None else batch_scale
 
     def loss_only(h_pieces, w, t_pieces, scale):
         def body(total, xs):

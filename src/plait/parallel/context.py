@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from plait.models.loss import token_ids
+from plait.loss_mask import token_ids
 from plait.sharding import active
 
 AXIS = "context"
@@ -68,7 +68,7 @@ def positions(seq: int) -> np.ndarray | None:
 def inputs_targets(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """tokens [rows, seq + 1] -> (inputs, next-token targets) [rows, seq], in the order
     the model stores a sequence under the active mesh (the inputs as ids; targets the
-    loss leaves out stay ~id, models.loss.kept_targets)."""
+    loss leaves out stay ~id, loss_mask.kept_targets)."""
     inputs, targets = token_ids(tokens[:, :-1]), tokens[:, 1:]
     order = positions(inputs.shape[1])
     if order is None:

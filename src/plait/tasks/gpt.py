@@ -21,13 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from plait import data, models, sharding
+from plait import data, loss_mask, models, sharding
 from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.data.tokens import loss_mask_path
 from plait.errors import UserError
 from plait.models import gpt, gpt_counts
-from plait.models import loss as loss_lib
 from plait.models.gpt import abstract_model
 from plait.parallel import context, experts, formulas, hierarchical, local_sgd
 from plait.tasks import gpt_sweep
@@ -200,12 +199,12 @@ class GPTTask(DecoderCheckpoints, Task):
 
     def _over_kept(self, loss_and_grads):
         """loss_and_grads normalized over the kept targets of the whole batch it is given
-        (models.loss.kept_targets), when the data has a loss mask."""
+        (loss_mask.kept_targets), when the data has a loss mask."""
         if not self.kept_only:
             return loss_and_grads
 
         def over_kept(params, batch):
-            with loss_lib.kept_targets(batch):
+            with loss_mask.kept_targets(batch):
                 return loss_and_grads(params, batch)
         return over_kept
 
@@ -321,7 +320,7 @@ class GPTTask(DecoderCheckpoints, Task):
             return self.loss(params, batch)
 
         def loss(params, batch):
-            with loss_lib.kept_targets(batch):
+            with loss_mask.kept_targets(batch):
                 return mean(params, batch), jnp.sum(batch[..., 1:] >= 0)
         return jax.jit(loss, out_shardings=sharding.replicated(self.mesh))
 
