@@ -155,3 +155,59 @@ def test_token_files_too_short_for_a_sequence(tmp_path, capsys, key, tokens):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f"({key}) holds {tokens} tokens, fewer than model.seq_len + 2 = 34" in err
+
+
+def test_a_failed_run_leaves_the_old_files_as_they_were(corpus, tmp_path, capsys):
+    """plait data writes as it reads; a mistake found after batches were written (a bad
+    line past the first BATCH documents) leaves the earlier OUT, its tokenizer and its
+    loss mask untouched and no temporary file behind."""
+    from plait.data.documents import BATCH
+
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"q": d, "a": d[::-1]}) + "\n" for d in DOCS[:50]))
+    out = tmp_path / "out.bin"
+    assert main(["data", str(good), str(out), "--prompt-field", "q", "--field", "a",
+                 "--tokenizer", str(corpus / "tok.json"), "--held-out", "0.1"]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("out")}
+    assert len(before) == 6  # OUT and OUT.val.bin, each with its tokenizer and mask
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"q": "x", "a": d}) + "\n" for d in DOCS * 4)
+                   + "{not json\n")
+    assert len(DOCS) * 4 > 2 * BATCH
+    assert main(["data", str(bad), str(out), "--prompt-field", "q", "--field", "a",
+                 "--held-out", "0.1"]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("out")}
+    assert after == before
+
+
+@pytest.mark.parametrize("tokenizer", [False, True])
+def test_a_text_file_is_read_and_written_a_piece_at_a_time(corpus, tmp_path, capsys,
+                                                           monkeypatch, tokenizer):
+    """With pieces far smaller than the text (7-byte chunks, 3-line batches), the ids are
+    those of the whole text (byte-level) or of its lines (a tokenizer), the held-out tail
+    moved whole; a byte that is not UTF-8 is named at its place in the file."""
+    from tokenizers import Tokenizer
+
+    from plait.data import writer
+
+    monkeypatch.setattr(writer, "CHUNK_BYTES", 7)
+    monkeypatch.setattr(writer, "LINES", 3)
+    text = tmp_path / "a.txt"
+    text.write_text("".join(f"{d}\n" for d in DOCS[:40]))
+    out = tmp_path / "a.bin"
+    extra = ["--tokenizer", str(corpus / "tok.json")] if tokenizer else []
+    assert main(["data", str(text), str(out), "--held-out", "0.25", *extra]) == 0
+    if tokenizer:
+        tok = Tokenizer.from_file(str(corpus / "tok.json"))
+        whole = [i for d in DOCS[:40] for i in tok.encode(f"{d}\n").ids]
+    else:
+        whole = list(text.read_bytes())
+    cut = len(whole) - round(len(whole) * 0.25)
+    np.testing.assert_array_equal(np.fromfile(out, np.uint16), whole[:cut])
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "a.val.bin", np.uint16), whole[cut:])
+    if tokenizer:
+        text.write_bytes(b"line one\nline two\nline three\nfour\xff\n")
+        assert main(["data", str(text), str(out), *extra]) == 2
+        assert "invalid start byte at byte 33); convert it first" in capsys.readouterr().err
+        np.testing.assert_array_equal(np.fromfile(out, np.uint16), whole[:cut])

@@ -7,7 +7,8 @@ from helpers import make_mesh, plait_cmd, tiny
 
 from plait import data, sharding
 from plait.data.synthetic import SyntheticTokens
-from plait.data.tokens import TokenFile, encode_text_file
+from plait.data.tokens import TokenFile
+from plait.data.writer import encode_text_file
 from plait.errors import UserError
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from helpers import run, tiny
 
-from plait.data.tokens import TokenFile, write_tokens
+from plait.data.tokens import TokenFile
+from plait.data.writer import write_tokens
 
 
 def _softmax_xent(logits: np.ndarray, targets: np.ndarray) -> float:

@@ -156,7 +156,7 @@ def test_two_processes_score_a_checkpoint_like_one(tmp_path):
     import json
 
     from plait.cli import main
-    from plait.data.tokens import write_tokens
+    from plait.data.writer import write_tokens
 
     exp = tiny(train={"steps": 2}, checkpoint={"enabled": True, "every_steps": 2, "keep": 1,
                                                "async_save": False})

@@ -26,7 +26,8 @@ def cmd_data(args) -> int:
               f"data.source = \"criteo_bin\", data.path = \"{args.out}\"")
         return 0
     from plait.data.documents import encode_corpus, is_corpus
-    from plait.data.tokens import encode_text_file, loss_mask_path
+    from plait.data.tokens import loss_mask_path
+    from plait.data.writer import encode_text_file
 
     held = args.held_out or 0.0
     if not 0.0 <= held < 1.0:
@@ -80,7 +81,7 @@ def cmd_data(args) -> int:
     print(f"plait: wrote {written[0]:,} {what} ({args.dtype}) to {out}; use data.source = "
           f"\"tokens\", data.path = \"{out}\", model.vocab >= {size}")
     if held:
-        from plait.data.tokens import held_out_path
+        from plait.data.writer import held_out_path
 
         _print_held_out(held_out_path(out), f"the text's last {written[1]:,} tokens")
     return 0

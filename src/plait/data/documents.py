@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import glob
 import json
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,10 +133,7 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
     so fine-tuning learns to answer and not to ask. With `chat`, each record's `chat`
     field is a conversation, rendered by the model's chat template (data.chat) and
     masked to keep the assistant's turns."""
-    from rich.console import Console
-    from rich.progress import Progress, TextColumn, TimeElapsedColumn
-
-    from plait.data.tokens import held_out_path, write_with_tokenizer
+    from plait.data.writer import Status, TokenWriter, held_out_path
 
     paths = expand(patterns)
     if chat is not None and not tokenizer:
@@ -161,10 +156,11 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                       if prompt_field is None else {prompt_field: "--prompt-field",
                                                     field: "--field"})
     masked = chat is not None or prompt_field is not None
-    # (ids, loss mask) of each document, for OUT and for OUT.val.bin
-    parts: list[tuple[np.ndarray, np.ndarray]] = []
-    held: list[tuple[np.ndarray, np.ndarray]] = []
-    docs = tokens = 0
+    source = ", ".join(patterns)
+    # Written as they are made: OUT, and with held_out OUT.val.bin.
+    train = TokenWriter(out_path, dtype, source, masked)
+    held = TokenWriter(held_out_path(out_path), dtype, source, masked) if held_out else None
+    docs = tokens = held_docs = 0
 
     def encode(texts: list[str], starts: bool) -> list[list[int]]:
         texts = [str(t) for t in texts]
@@ -188,53 +184,48 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
         return out
 
     def flush(batch: list[tuple]) -> None:
-        nonlocal tokens
+        nonlocal tokens, held_docs
         first = docs - len(batch)
+        pieces: dict[bool, tuple[list[int], list[int]]] = {False: ([], []), True: ([], [])}
         for j, (ids, mask) in enumerate(encoded(batch)):
-            pair = (np.asarray(ids, np.int64), np.asarray(mask, np.uint8))
-            (held if is_held_out(first + j, held_out) else parts).append(pair)
+            out = is_held_out(first + j, held_out)
+            pieces[out][0].extend(ids)
+            pieces[out][1].extend(mask)
+            held_docs += out
             tokens += len(ids)
+        for out, writer in ((False, train), (True, held)):
+            if pieces[out][0]:
+                writer.append(np.asarray(pieces[out][0], np.int64),
+                              np.asarray(pieces[out][1], np.uint8) if masked else None)
 
-    # Off a terminal (logs, nohup) rich draws nothing: a line every 10 s instead.
-    lines = not sys.stderr.isatty()
-    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), transient=True,
-                  console=Console(stderr=True), disable=lines) as progress:
-        task = progress.add_task("")
-        t0 = said = time.monotonic()
-        batch: list[tuple] = []
-        for record in documents(paths, fields):
-            batch.append(record)
-            docs += 1
-            if len(batch) == BATCH:
+    try:
+        with Status() as status:
+            batch: list[tuple] = []
+            for record in documents(paths, fields):
+                batch.append(record)
+                docs += 1
+                if len(batch) == BATCH:
+                    flush(batch)
+                    batch = []
+                    status.show(docs, tokens, tok.name)
+            if batch:
                 flush(batch)
-                batch = []
-                now = time.monotonic()
-                rate = docs / max(now - t0, 1e-9)
-                line = (f"tokenizing with {tok.name}: {docs:,} documents, {tokens:,} tokens "
-                        f"({rate:,.0f} docs/s, {tokens / max(now - t0, 1e-9):,.0f} tokens/s)")
-                progress.update(task, description=line)
-                if lines and now - said >= 10.0:
-                    print(f"plait data: {line}", file=sys.stderr, flush=True)
-                    said = now
-        if batch:
-            flush(batch)
-    if held_out and docs and not held:  # (no documents at all: write_tokens says so)
-        raise UserError(f"--held-out {held_out} of {docs} document(s) holds none out; "
-                        f"nothing was written; use at least {1 / max(docs, 1):.3g}")
-    if held_out and docs and not parts:
-        raise UserError(f"--held-out {held_out} holds out all {docs} document(s); nothing "
-                        "was written; use a smaller fraction")
-    outputs = [(Path(out_path), parts)] + [(held_out_path(out_path), held)] * bool(held_out)
-    written, kept = [], []
-    for path, pieces in outputs:
-        ids, mask = ((np.concatenate(column) for column in zip(*pieces, strict=True)) if pieces
-                     else (np.zeros(0, np.int64), np.zeros(0, np.uint8)))
-        written.append(write_with_tokenizer(ids, path, dtype, ", ".join(patterns),
-                                            tok if isinstance(tok, HFTokenizer) else None,
-                                            mask if masked else None))
-        kept.append(int(np.count_nonzero(mask)))
-    return {"documents": docs - len(held), "tokens": written[0], "files": len(paths),
-            "kept": kept[0] if masked else None,
+        if held_out and docs and not held_docs:  # (no documents at all: publish says so)
+            raise UserError(f"--held-out {held_out} of {docs} document(s) holds none out; "
+                            f"nothing was written; use at least {1 / max(docs, 1):.3g}")
+        if held_out and docs and held_docs == docs:
+            raise UserError(f"--held-out {held_out} holds out all {docs} document(s); "
+                            "nothing was written; use a smaller fraction")
+        train.check_not_empty()
+        named = tok if isinstance(tok, HFTokenizer) else None
+        written = [train.publish(named)] + ([held.publish(named)] if held else [])
+    except BaseException:
+        for writer in (train, held):
+            if writer is not None:
+                writer.discard()
+        raise
+    return {"documents": docs - held_docs, "tokens": written[0], "files": len(paths),
+            "kept": train.kept if masked else None,
             "eos": end, "tokenizer": tok.name, "vocab": tok.vocab_size,
-            "held_out": ({"path": str(held_out_path(out_path)), "documents": len(held),
+            "held_out": ({"path": str(held_out_path(out_path)), "documents": held_docs,
                           "tokens": written[1]} if held_out else None)}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plait.data.tokenizer import HFTokenizer, drop_sidecar, keep_beside, sidecar
+from plait.data.tokenizer import HFTokenizer, sidecar
 from plait.errors import UserError
 
 MASK_SUFFIX = ".loss_mask"
@@ -99,97 +99,3 @@ def _read_mask(path: Path, tokens: int, key: str) -> np.ndarray | None:
                         f"{tokens} tokens; write both again with plait data (or delete the "
                         "mask to train on every token)")
     return np.memmap(side, dtype=np.uint8, mode="r")
-
-
-def encode_text_file(text_path: str | Path, out_path: str | Path, dtype: str = "uint16",
-                     tokenizer: str | Path | None = None, held_out: float = 0.0
-                     ) -> list[int]:
-    """Tokenize a UTF-8 text file into a flat binary of ids; returns how many (and, with
-    `held_out`, how many of the text's last tokens went to OUT.val.bin instead).
-
-    Without `tokenizer`: byte-level (ids 0-255, no vocabulary file). With a
-    tokenizer.json: its ids, the text encoded line by line (each line with its
-    newline, in batches), and a copy of the tokenizer kept beside the output.
-    """
-    text_path = Path(text_path)
-    if not text_path.is_file():
-        raise UserError(f"text file '{text_path}' not found; check the path")
-    if tokenizer is None:
-        ids = np.frombuffer(text_path.read_bytes(), dtype=np.uint8)
-        return _write_split(ids, Path(out_path), dtype, f"text file '{text_path}'", held_out,
-                            None)
-    tok = HFTokenizer(tokenizer)
-    if tok.vocab_size - 1 > np.iinfo(dtype).max:
-        raise UserError(f"{tok.name} has {tok.vocab_size:,} ids, more than {dtype} holds; "
-                        "use --dtype uint32")
-    try:
-        lines = text_path.read_text(encoding="utf-8").splitlines(keepends=True)
-    except UnicodeDecodeError as e:
-        raise UserError(f"text file '{text_path}' is not UTF-8 ({e.reason} at byte "
-                        f"{e.start}); convert it first") from None
-    from rich.progress import track
-
-    batches = [lines[i:i + 4096] for i in range(0, len(lines), 4096)]
-    parts = [np.asarray([i for ids in tok.encode_lines(b) for i in ids], np.int64)
-             for b in track(batches, description=f"tokenizing with {tok.name}",
-                            transient=True, disable=len(batches) < 8)]
-    ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return _write_split(ids, Path(out_path), dtype, f"text file '{text_path}'", held_out, tok)
-
-
-def held_out_path(out_path: str | Path) -> Path:
-    """Where `--held-out` writes what it holds out: OUT.bin -> OUT.val.bin."""
-    out = Path(out_path)
-    return out.with_name(f"{out.stem}.val{out.suffix}")
-
-
-def _write_split(ids: np.ndarray, out: Path, dtype: str, source: str, held_out: float,
-                 tok: HFTokenizer | None) -> list[int]:
-    """OUT, and with `held_out` the last part of the text in OUT.val.bin (a text file's
-    lines run on into each other: a contiguous tail, as nanoGPT's prepare scripts hold
-    out); each with the tokenizer beside it, or none."""
-    cut = len(ids) - int(round(len(ids) * held_out))
-    if held_out and len(ids) and not 0 < cut < len(ids):  # (none at all: said below)
-        raise UserError(f"--held-out {held_out} of {len(ids)} tokens leaves "
-                        f"{'none' if cut == len(ids) else 'nothing to train on'}; nothing "
-                        "was written; choose another fraction")
-    pieces = [(out, ids[:cut])] + [(held_out_path(out), ids[cut:])] * bool(held_out)
-    return [write_with_tokenizer(part, path, dtype, source, tok) for path, part in pieces]
-
-
-def write_with_tokenizer(ids: np.ndarray, path: Path, dtype: str, source: str,
-                         tok: HFTokenizer | None, mask: np.ndarray | None = None) -> int:
-    """`write_tokens`, then the tokenizer that made the ids kept beside the file (or, for
-    byte-level ids, any older one removed), and the loss mask beside it (or, without one,
-    any older one removed: a file written again is trained on whole)."""
-    n = write_tokens(ids, path, dtype, source)
-    if tok is not None:
-        keep_beside(tok, path)
-    else:
-        drop_sidecar(path)
-    side = loss_mask_path(path)
-    if mask is None:
-        side.unlink(missing_ok=True)
-    else:
-        tmp = side.with_name(side.name + ".tmp")
-        np.asarray(mask, np.uint8).tofile(tmp)
-        tmp.replace(side)
-    return n
-
-
-def write_tokens(ids: np.ndarray, out_path: str | Path, dtype: str = "uint16",
-                 source: str = "the input") -> int:
-    """Write ids as a flat binary (atomically); no tokens at all is a user's mistake (an
-    empty corpus) and nothing is written."""
-    ids = np.asarray(ids)
-    if ids.size == 0:
-        raise UserError(f"{source} gives no tokens (it is empty); nothing was written to "
-                        f"{out_path}; pass a file with text in it")
-    if ids.size and int(ids.max()) > np.iinfo(dtype).max:
-        raise UserError(f"token id {int(ids.max())} does not fit in {dtype}; use uint32")
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_suffix(out_path.suffix + ".tmp")
-    ids.astype(dtype).tofile(tmp)
-    tmp.replace(out_path)
-    return int(ids.size)
