@@ -169,7 +169,7 @@ def test_a_failed_run_leaves_the_old_files_as_they_were(corpus, tmp_path, capsys
     assert main(["data", str(good), str(out), "--prompt-field", "q", "--field", "a",
                  "--tokenizer", str(corpus / "tok.json"), "--held-out", "0.1"]) == 0
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("out")}
-    assert len(before) == 6  # OUT and OUT.val.bin, each with its tokenizer and mask
+    assert len(before) == 8  # OUT and OUT.val.bin, each with its tokenizer, mask, index
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"q": "x", "a": d}) + "\n" for d in DOCS * 4)
                    + "{not json\n")

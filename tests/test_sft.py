@@ -110,6 +110,43 @@ def test_record_mistakes_are_one_line(sft, tmp_path, capsys, args, message, monk
     assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "out.bin").exists()
 
 
+def test_records_are_indexed_and_fine_tuning_rows_start_at_them(sft, tmp_path):
+    """plait data writes where each record starts (OUT.bin.documents, and the held-out
+    file's own); with a loss mask, rows start at those starts by default
+    (data.row_start = "auto"), at random offsets with "anywhere" as before; a text
+    file has no index, and "document" on it is one line."""
+    from plait.data.tokens import index_path
+    from plait.errors import UserError
+
+    lengths = {False: [], True: []}
+    for i, r in enumerate(RECORDS):
+        lengths[is_held_out(i, 0.1)].append(len((r["prompt"] + r["response"]).encode()))
+    for path, held in ((sft / "sft.bin", False), (sft / "sft.val.bin", True)):
+        np.testing.assert_array_equal(np.fromfile(index_path(path), "<i8"),
+                                      np.cumsum([0, *lengths[held][:-1]]))
+    starts = np.fromfile(index_path(sft / "sft.bin"), "<i8")
+    rows_of = {mode: TokenFile(sft / "sft.bin", "uint16", 32, 0, 256, row_start=mode)
+               for mode in ("auto", "anywhere", "document")}
+    assert rows_of["auto"].row_start == "document"
+    auto = rows_of["auto"].rows(5, 0, 16)
+    np.testing.assert_array_equal(auto, rows_of["document"].rows(5, 0, 16))
+    windows = {s: rows_of["auto"].window(s, 33).tobytes() for s in starts}
+    assert all(row.tobytes() in windows.values() for row in auto)
+    # anywhere: the offset drawn from (seed, step, row) over the whole file, as before
+    hi = len(rows_of["anywhere"].tokens) - 33
+    for r, row in enumerate(rows_of["anywhere"].rows(5, 0, 16)):
+        offset = int(np.random.default_rng([0, 5, r]).integers(0, hi + 1))
+        np.testing.assert_array_equal(row, rows_of["anywhere"].window(offset, 33))
+    text = tmp_path / "t.txt"
+    text.write_text("plain text, one document " * 20)
+    assert main(["data", str(text), str(tmp_path / "t.bin")]) == 0
+    assert not index_path(tmp_path / "t.bin").exists()
+    assert TokenFile(tmp_path / "t.bin", "uint16", 32, 0, 256).row_start == "anywhere"
+    with pytest.raises(UserError, match="data.row_start = \"document\" needs the document "
+                                        "index beside"):
+        TokenFile(tmp_path / "t.bin", "uint16", 32, 0, 256, row_start="document")
+
+
 def _sft(root, **sections):
     train = {"steps": 6, "global_batch": 16, "microbatches": 2, **sections.pop("train", {})}
     return tiny(data={"source": "tokens", "path": str(root / "sft.bin")}, train=train,
@@ -157,7 +194,7 @@ def test_the_loss_is_the_mean_over_the_kept_targets_of_the_whole_batch(sft, refe
     losses_, kept = per_token(crafted)
     whole = losses_[kept].mean()
     halves = np.mean([losses_[h][kept[h]].mean() for h in (slice(0, 8), slice(8, 16))])
-    assert abs(halves - whole) > 0.05, (halves, whole)
+    assert abs(halves - whole) > 0.01, (halves, whole)  # far past the tolerance below
     _, metrics = task.step_fn(task.init_state(params), crafted.reshape(2, 8, 33))
     np.testing.assert_allclose(float(metrics["loss"]), whole, rtol=2e-5)
 

@@ -39,6 +39,11 @@ class DataConfig(Section):
     # unset: batches of the training data far past any step trained.
     eval_path: str | None = None
     dtype: Literal["uint16", "uint32"] = "uint16"
+    # GPT token files: where a row starts. anywhere: at random offsets; document: where
+    # a document of the file's index starts (plait data writes it for records), so each
+    # row's first example is seen whole; auto: document for a file with a loss mask
+    # (fine-tuning records), anywhere otherwise.
+    row_start: Literal["auto", "anywhere", "document"] = "auto"
     # Synthetic streams: each token has this many possible successors.
     successors: PosInt = 4
     # DLRM: ids per embedding bag (the most, when ids_fixed is false: then 1..this).

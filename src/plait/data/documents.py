@@ -158,8 +158,9 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
     masked = chat is not None or prompt_field is not None
     source = ", ".join(patterns)
     # Written as they are made: OUT, and with held_out OUT.val.bin.
-    train = TokenWriter(out_path, dtype, source, masked)
-    held = TokenWriter(held_out_path(out_path), dtype, source, masked) if held_out else None
+    train = TokenWriter(out_path, dtype, source, masked, indexed=True)
+    held = (TokenWriter(held_out_path(out_path), dtype, source, masked, indexed=True)
+            if held_out else None)
     docs = tokens = held_docs = 0
 
     def encode(texts: list[str], starts: bool) -> list[list[int]]:
@@ -186,17 +187,22 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
     def flush(batch: list[tuple]) -> None:
         nonlocal tokens, held_docs
         first = docs - len(batch)
-        pieces: dict[bool, tuple[list[int], list[int]]] = {False: ([], []), True: ([], [])}
+        # ids, loss mask and document starts, for OUT and for OUT.val.bin
+        pieces: dict[bool, tuple[list[int], list[int], list[int]]] = {
+            False: ([], [], []), True: ([], [], [])}
         for j, (ids, mask) in enumerate(encoded(batch)):
             out = is_held_out(first + j, held_out)
+            if ids:  # (an empty document starts nowhere)
+                pieces[out][2].append(len(pieces[out][0]))
             pieces[out][0].extend(ids)
             pieces[out][1].extend(mask)
             held_docs += out
             tokens += len(ids)
         for out, writer in ((False, train), (True, held)):
-            if pieces[out][0]:
-                writer.append(np.asarray(pieces[out][0], np.int64),
-                              np.asarray(pieces[out][1], np.uint8) if masked else None)
+            ids, mask, starts = pieces[out]
+            if ids:
+                writer.append(np.asarray(ids, np.int64),
+                              np.asarray(mask, np.uint8) if masked else None, starts)
 
     try:
         with Status() as status:

@@ -8,6 +8,12 @@ A loss mask beside the file (OUT.bin.loss_mask, one byte per token, 1 where the
 model learns to predict the token: `plait data --prompt-field` writes it, 0 on
 each prompt) travels into the batch as ~id for the tokens the loss leaves out
 (plait.loss_mask).
+
+A document index beside it (OUT.bin.documents, the int64 offset where each
+document starts, written by `plait data` for JSON Lines / Parquet records) lets
+rows start where documents start (data.row_start): row r of step k then starts
+at the document drawn from (seed, k, r) and runs on into the next ones, so a
+fine-tuning example is seen from its beginning, prompt included.
 """
 
 from __future__ import annotations
@@ -20,13 +26,17 @@ from plait.data.tokenizer import HFTokenizer, sidecar
 from plait.errors import UserError
 
 MASK_SUFFIX = ".loss_mask"
+INDEX_SUFFIX = ".documents"
 
 
 class TokenFile:
     def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab: int,
-                 key: str = "data.path", spare: int = 1):
+                 key: str = "data.path", spare: int = 1, row_start: str = "auto"):
         """`spare`: tokens the file must hold past one window of seq_len + 1 (random
-        offsets need one; consecutive windows, plait eval's, none)."""
+        offsets need one; consecutive windows, plait eval's, none). `row_start`
+        (data.row_start): rows start "anywhere", at a "document" start, or "auto"
+        (at documents where the file has a loss mask and an index: fine-tuning
+        records)."""
         path = Path(path)
         if not path.is_file():
             raise UserError(
@@ -52,6 +62,9 @@ class TokenFile:
         self.path, self.tokens = path, np.memmap(path, dtype=dtype, mode="r")
         self.seq_len, self.seed = seq_len, seed
         self.mask = _read_mask(path, len(self.tokens), key)
+        self.row_start = resolve_row_start(path, row_start, key)
+        self.starts = (_read_starts(path, len(self.tokens), seq_len + 1, key)
+                       if self.row_start == "document" else None)
         # The tokenizer the file was made with (None: byte-level), kept by the run.
         self.tokenizer: Path | None = sidecar(path) if sidecar(path).is_file() else None
         if self.tokenizer is not None:
@@ -72,7 +85,9 @@ class TokenFile:
         hi = len(self.tokens) - length
         out = np.empty((stop - start, length), np.int32)
         for i, row in enumerate(range(start, stop)):
-            offset = int(np.random.default_rng([self.seed, step, row]).integers(0, hi + 1))
+            rng = np.random.default_rng([self.seed, step, row])
+            offset = (int(rng.integers(0, hi + 1)) if self.starts is None
+                      else int(self.starts[rng.integers(0, len(self.starts))]))
             out[i] = self.window(offset, length)
         return out
 
@@ -87,6 +102,43 @@ class TokenFile:
 def loss_mask_path(token_file: str | Path) -> Path:
     """The loss mask kept beside a token file (it may not exist: every token counts)."""
     return Path(str(token_file) + MASK_SUFFIX)
+
+
+def index_path(token_file: str | Path) -> Path:
+    """The document index kept beside a token file (it may not exist: a text file)."""
+    return Path(str(token_file) + INDEX_SUFFIX)
+
+
+def resolve_row_start(path: str | Path, setting: str, key: str = "data.path") -> str:
+    """data.row_start for this file: "auto" is "document" where the file has a loss mask
+    and a document index (fine-tuning records, each best seen whole from its start),
+    "anywhere" otherwise (pretraining text)."""
+    has_index = index_path(path).is_file()
+    if setting == "document" and not has_index:
+        raise UserError(f"data.row_start = \"document\" needs the document index beside "
+                        f"'{path}' ({key}), which plait data writes for JSON Lines / Parquet "
+                        "records; make the file that way or set data.row_start = "
+                        "\"anywhere\"")
+    if setting == "auto":
+        return "document" if has_index and loss_mask_path(path).is_file() else "anywhere"
+    return setting
+
+
+def _read_starts(path: Path, tokens: int, length: int, key: str) -> np.ndarray:
+    """The starts of the documents a row of `length` tokens can start at (those early
+    enough to hold it)."""
+    side = index_path(path)
+    starts = np.fromfile(side, dtype="<i8")
+    if starts.size == 0 or np.any(np.diff(starts) <= 0) or starts[0] != 0 \
+            or starts[-1] >= tokens:
+        raise UserError(f"the document index '{side}' does not fit '{path}' ({key}); write "
+                        "both again with plait data (or delete the index)")
+    usable = starts[: np.searchsorted(starts, tokens - length, side="right")]
+    if usable.size == 0:
+        raise UserError(f"no document of '{path}' ({key}) starts early enough for a row of "
+                        f"{length} tokens; use a longer file, shorter sequences, or "
+                        "data.row_start = \"anywhere\"")
+    return usable
 
 
 def _read_mask(path: Path, tokens: int, key: str) -> np.ndarray | None:

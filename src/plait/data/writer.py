@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from plait.data.tokenizer import HFTokenizer, drop_sidecar, keep_beside
-from plait.data.tokens import loss_mask_path
+from plait.data.tokens import index_path, loss_mask_path
 from plait.errors import UserError
 
 CHUNK_BYTES = 1 << 24  # a text file read byte-level 16 MiB at a time
@@ -66,17 +66,21 @@ class Status:
 
 
 class TokenWriter:
-    """One token file (and its loss mask) written a batch at a time; published with
-    `publish`, or discarded (on an exception inside `with`, or by `discard`)."""
+    """One token file (its loss mask, its document index) written a batch at a time;
+    published with `publish`, or discarded (on an exception inside `with`, or by
+    `discard`)."""
 
-    def __init__(self, path: str | Path, dtype: str, source: str, masked: bool = False):
+    def __init__(self, path: str | Path, dtype: str, source: str, masked: bool = False,
+                 indexed: bool = False):
         self.path, self.dtype, self.source = Path(path), dtype, source
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.mask_tmp = loss_mask_path(self.tmp) if masked else None
+        self.index_tmp = index_path(self.tmp) if indexed else None
         self._ids = self.tmp.open("wb")
         self._mask = self.mask_tmp.open("wb") if self.mask_tmp else None
-        self.tokens = self.kept = 0
+        self._index = self.index_tmp.open("wb") if self.index_tmp else None
+        self.tokens = self.kept = self.documents = 0
 
     def __enter__(self) -> TokenWriter:
         return self
@@ -85,13 +89,18 @@ class TokenWriter:
         if kind is not None:
             self.discard()
 
-    def append(self, ids: np.ndarray | list[int], mask: np.ndarray | list[int] | None = None
-               ) -> None:
+    def append(self, ids: np.ndarray | list[int], mask: np.ndarray | list[int] | None = None,
+               starts: list[int] | None = None) -> None:
+        """`ids` (and their loss mask) after what was written; `starts`: where in `ids` the
+        documents they hold start."""
         ids = np.asarray(ids)
         if ids.size and int(ids.max()) > np.iinfo(self.dtype).max:
             raise UserError(f"token id {int(ids.max())} does not fit in {self.dtype}; use "
                             "uint32")
         ids.astype(self.dtype).tofile(self._ids)
+        if self._index is not None:
+            (self.tokens + np.asarray(starts, np.int64)).astype("<i8").tofile(self._index)
+            self.documents += len(starts)
         self.tokens += int(ids.size)
         if self._mask is not None:
             mask = np.asarray(mask, np.uint8)
@@ -99,13 +108,13 @@ class TokenWriter:
             self.kept += int(np.count_nonzero(mask))
 
     def close(self) -> None:
-        for f in (self._ids, self._mask):
+        for f in (self._ids, self._mask, self._index):
             if f is not None and not f.closed:
                 f.close()
 
     def discard(self) -> None:
         self.close()
-        for tmp in (self.tmp, self.mask_tmp):
+        for tmp in (self.tmp, self.mask_tmp, self.index_tmp):
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
 
@@ -118,8 +127,9 @@ class TokenWriter:
 
     def publish(self, tok: HFTokenizer | None) -> int:
         """Replace OUT by what was written, with the tokenizer that made the ids beside it
-        (byte-level: any older one removed) and the loss mask (none: any older one
-        removed, so a file written again is trained on whole); returns the tokens."""
+        (byte-level: any older one removed), the loss mask and the document index (none:
+        any older one removed, so a file written again is not read by stale ones);
+        returns the tokens."""
         self.check_not_empty()
         self.close()
         self.tmp.replace(self.path)
@@ -127,10 +137,12 @@ class TokenWriter:
             keep_beside(tok, self.path)
         else:
             drop_sidecar(self.path)
-        if self.mask_tmp is not None:
-            self.mask_tmp.replace(loss_mask_path(self.path))
-        else:
-            loss_mask_path(self.path).unlink(missing_ok=True)
+        for tmp, side in ((self.mask_tmp, loss_mask_path(self.path)),
+                          (self.index_tmp, index_path(self.path))):
+            if tmp is not None:
+                tmp.replace(side)
+            else:
+                side.unlink(missing_ok=True)
         return self.tokens
 
 

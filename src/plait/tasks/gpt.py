@@ -279,7 +279,8 @@ class GPTTask(DecoderCheckpoints, Task):
             return SyntheticTokens(m.vocab, m.seq_len, self.exp.seed, d.successors)
         from plait.data.tokens import TokenFile
 
-        return TokenFile(d.path or "", d.dtype, m.seq_len, self.exp.seed, m.vocab)
+        return TokenFile(d.path or "", d.dtype, m.seq_len, self.exp.seed, m.vocab,
+                         row_start=d.row_start)
 
     def batch(self, source: Source, step: int) -> jax.Array:
         return data.global_batch(source, step, self.batch_shape, self.batch_sharding)
@@ -302,7 +303,7 @@ class GPTTask(DecoderCheckpoints, Task):
         from plait.data.tokens import TokenFile
 
         held_out = TokenFile(d.eval_path, d.dtype, m.seq_len, self.exp.seed, m.vocab,
-                             key="data.eval_path")
+                             key="data.eval_path", row_start=d.row_start)
         return HeldOutLoss(self, [self.batch(held_out, k) for k in range(d.eval_batches)])
 
     @functools.cached_property

@@ -4,7 +4,10 @@ the reason, and the start-up lines that say them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from plait.config import GPTConfig
+from plait.data.tokens import resolve_row_start
 from plait.models import gpt_counts
 
 
@@ -58,10 +61,14 @@ def start_up_lines(task) -> list[str]:
         "(model.loss_chunks)")
     out = [f"plait: attention {task.attention} ({task.attention_why}); layers {layers} "
            f"({task.scan_why}){loss}"]
+    d = task.exp.data
     if task.kept_only:
-        out.append(f"plait: the loss counts the targets that {task.exp.data.path}'s loss "
-                   "mask keeps (the responses, not the prompts), its mean over each whole "
-                   "batch")
+        out.append(f"plait: the loss counts the targets that {d.path}'s loss mask keeps "
+                   "(the responses, not the prompts), its mean over each whole batch")
+    if d.source == "tokens" and d.path and Path(d.path).is_file() \
+            and resolve_row_start(d.path, d.row_start) == "document":
+        out.append(f"plait: each row starts where a document of {d.path} starts "
+                   f"(data.row_start = {d.row_start}) and runs on into the next ones")
     moe = task.exp.model.moe
     if moe is not None:
         m = task.exp.model
