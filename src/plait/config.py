@@ -44,6 +44,9 @@ class DataConfig(Section):
     # row's first example is seen whole; auto: document for a file with a loss mask
     # (fine-tuning records), anywhere otherwise.
     row_start: Literal["auto", "anywhere", "document"] = "auto"
+    # GPT token files with a document index: each token attends only to the earlier
+    # tokens of its own document, not to the documents packed before it in its row.
+    document_mask: bool = False
     # Synthetic streams: each token has this many possible successors.
     successors: PosInt = 4
     # DLRM: ids per embedding bag (the most, when ids_fixed is false: then 1..this).

@@ -51,7 +51,8 @@ def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> TokenFile
         raise UserError(f"'{path}' was tokenized {how}, not as the run '{run_dir}' was; "
                         f"make it again with `{fix}`")
     return TokenFile(path, dtype, exp.model.seq_len, exp.seed, exp.model.vocab,
-                     key="--data", spare=0, row_start="anywhere")
+                     key="--data", spare=0, row_start="anywhere",
+                     document_mask=exp.data.document_mask)
 
 
 def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = None,

@@ -1,12 +1,16 @@
-"""Targets the loss leaves out, carried in the token batch itself.
+"""What the token batch carries besides ids: targets the loss leaves out, and where
+documents start.
 
 A token file's loss mask (data.tokens: a prompt's tokens when fine-tuning on
 its response) reaches the step as ~id (a negative number) in the int32 token
-batch, so every path a batch takes (microbatches, pipeline stages, context and
-data splits) carries it with no second array. `kept_targets(batch)` sets, for
-the step being traced, the scale that makes each piece's loss (models.loss)
-part of the mean over the kept targets of the whole batch; `token_ids` gives the
-model its input ids back. Outside `kept_targets` nothing of this is traced.
+batch, and with data.document_mask each token that starts a document has bit
+DOC_START set, so every path a batch takes (microbatches, context and data
+splits) carries them with no second array. `kept_targets(batch)` sets, for the
+step being traced, the scale that makes each piece's loss (models.loss) part of
+the mean over the kept targets of the whole batch; `flagged()` says the ids may
+carry DOC_START; `token_ids` gives the model its ids back; `documents(segments)`
+gives attention each token's document (parallel.context). Outside them nothing
+of this is traced.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+
+DOC_START = 1 << 30  # the bit of a token that starts a document (ids stay below it)
 
 # (targets / kept targets) of the batch being traced; None: every target counts.
 _SCALE: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("kept_scale",
@@ -49,6 +55,47 @@ def kept_scale() -> jax.Array | None:
     return _SCALE.get()
 
 
+_FLAGGED: contextvars.ContextVar[bool] = contextvars.ContextVar("flagged", default=False)
+# Each stored token's document [rows, seq] in the attention being traced; None: one causal
+# mask over the whole row.
+_SEGMENTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "segments", default=None)
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def flagged() -> contextlib.AbstractContextManager:
+    """Within: the batch's ids may carry DOC_START (data.document_mask)."""
+    return _setting(_FLAGGED, True)
+
+
+def documents(segments: jax.Array | None) -> contextlib.AbstractContextManager:
+    """Within: attention keeps each token to the earlier tokens of its own document
+    (segments [rows, seq], in the order the model stores a sequence); None: no change."""
+    return _setting(_SEGMENTS, segments)
+
+
+def segments() -> jax.Array | None:
+    return _SEGMENTS.get()
+
+
+def starts(tokens: jax.Array) -> jax.Array:
+    """Whether each token starts a document (inside `flagged`; else all False)."""
+    if not _FLAGGED.get():
+        return jnp.zeros(tokens.shape, bool)
+    return (jnp.where(tokens < 0, ~tokens, tokens) & DOC_START) != 0
+
+
 def token_ids(tokens: jax.Array) -> jax.Array:
-    """The ids of tokens as the model reads them: ~id undone inside `kept_targets`."""
+    """The ids of tokens as the model reads them: ~id undone inside `kept_targets`, the
+    DOC_START bit cleared inside `flagged`."""
+    if _FLAGGED.get():
+        return jnp.where(tokens < 0, ~tokens, tokens) & (DOC_START - 1)
     return tokens if _SCALE.get() is None else jnp.where(tokens < 0, ~tokens, tokens)

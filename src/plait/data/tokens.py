@@ -24,6 +24,7 @@ import numpy as np
 
 from plait.data.tokenizer import HFTokenizer, sidecar
 from plait.errors import UserError
+from plait.loss_mask import DOC_START
 
 MASK_SUFFIX = ".loss_mask"
 INDEX_SUFFIX = ".documents"
@@ -31,12 +32,14 @@ INDEX_SUFFIX = ".documents"
 
 class TokenFile:
     def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab: int,
-                 key: str = "data.path", spare: int = 1, row_start: str = "auto"):
+                 key: str = "data.path", spare: int = 1, row_start: str = "auto",
+                 document_mask: bool = False):
         """`spare`: tokens the file must hold past one window of seq_len + 1 (random
         offsets need one; consecutive windows, plait eval's, none). `row_start`
         (data.row_start): rows start "anywhere", at a "document" start, or "auto"
         (at documents where the file has a loss mask and an index: fine-tuning
-        records)."""
+        records). `document_mask`: each token that starts a document carries DOC_START
+        (plait.loss_mask), from the file's document index."""
         path = Path(path)
         if not path.is_file():
             raise UserError(
@@ -65,6 +68,14 @@ class TokenFile:
         self.row_start = resolve_row_start(path, row_start, key)
         self.starts = (_read_starts(path, len(self.tokens), seq_len + 1, key)
                        if self.row_start == "document" else None)
+        self.documents = None
+        if document_mask:
+            if not index_path(path).is_file():
+                raise UserError(f"data.document_mask needs the document index beside "
+                                f"'{path}' ({key}), which plait data writes for JSON Lines / "
+                                "Parquet records; make the file that way or set "
+                                "data.document_mask = false")
+            self.documents = np.fromfile(index_path(path), dtype="<i8")
         # The tokenizer the file was made with (None: byte-level), kept by the run.
         self.tokenizer: Path | None = sidecar(path) if sidecar(path).is_file() else None
         if self.tokenizer is not None:
@@ -92,8 +103,12 @@ class TokenFile:
         return out
 
     def window(self, offset: int, length: int) -> np.ndarray:
-        """int32 tokens [offset, offset + length), those the loss mask leaves out as ~id."""
+        """int32 tokens [offset, offset + length), those the loss mask leaves out as ~id,
+        those that start a document with DOC_START (document_mask)."""
         ids = np.asarray(self.tokens[offset: offset + length], np.int32)
+        if self.documents is not None:  # the documents starting in the window
+            first, last = np.searchsorted(self.documents, [offset, offset + length])
+            ids[self.documents[first:last] - offset] |= DOC_START
         if self.mask is None:
             return ids
         return np.where(self.mask[offset: offset + length] != 0, ids, ~ids)

@@ -54,9 +54,9 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = Non
     vocabulary rounded up for sharding) are left out, so padding does not change the
     loss. Inside `kept_targets`, the mean over the kept targets of the whole batch."""
     scale = kept_scale()
-    if scale is None:
-        return jnp.mean(_token_losses(logits, targets, vocab))
     per_token = _token_losses(logits, token_ids(targets), vocab)
+    if scale is None:
+        return jnp.mean(per_token)
     return jnp.mean(jnp.where(targets >= 0, per_token, 0.0)) * scale
 
 

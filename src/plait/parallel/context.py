@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from plait.loss_mask import token_ids
+from plait.loss_mask import segments, starts, token_ids
 from plait.sharding import active
 
 AXIS = "context"
@@ -76,20 +76,40 @@ def inputs_targets(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     return inputs[:, order], targets[:, order]
 
 
+def document_segments(tokens: jax.Array) -> jax.Array:
+    """tokens [rows, seq + 1] -> each input's document [rows, seq] (how many documents
+    start at or before it in its row: data.document_mask), in the stored order."""
+    seg = jnp.cumsum(starts(tokens[:, :-1]), axis=1, dtype=jnp.int32)
+    order = positions(seg.shape[1])
+    return seg if order is None else seg[:, order]
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, pos: np.ndarray | None,
            implementation: str | None) -> jax.Array:
     """Causal attention of q [batch, seq, heads, head] over k, v [batch, seq, kv_heads,
-    head] stored in the order `pos` (None: natural order, no context axis)."""
+    head] stored in the order `pos` (None: natural order, no context axis); within
+    loss_mask.documents, each token sees only the earlier tokens of its own document."""
+    seg = segments()
     if pos is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation=implementation)
+        if seg is None:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                implementation=implementation)
+        return jax.nn.dot_product_attention(q, k, v, mask=_same_document(seg),
+                                            is_causal=True, implementation=implementation)
     mesh, rules = active()
     if rules.context_attention == "allgather":
-        return _gathered(q, k, v, pos)
+        return _gathered(q, k, v, pos, seg)
+    if seg is not None:  # the task switches to allgather (GPTTask); never reached
+        raise NotImplementedError("ring attention with a document mask")
     return _ring(q, k, v, pos, mesh)
 
 
-def _gathered(q, k, v, pos: np.ndarray) -> jax.Array:
+def _same_document(seg: jax.Array) -> jax.Array:
+    """[rows, 1, seq, seq]: whether query and key are of one document."""
+    return seg[:, None, :, None] == seg[:, None, None, :]
+
+
+def _gathered(q, k, v, pos: np.ndarray, seg: jax.Array | None = None) -> jax.Array:
     """Keys and values gathered over the axis (GSPMD: all-gather forward, reduce-scatter
     of their gradients backward); queries stay split, so each rank's scores are [seq / C,
     seq]."""
@@ -100,9 +120,10 @@ def _gathered(q, k, v, pos: np.ndarray) -> jax.Array:
     names = full if k.shape[2] != q.shape[2] else heads
     k, v = constrain(k, names), constrain(v, names)
     p = jnp.asarray(pos)
-    visible = p[:, None] >= p[None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=visible[None, None],
-                                        implementation="xla")
+    visible = (p[:, None] >= p[None, :])[None, None]
+    if seg is not None:
+        visible = visible & _same_document(seg)
+    return jax.nn.dot_product_attention(q, k, v, mask=visible, implementation="xla")
 
 
 def _scores(q, k, qpos, kpos, scale):

@@ -10,6 +10,7 @@ layout, so a run resumes scanned or not, pipelined or not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import replace
@@ -29,7 +30,7 @@ from plait.errors import UserError
 from plait.models import gpt, gpt_counts
 from plait.models.gpt import abstract_model
 from plait.parallel import context, experts, formulas, hierarchical, local_sgd
-from plait.tasks import gpt_sweep
+from plait.tasks import gpt_data, gpt_sweep
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checkpoint import DecoderCheckpoints
 from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules, memory_fixes
@@ -50,23 +51,6 @@ MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_tokens_max", "moe_tokens_mean"
                "moe_dropped_fraction")
 
 
-class HeldOutLoss:
-    """Mean loss (and its exp, perplexity) of the state on fixed held-out batches: of its
-    parameters, or of replicas that train apart (sync.method) their center, the model
-    they meet at and that checkpoint readers take."""
-
-    def __init__(self, task: GPTTask, batches: list[jax.Array]):
-        self.task, self.batches = task, batches
-
-    def __call__(self, state: dict) -> dict[str, float]:
-        params = state["sync"]["center"] if self.task.local else state["params"]
-        scored = [self.task.eval_loss_fn(params, b) for b in self.batches]
-        loss, kept = (np.array([np.asarray(x.addressable_shards[0].data) for x in column])
-                      for column in zip(*scored, strict=True))
-        mean = float(np.sum(loss * kept) / max(np.sum(kept), 1))  # over the kept targets
-        return {"eval_loss": mean, "eval_perplexity": float(np.exp(min(mean, 80.0)))}
-
-
 class GPTTask(DecoderCheckpoints, Task):
     unit = "tokens"
     sweep_axes = mesh_lib.AXES
@@ -78,7 +62,8 @@ class GPTTask(DecoderCheckpoints, Task):
         self.rules = decoder_rules(dict(mesh.shape), exp.model, self.context_attention)
         device = mesh.devices.flat[0]
         self.attention, self.attention_why = attention_for(
-            exp.model, exp.precision.compute, device.platform, device.device_kind)
+            exp.model, exp.precision.compute, device.platform, device.device_kind,
+            exp.data.document_mask)
         scan, self.scan_why = scan_for(exp.model, device.platform)
         resolved = {"attention": self.attention, "scan_layers": scan}
         if any(getattr(exp.model, k) != v for k, v in resolved.items()):
@@ -105,6 +90,16 @@ class GPTTask(DecoderCheckpoints, Task):
                             "scaling state combines by maximum over microbatches and replicas, "
                             "which those sum); drop the pipeline axis or use precision.matmul "
                             "= \"default\"")
+        # data.document_mask: each token attends within its own document.
+        self.documents = exp.data.document_mask and exp.data.source == "tokens"
+        if self.documents and self.pipeline:
+            raise UserError("data.document_mask is not carried through a pipeline's stages "
+                            "yet; drop the pipeline axis (fsdp or tensor hold a large model "
+                            "instead) or set data.document_mask = false")
+        if self.documents and self.context_attention == "ring":
+            self.context_attention, self.context_why = "allgather", (
+                "a document mask (data.document_mask), which the ring does not carry")
+            self.rules = replace(self.rules, context_attention="allgather")
         if (self.local or self.data_split) and self.context_attention == "ring":
             # The model is traced per data replica (vmap over `data`), and a shard_map
             # manual over `context` alone cannot be batched over an axis it leaves to GSPMD.
@@ -159,7 +154,9 @@ class GPTTask(DecoderCheckpoints, Task):
         with sharding.use(self.mesh, rules or self.rules):
             inputs, targets = context.inputs_targets(tokens)
             module = self.model.module(params, compute_dtype(self.exp))
-            x, metrics = module.hidden(inputs)
+            with loss_mask.documents(context.document_segments(tokens) if self.documents
+                                     else None):
+                x, metrics = module.hidden(inputs)
             return module.loss(x, targets), metrics
 
     @property
@@ -197,14 +194,24 @@ class GPTTask(DecoderCheckpoints, Task):
         return jnp.mean(loss), hierarchical.mean_over_data(grads, specs, self.mesh,
                                                             self.data_split)
 
+    def _batch_context(self, batch, kept: bool | None = None) -> contextlib.ExitStack:
+        """What the batch carries besides ids, for the step being traced: a loss mask (the
+        loss over the kept targets of the whole batch: loss_mask.kept_targets) and
+        document starts (data.document_mask)."""
+        stack = contextlib.ExitStack()
+        if self.kept_only if kept is None else kept:
+            stack.enter_context(loss_mask.kept_targets(batch))
+        if self.documents:
+            stack.enter_context(loss_mask.flagged())
+        return stack
+
     def _over_kept(self, loss_and_grads):
-        """loss_and_grads normalized over the kept targets of the whole batch it is given
-        (loss_mask.kept_targets), when the data has a loss mask."""
-        if not self.kept_only:
+        """loss_and_grads within the batch's context (_batch_context), where it has one."""
+        if not (self.kept_only or self.documents):
             return loss_and_grads
 
         def over_kept(params, batch):
-            with loss_mask.kept_targets(batch):
+            with self._batch_context(batch):
                 return loss_and_grads(params, batch)
         return over_kept
 
@@ -234,7 +241,7 @@ class GPTTask(DecoderCheckpoints, Task):
                           self._hierarchical_loss_and_grads if self.data_split else None)
         extra = self.model_metrics
         loss_fn = self.loss_and_metrics if extra else self.loss
-        if self.kept_only:
+        if self.kept_only or self.documents:
             loss_and_grads = self._over_kept(loss_and_grads or accumulated(
                 loss_fn, lambda g: jax.lax.with_sharding_constraint(g, self.layout.params),
                 has_aux=bool(extra)))
@@ -272,39 +279,16 @@ class GPTTask(DecoderCheckpoints, Task):
 
     # ------------------------------------------------------------------ data
     def source(self) -> Source:
-        m, d = self.exp.model, self.exp.data
-        if d.source == "synthetic":
-            from plait.data.synthetic import SyntheticTokens
-
-            return SyntheticTokens(m.vocab, m.seq_len, self.exp.seed, d.successors)
-        from plait.data.tokens import TokenFile
-
-        return TokenFile(d.path or "", d.dtype, m.seq_len, self.exp.seed, m.vocab,
-                         row_start=d.row_start)
+        return gpt_data.source(self.exp, self.documents)
 
     def batch(self, source: Source, step: int) -> jax.Array:
         return data.global_batch(source, step, self.batch_shape, self.batch_sharding)
 
     def run_files(self, source: Source) -> dict[str, Path]:
-        from plait.data.tokenizer import RUN_FILE
-        from plait.data.tokens import TokenFile
-
-        if isinstance(source, TokenFile) and source.tokenizer is not None:
-            return {RUN_FILE: source.tokenizer}
-        return {}
+        return gpt_data.run_files(source)
 
     def evaluator(self, source: Source) -> Evaluator | None:
-        """Held-out loss and perplexity on the first data.eval_batches batches of
-        data.eval_path (a token file like data.path), when it is set."""
-        d = self.exp.data
-        if not d.eval_path or not d.eval_batches:
-            return None
-        m = self.exp.model
-        from plait.data.tokens import TokenFile
-
-        held_out = TokenFile(d.eval_path, d.dtype, m.seq_len, self.exp.seed, m.vocab,
-                             key="data.eval_path", row_start=d.row_start)
-        return HeldOutLoss(self, [self.batch(held_out, k) for k in range(d.eval_batches)])
+        return gpt_data.evaluator(self)
 
     @functools.cached_property
     def eval_loss_fn(self):
@@ -321,7 +305,7 @@ class GPTTask(DecoderCheckpoints, Task):
             return self.loss(params, batch)
 
         def loss(params, batch):
-            with loss_mask.kept_targets(batch):
+            with self._batch_context(batch, kept=True):
                 return mean(params, batch), jnp.sum(batch[..., 1:] >= 0)
         return jax.jit(loss, out_shardings=sharding.replicated(self.mesh))
 

@@ -11,8 +11,8 @@ from plait.data.tokens import resolve_row_start
 from plait.models import gpt_counts
 
 
-def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str
-                  ) -> tuple[str, str]:
+def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str,
+                  document_mask: bool = False) -> tuple[str, str]:
     """(implementation, why) for `model.attention`: "auto" takes the fused cuDNN flash
     kernel of `jax.nn.dot_product_attention` where it applies (an NVIDIA GPU, bf16 compute,
     a head size cuDNN takes), XLA's attention otherwise. (JAX's own default chose XLA's
@@ -24,6 +24,9 @@ def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str
         return "xla", f"auto: no fused kernel on {platform}"
     if compute != "bfloat16":
         return "xla", "auto: cuDNN flash attention needs bf16 compute"
+    if document_mask:
+        return "xla", "auto: a document mask (data.document_mask), which plait does not give "\
+            "cuDNN's fused kernel"
     if head % 8 or head > 128:
         return "xla", f"auto: head size {head} is not one cuDNN takes (a multiple of 8, <= 128)"
     return "cudnn", "auto: fused flash attention on an NVIDIA GPU"
@@ -65,6 +68,9 @@ def start_up_lines(task) -> list[str]:
     if task.kept_only:
         out.append(f"plait: the loss counts the targets that {d.path}'s loss mask keeps "
                    "(the responses, not the prompts), its mean over each whole batch")
+    if task.documents:
+        out.append(f"plait: each token attends only to the earlier tokens of its own "
+                   f"document (data.document_mask: the documents of {d.path}'s index)")
     if d.source == "tokens" and d.path and Path(d.path).is_file() \
             and resolve_row_start(d.path, d.row_start) == "document":
         out.append(f"plait: each row starts where a document of {d.path} starts "

@@ -1,0 +1,116 @@
+"""data.document_mask: documents packed into one row do not attend to each other. A
+rotary model gives a document the logits it gives the document alone; the losses are
+the same on every mesh (the context ring replaced by gathered keys and values, which
+carry the mask); a pipeline and a file without a document index are refused in one
+line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import losses, run, tiny, write_experiment
+
+from plait.cli import main
+
+LLAMA = {"kind": "llama", "heads": 8, "kv_heads": 2, "d_ff": 96, "rope_theta": 10000.0}
+DOCS = [f"doc {i}: " + "abcdefgh"[i % 8] * (3 + (7 * i) % 23) + "." for i in range(200)]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A byte-level token file of 200 documents of 10 to 35 tokens, with its index."""
+    root = tmp_path_factory.mktemp("docs")
+    with (root / "docs.jsonl").open("w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in DOCS)
+    assert main(["data", str(root / "docs.jsonl"), str(root / "docs.bin")]) == 0
+    return root / "docs.bin"
+
+
+def _exp(path, **sections):
+    model = {**LLAMA, **sections.pop("model", {})}
+    data = {"source": "tokens", "path": str(path), "document_mask": True,
+            **sections.pop("data", {})}
+    train = {"steps": 6, "microbatches": 2, **sections.pop("train", {})}
+    return tiny(model=model, data=data, train=train, **sections)
+
+
+def test_a_packed_document_sees_only_itself(packed):
+    """The logits of the second and third documents of a row equal those of each
+    document run alone (rotary positions: only distances matter); without the mask they
+    do not."""
+    import jax
+    from helpers import make_mesh
+
+    from plait import loss_mask
+    from plait.data.tokens import TokenFile
+    from plait.parallel import context
+    from plait.tasks import make_task
+
+    exp = _exp(packed)
+    task = make_task(exp, make_mesh("data=1"))
+    params = task.init_state()["params"]
+    starts = np.fromfile(str(packed) + ".documents", "<i8")
+    source = TokenFile(packed, "uint16", 32, 0, 256, document_mask=True)
+    # A row from document j's start that holds documents j + 1 and (part of) j + 2.
+    j = next(j for j in range(len(starts) - 3) if starts[j + 2] - starts[j] < 30)
+    first = int(starts[j])
+    row = source.window(first, 33)[None]
+
+    @jax.jit
+    def logits(params, row):
+        with loss_mask.flagged():
+            segments = context.document_segments(row)
+            with loss_mask.documents(segments):
+                return task.model.apply(params, loss_mask.token_ids(row[:, :-1]))
+
+    @jax.jit
+    def plain(params, ids):
+        return task.model.apply(params, ids)
+
+    packed_logits = np.asarray(logits(params, row))[0]
+    unmasked = np.asarray(plain(params, np.asarray(source.tokens[first:first + 32])[None]
+                                .astype(np.int32)))[0]
+    for doc in (j + 1, j + 2):
+        a, b = int(starts[doc]) - first, min(int(starts[doc + 1]) - first, 32)
+        alone = np.asarray(plain(params, np.asarray(source.tokens[first + a:first + b],
+                                                    np.int32)[None]))[0]
+        np.testing.assert_allclose(packed_logits[a:b], alone, rtol=2e-4, atol=2e-5)
+        assert not np.allclose(unmasked[a:b], alone, rtol=2e-4, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def reference(packed, tmp_path_factory):
+    return losses(run(_exp(packed), "data=1", tmp_path_factory.mktemp("ref")))
+
+
+@pytest.mark.parametrize("spec,sections", [
+    ("data=2,fsdp=2,tensor=2", {"train": {"microbatches": 1}, "model": {"loss_chunks": 2}}),
+    ("data=2,context=2", {}),  # the ring gives way to gathered keys and values
+    ("data=2,tensor_row=2,tensor_col=2", {}),
+], ids=["3d", "context", "2d"])
+def test_masked_losses_equal_the_one_device_run(packed, reference, tmp_path, spec, sections,
+                                                capsys):
+    got = losses(run(_exp(packed, **sections), spec, tmp_path))
+    np.testing.assert_allclose(got, reference, rtol=1e-4)
+
+
+def test_the_mask_changes_the_loss(packed, reference, tmp_path):
+    unmasked = losses(run(_exp(packed, data={"document_mask": False}), "data=1", tmp_path))
+    assert np.max(np.abs(unmasked - reference)) > 1e-3
+
+
+@pytest.mark.parametrize("spec,data,message", [
+    ("pipeline=2", {}, "data.document_mask is not carried through a pipeline's stages yet"),
+    ("data=1", {"path": "{text}"}, "data.document_mask needs the document index beside"),
+])
+def test_document_mask_mistakes_are_one_line(packed, tmp_path, capsys, spec, data, message):
+    text = tmp_path / "t.bin"
+    np.frombuffer(b"plain text " * 50, np.uint8).astype(np.uint16).tofile(text)
+    data = {k: v.format(text=text) for k, v in data.items()}
+    exp = _exp(packed, data=data, pipeline={"microbatches": 2}, train={"microbatches": 1})
+    cfg = write_experiment(tmp_path / "e.toml", exp)
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r"), "--mesh", spec]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
