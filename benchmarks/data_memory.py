@@ -14,25 +14,15 @@ of the two must be the same bytes (checked).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-from report import report, run_script  # benchmarks/ is the script's directory
-
-HERE = Path(__file__).resolve().parent.parent
-
-_PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
-         "stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
-         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20)")
+from report import compare_parser, peak_gib, report, run_script, trees
 
 WORDS = ["the", "mesh", "model", "layer", "device", "train", "step", "data", "token", "batch",
          "pipeline", "tensor", "parallel", "checkpoint", "resume", "plait", "shard", "axis",
@@ -66,15 +56,6 @@ def _corpus(work: Path, megabytes: int) -> tuple[Path, Path, Path]:
     return docs, text, work / "tok.json"
 
 
-def _one(tree: Path, args: list[str], work: Path) -> tuple[float, float]:
-    """(peak resident GiB, wall seconds) of one `plait data` run on the code under tree."""
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "plait",
-                          "data", *args], cwd=work, check=True, capture_output=True,
-                         text=True, env=dict(os.environ, PYTHONPATH=str(tree / "src")))
-    return float(out.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
-
-
 def _digest(*paths: Path) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -83,13 +64,10 @@ def _digest(*paths: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = compare_parser(__doc__)
     ap.add_argument("--mb", type=int, default=200, help="size of the corpus text, MiB")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--compare", type=Path, help="another checkout, measured alternately")
-    ap.add_argument("--json")
     args = ap.parse_args()
-    trees = {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
+    measured = trees(args)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         docs, text, tok = _corpus(work, args.mb)
@@ -97,14 +75,14 @@ def main() -> None:
                                   "--held-out", "0.1"],
                     "text": [str(text), "out.bin", "--tokenizer", str(tok),
                              "--held-out", "0.1"]}
-        peaks: dict = {t: {c: [] for c in commands} for t in trees}
-        seconds: dict = {t: {c: [] for c in commands} for t in trees}
+        peaks: dict = {t: {c: [] for c in commands} for t in measured}
+        seconds: dict = {t: {c: [] for c in commands} for t in measured}
         digests: dict = {}
         tokens: dict = {}
         for r in range(args.rounds):
-            for name, tree in trees.items():
+            for name, tree in measured.items():
                 for c, argv in commands.items():
-                    gib, took = _one(tree, argv, work)
+                    gib, took = peak_gib(tree, ["data", *argv], work)
                     peaks[name][c].append(gib)
                     seconds[name][c].append(took)
                     outputs = (work / "out.bin", work / "out.val.bin")

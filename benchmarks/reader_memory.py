@@ -12,7 +12,6 @@ round, so the two are measured side by side.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import re
@@ -23,26 +22,15 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from report import report, run_script  # benchmarks/ is the script's directory
+from report import HERE, compare_parser, peak_gib, report, run_script, trees
 
-HERE = Path(__file__).resolve().parent.parent
 MODEL = {"d_model": 768, "heads": 12, "kv_heads": 4, "d_ff": 2048, "layers": 12,
          "vocab": 32000, "seq_len": 128}
 
 
-# Run in a fresh interpreter per measurement: ru_maxrss of its children is then the
-# one plait command's peak, not the largest of several.
-_PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
-         "stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
-         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20)")
-
-
 def _one(tree: Path, command: str, work: Path) -> float:
     """Peak resident GiB of one reader run on the code under `tree`."""
-    out = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "plait",
-                          *_args(command, work)], cwd=work, check=True, capture_output=True,
-                         text=True, env=dict(os.environ, PYTHONPATH=str(tree / "src")))
-    return float(out.stdout.strip().splitlines()[-1])
+    return peak_gib(tree, _args(command, work), work)[0]
 
 
 _EXPORTS = itertools.count()
@@ -56,12 +44,8 @@ def _args(command: str, work: Path) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--compare", type=Path, help="another checkout, measured alternately")
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    trees = {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
+    args = compare_parser(__doc__).parse_args()
+    measured = trees(args)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         sets = [f"--set=model.{k}={v}" for k, v in MODEL.items()]
@@ -78,9 +62,9 @@ def main() -> None:
             work / "val.bin")
         state = sum(f.stat().st_size for f in (work / "run" / "checkpoints").rglob("*")
                     if f.is_file())
-        peaks: dict[str, dict[str, list[float]]] = {t: {} for t in trees}
+        peaks: dict[str, dict[str, list[float]]] = {t: {} for t in measured}
         for r in range(args.rounds):
-            for name, tree in trees.items():
+            for name, tree in measured.items():
                 commands = ("sample", "export", "eval")
                 if name == "compare" and not (tree / "src" / "plait" / "evaluate.py").exists():
                     commands = ("sample", "export")

@@ -1,14 +1,50 @@
 """What every benchmark script shares at its edges: the one way it hands back its
 figures (JSON on stdout, and the same text in the file --json names; benchmarks/results/
 keeps those), and the one way it ends (a mistake of the user's, or a run plait refuses,
-as plait's own commands end it: one line, no traceback)."""
+as plait's own commands end it: one line, no traceback); and, for the memory scripts,
+one plait command's peak memory on the code of this or another checkout."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+
+# Run in a fresh interpreter per measurement: ru_maxrss of its children is then the
+# one plait command's peak, not the largest of several.
+_PEAK = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+         "stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20)")
+
+
+def peak_gib(tree: Path, argv: list[str], cwd: Path) -> tuple[float, float]:
+    """(peak resident GiB, wall seconds) of `plait *argv` run on the code under `tree`."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "plait",
+                          *argv], cwd=cwd, check=True, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(tree / "src")))
+    return float(out.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
+
+
+def compare_parser(doc: str) -> argparse.ArgumentParser:
+    """--rounds, --compare OLD_CHECKOUT (measured alternately with this one), --json."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compare", type=Path, help="another checkout, measured alternately")
+    ap.add_argument("--json")
+    return ap
+
+
+def trees(args: argparse.Namespace) -> dict[str, Path]:
+    """The checkouts measured: this one, and --compare's."""
+    return {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
 
 
 def report(result: dict, json_path: str | Path | None) -> None:
