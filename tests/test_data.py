@@ -155,3 +155,26 @@ def test_click_batches_are_the_same_across_two_processes(tmp_path):
                 np.testing.assert_array_equal(part, ref[name][int(start):int(start) + len(part)])
                 seen += len(part) if name == "labels" else 0
     assert seen == 64  # the two processes together made every row once
+
+
+def test_an_id_past_the_vocabulary_deep_in_the_file_stops_training_in_one_line(tmp_path,
+                                                                               capsys):
+    """The first million ids are checked at start; past them, each window as it is read
+    (the embedding lookup would clamp such an id, and training would go on, wrong)."""
+    from helpers import one_layer, write_experiment
+
+    from plait.cli import main
+
+    path = tmp_path / "t.bin"
+    ids = np.random.default_rng(0).integers(0, 256, 2 << 20).astype(np.uint16)
+    ids[(1 << 20) + 5:] = 300  # the second half is out of model.vocab = 256
+    ids.tofile(path)
+    source = TokenFile(path, "uint16", seq_len=8, seed=0, vocab=256)  # the start is fine
+    with pytest.raises(UserError, match=r"token id 300 >= model.vocab = 256 \(the first at "
+                                        r"token 1,048,58[0-9]"):
+        source.window((1 << 20) - 2, 40)
+    cfg = write_experiment(tmp_path / "e.toml", one_layer(data={"source": "tokens",
+                                                                "path": str(path)}))
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "token id 300 >= model.vocab = 256" in err[0], err

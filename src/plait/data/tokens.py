@@ -63,7 +63,7 @@ class TokenFile:
                 "sequences"
             )
         self.path, self.tokens = path, np.memmap(path, dtype=dtype, mode="r")
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len, self.seed, self.vocab, self.key = seq_len, seed, vocab, key
         self.mask = _read_mask(path, len(self.tokens), key)
         self.row_start = resolve_row_start(path, row_start, key)
         self.starts = (_read_starts(path, len(self.tokens), seq_len + 1, key)
@@ -84,12 +84,9 @@ class TokenFile:
                 raise UserError(
                     f"data file '{path}' was tokenized with {self.tokenizer.name} ({size:,} "
                     f"ids) but model.vocab = {vocab:,}; set model.vocab >= {size}")
-        top = int(self.tokens[: min(len(self.tokens), 1 << 20)].max())
-        if top >= vocab:
-            raise UserError(
-                f"data file '{path}' has token id {top} >= model.vocab = {vocab}; "
-                "raise model.vocab or re-tokenize"
-            )
+        # The first million ids now; every window's as it is read (`window`): an id past
+        # the vocabulary would otherwise be clamped by the embedding lookup, silently.
+        self._check(self.tokens[: min(len(self.tokens), 1 << 20)], 0)
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         length = self.seq_len + 1
@@ -106,12 +103,22 @@ class TokenFile:
         """int32 tokens [offset, offset + length), those the loss mask leaves out as ~id,
         those that start a document with DOC_START (document_mask)."""
         ids = np.asarray(self.tokens[offset: offset + length], np.int32)
+        self._check(ids, offset)
         if self.documents is not None:  # the documents starting in the window
             first, last = np.searchsorted(self.documents, [offset, offset + length])
             ids[self.documents[first:last] - offset] |= DOC_START
         if self.mask is None:
             return ids
         return np.where(self.mask[offset: offset + length] != 0, ids, ~ids)
+
+
+    def _check(self, ids: np.ndarray, offset: int) -> None:
+        top = int(ids.max()) if ids.size else 0
+        if top >= self.vocab:
+            at = offset + int(np.argmax(np.asarray(ids) >= self.vocab))
+            raise UserError(f"data file '{self.path}' ({self.key}) has token id {top} >= "
+                            f"model.vocab = {self.vocab} (the first at token {at:,}); raise "
+                            "model.vocab or re-tokenize")
 
 
 def loss_mask_path(token_file: str | Path) -> Path:
