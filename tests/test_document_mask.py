@@ -1,8 +1,8 @@
 """data.document_mask: documents packed into one row do not attend to each other. A
 rotary model gives a document the logits it gives the document alone; the losses are
-the same on every mesh (the context ring replaced by gathered keys and values, which
-carry the mask); a pipeline and a file without a document index are refused in one
-line."""
+the same on every mesh (the context ring sends each key block's documents round with
+it; gathered keys carry them too); a pipeline and a file without a document index are
+refused in one line."""
 
 from __future__ import annotations
 
@@ -87,9 +87,10 @@ def reference(packed, tmp_path_factory):
 
 @pytest.mark.parametrize("spec,sections", [
     ("data=2,fsdp=2,tensor=2", {"train": {"microbatches": 1}, "model": {"loss_chunks": 2}}),
-    ("data=2,context=2", {}),  # the ring gives way to gathered keys and values
+    ("data=2,context=2", {}),  # the ring: each key block's documents travel with it
+    ("context=4", {"context": {"attention": "allgather"}}),
     ("data=2,tensor_row=2,tensor_col=2", {}),
-], ids=["3d", "context", "2d"])
+], ids=["3d", "context-ring", "context-allgather", "2d"])
 def test_masked_losses_equal_the_one_device_run(packed, reference, tmp_path, spec, sections,
                                                 capsys):
     got = losses(run(_exp(packed, **sections), spec, tmp_path))

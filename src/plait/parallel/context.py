@@ -99,9 +99,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, pos: np.ndarray | None,
     mesh, rules = active()
     if rules.context_attention == "allgather":
         return _gathered(q, k, v, pos, seg)
-    if seg is not None:  # the task switches to allgather (GPTTask); never reached
-        raise NotImplementedError("ring attention with a document mask")
-    return _ring(q, k, v, pos, mesh)
+    return _ring(q, k, v, pos, mesh, seg)
 
 
 def _same_document(seg: jax.Array) -> jax.Array:
@@ -126,16 +124,27 @@ def _gathered(q, k, v, pos: np.ndarray, seg: jax.Array | None = None) -> jax.Arr
     return jax.nn.dot_product_attention(q, k, v, mask=visible, implementation="xla")
 
 
-def _scores(q, k, qpos, kpos, scale):
+def _scores(q, k, qpos, kpos, scale, qseg=None, kseg=None):
     """Scaled scores [b, kv, g, t, s] in float32, hidden where the causal mask hides
-    them. q [b, t, kv, g, d], k [b, s, kv, d]."""
+    them, and where query and key are of different documents (qseg [b, t], kseg [b, s];
+    None: no document mask). q [b, t, kv, g, d], k [b, s, kv, d]."""
     s = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    return jnp.where(qpos[:, None] >= kpos[None, :], s, _HIDDEN)
+    visible = qpos[:, None] >= kpos[None, :]
+    if qseg is not None:
+        visible = visible & (qseg[:, None, None, :, None] == kseg[:, None, None, None, :])
+    return jnp.where(visible, s, _HIDDEN)
 
 
-def _block(q, k, v, qpos, kpos, scale):
-    """One block's unnormalised attention: (max, sum, weighted values) per query."""
-    s = _scores(q, k, qpos, kpos, scale)
+def _rows(seg, part: slice):
+    """A document array's rows of one half (None stays None: no document mask)."""
+    return None if seg is None else seg[:, part]
+
+
+def _block(q, k, v, qpos, kpos, scale, qseg=None, kseg=None):
+    """One block's unnormalised attention: (max, sum, weighted values) per query. A
+    query that sees none of the block's keys (another document) gets max _HIDDEN, and
+    merging with its own diagonal block, where it always sees itself, weighs it 0."""
+    s = _scores(q, k, qpos, kpos, scale, qseg, kseg)
     m = s.max(-1)
     p = jnp.exp(s - m[..., None])
     o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v,
@@ -143,10 +152,10 @@ def _block(q, k, v, qpos, kpos, scale):
     return m, p.sum(-1), o
 
 
-def _block_grads(q, k, v, do, delta, lse, qpos, kpos, scale):
+def _block_grads(q, k, v, do, delta, lse, qpos, kpos, scale, qseg=None, kseg=None):
     """One block's gradients (dq [b, t, kv, g, d], dk, dv [b, s, kv, d], float32) from
     the forward's log-sum-exp per query: the probabilities are recomputed, not kept."""
-    p = jnp.exp(_scores(q, k, qpos, kpos, scale) - lse[..., None])
+    p = jnp.exp(_scores(q, k, qpos, kpos, scale, qseg, kseg) - lse[..., None])
     f32 = jnp.float32
     dv = jnp.einsum("bkgts,btkgd->bskd", p, do, preferred_element_type=f32)
     dp = jnp.einsum("btkgd,bskd->bkgts", do, v, preferred_element_type=f32)
@@ -201,24 +210,29 @@ class _Ring:
         return x.reshape(x.shape[0], self.t, self.kvh, self.g, x.shape[-1])
 
     def send(self, *xs):
-        return tuple(jax.lax.ppermute(x, AXIS, self.ring) for x in xs)
+        return tuple(jax.lax.ppermute(x, AXIS, self.ring) for x in xs if x is not None)
 
-    def forward(self, q, k, v):
-        """-> (o [b, t, h, d] in q's dtype, log-sum-exp [b, kv, g, t] float32)."""
+    def forward(self, q, k, v, seg=None):
+        """-> (o [b, t, h, d] in q's dtype, log-sum-exp [b, kv, g, t] float32). `seg`:
+        each local token's document (a document mask), which travels with its keys."""
         r = jax.lax.axis_index(AXIS)
         pos = jnp.asarray(self.by_rank)
         qg, qpos, h, sc = self.grouped(q), pos[r], self.half, self.scale
-        acc = _block(qg, k, v, qpos, qpos, sc)  # the diagonal: causal inside
+        qseg = kseg = seg
+        acc = _block(qg, k, v, qpos, qpos, sc, qseg, kseg)  # the diagonal: causal inside
         for step in range(1, self.C):
-            k, v = self.send(k, v)
+            k, v, *sent = self.send(k, v, kseg)
+            kseg = sent[0] if sent else None
             src = (r - step) % self.C
             kpos = pos[src]
 
-            def earlier(k=k, v=v, kpos=kpos):
-                return _block(qg, k[:, :h], v[:, :h], qpos, kpos[:h], sc)
+            def earlier(k=k, v=v, kpos=kpos, kseg=kseg):
+                return _block(qg, k[:, :h], v[:, :h], qpos, kpos[:h], sc, qseg,
+                              _rows(kseg, slice(None, h)))
 
-            def later(k=k, v=v, kpos=kpos):
-                m, l_, o = _block(qg[:, h:], k, v, qpos[h:], kpos, sc)
+            def later(k=k, v=v, kpos=kpos, kseg=kseg):
+                m, l_, o = _block(qg[:, h:], k, v, qpos[h:], kpos, sc,
+                                  _rows(qseg, slice(h, None)), kseg)
                 return (_pad_front(m, 3, h, _HIDDEN), _pad_front(l_, 3, h),
                         _pad_front(o, 1, h))
 
@@ -227,7 +241,7 @@ class _Ring:
         o = o / _per_query(l_)
         return o.reshape(q.shape).astype(q.dtype), m + jnp.log(l_)
 
-    def backward(self, q, k, v, o, lse, do):
+    def backward(self, q, k, v, o, lse, do, seg=None):
         """The ring again: each block's key/value gradients travel with it and come home
         after the last step."""
         r = jax.lax.axis_index(AXIS)
@@ -236,20 +250,23 @@ class _Ring:
         delta = jnp.moveaxis(jnp.sum(og.astype(jnp.float32) * dog.astype(jnp.float32), -1),
                              1, -1)  # [b, kv, g, t]
         qpos, h, sc = pos[r], self.half, self.scale
-        dq, dk, dv = _block_grads(qg, k, v, dog, delta, lse, qpos, qpos, sc)
+        qseg = kseg = seg
+        dq, dk, dv = _block_grads(qg, k, v, dog, delta, lse, qpos, qpos, sc, qseg, kseg)
         for step in range(1, self.C):
-            k, v, dk, dv = self.send(k, v, dk, dv)
+            k, v, dk, dv, *sent = self.send(k, v, dk, dv, kseg)
+            kseg = sent[0] if sent else None
             src = (r - step) % self.C
             kpos = pos[src]
 
-            def earlier(k=k, v=v, kpos=kpos):
+            def earlier(k=k, v=v, kpos=kpos, kseg=kseg):
                 gq, gk, gv = _block_grads(qg, k[:, :h], v[:, :h], dog, delta, lse, qpos,
-                                          kpos[:h], sc)
+                                          kpos[:h], sc, qseg, _rows(kseg, slice(None, h)))
                 return gq, _pad_back(gk, 1, h), _pad_back(gv, 1, h)
 
-            def later(k=k, v=v, kpos=kpos):
+            def later(k=k, v=v, kpos=kpos, kseg=kseg):
                 gq, gk, gv = _block_grads(qg[:, h:], k, v, dog[:, h:], delta[..., h:],
-                                          lse[..., h:], qpos[h:], kpos, sc)
+                                          lse[..., h:], qpos[h:], kpos, sc,
+                                          _rows(qseg, slice(h, None)), kseg)
                 return _pad_front(gq, 1, h), gk, gv
 
             gq, gk, gv = jax.lax.cond(src < r, earlier, later)
@@ -258,30 +275,40 @@ class _Ring:
         return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
 
 
-def _ring(q, k, v, pos: np.ndarray, mesh) -> jax.Array:
+def _ring(q, k, v, pos: np.ndarray, mesh, seg: jax.Array | None = None) -> jax.Array:
+    """Ring attention; with `seg` [b, seq] (each token's document, stored order) a
+    document mask, whose key side travels round with the keys."""
     C = mesh.shape[AXIS]
     seq, heads, d = q.shape[1], q.shape[2], q.shape[3]
     kvh = k.shape[2]
     ring = _Ring(C, seq // C, kvh, heads // kvh, d, np.asarray(pos).reshape(C, -1))
     seq_spec, lse_spec = P(None, AXIS), P(None, None, None, AXIS)
+    extra = () if seg is None else (seg,)
+    segs = (seq_spec,) * len(extra)
     on = functools.partial(jax.shard_map, mesh=_context_mesh(mesh), axis_names={AXIS})
-    forward = on(ring.forward, in_specs=(seq_spec,) * 3, out_specs=(seq_spec, lse_spec))
-    backward = on(ring.backward, in_specs=(seq_spec,) * 4 + (lse_spec, seq_spec),
+    forward = on(ring.forward, in_specs=(seq_spec,) * 3 + segs,
+                 out_specs=(seq_spec, lse_spec))
+
+    def backward_of(q, k, v, o, lse, do, *seg):
+        return ring.backward(q, k, v, o, lse, do, *seg)
+
+    backward = on(backward_of, in_specs=(seq_spec,) * 4 + (lse_spec, seq_spec) + segs,
                   out_specs=(seq_spec,) * 3)
 
     @jax.custom_vjp
-    def attention(q, k, v):
-        return forward(q, k, v)[0]
+    def attention(q, k, v, *seg):
+        return forward(q, k, v, *seg)[0]
 
-    def attention_fwd(q, k, v):
-        o, lse = forward(q, k, v)
-        return o, (q, k, v, o, lse)
+    def attention_fwd(q, k, v, *seg):
+        o, lse = forward(q, k, v, *seg)
+        return o, (q, k, v, o, lse, seg)
 
     def attention_bwd(res, do):
-        return backward(*res, do)
+        q, k, v, o, lse, seg = res
+        return (*backward(q, k, v, o, lse, do, *seg), *(None for _ in seg))
 
     attention.defvjp(attention_fwd, attention_bwd)
-    return attention(q, k, v)
+    return attention(q, k, v, *extra)
 
 
 def _context_mesh(mesh):

@@ -96,10 +96,6 @@ class GPTTask(DecoderCheckpoints, Task):
             raise UserError("data.document_mask is not carried through a pipeline's stages "
                             "yet; drop the pipeline axis (fsdp or tensor hold a large model "
                             "instead) or set data.document_mask = false")
-        if self.documents and self.context_attention == "ring":
-            self.context_attention, self.context_why = "allgather", (
-                "a document mask (data.document_mask), which the ring does not carry")
-            self.rules = replace(self.rules, context_attention="allgather")
         if (self.local or self.data_split) and self.context_attention == "ring":
             # The model is traced per data replica (vmap over `data`), and a shard_map
             # manual over `context` alone cannot be batched over an axis it leaves to GSPMD.
