@@ -76,18 +76,19 @@ def test_import_and_export_carry_the_chat_template(imported, tmp_path):
 
 
 def test_sample_chat_answers_as_the_greedy_decode_does(imported, capsys):
-    """The message through the template with the assistant's turn opened, continued
-    greedily (the reference decode without a cache), cut at the end-of-text token."""
+    """The system and user messages through the template with the assistant's turn
+    opened, continued greedily (the reference decode without a cache), cut at the
+    end-of-text token."""
     from tokenizers import Tokenizer
 
     from plait.sample import greedy_without_cache, load
 
-    assert main(["sample", str(imported), "--chat", "--prompt", "what is the mesh?",
-                 "--tokens", "12", "--temperature", "0"]) == 0
+    assert main(["sample", str(imported), "--chat", "--system", "be brief", "--prompt",
+                 "what is the mesh?", "--tokens", "12", "--temperature", "0"]) == 0
     got = capsys.readouterr().out
     tok = Tokenizer.from_file(str(imported / "tokenizer.json"))
-    prompt = tok.encode("<user>\nwhat is the mesh?" + EOS + "\n<assistant>\n",
-                        add_special_tokens=False).ids
+    prompt = tok.encode("<system>\nbe brief" + EOS + "\n<user>\nwhat is the mesh?" + EOS
+                        + "\n<assistant>\n", add_special_tokens=False).ids
     _, mdef, params, _ = load(imported, None)
     new = greedy_without_cache(mdef, params, prompt, 12)
     end = tok.token_to_id(EOS)

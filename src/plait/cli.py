@@ -57,7 +57,7 @@ def cmd_sample(args) -> int:
     from plait.sample import sample
 
     text, info = sample(args.run_dir, args.prompt, args.tokens, args.temperature,
-                        args.top_k, args.seed, args.step, args.chat)
+                        args.top_k, args.seed, args.step, args.chat, args.system)
     print(text if args.chat else args.prompt + text)
     print(f"plait: {len(info['tokens'])} tokens from the checkpoint at step {info['step']} "
           f"(tokenizer: {info['tokenizer']})", file=sys.stderr)

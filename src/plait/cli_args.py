@@ -157,7 +157,8 @@ def parser() -> argparse.ArgumentParser:
                    help="criteo: skip lines that do not parse (counted) or stop at the first")
     sp = sub.add_parser(
         "sample", help="generate text from a GPT run's checkpoint (KV cache, one device)",
-        usage="plait sample RUN_DIR --prompt TEXT [--chat] [--tokens N] [--temperature T] "
+        usage="plait sample RUN_DIR --prompt TEXT [--chat [--system TEXT]] [--tokens N] "
+              "[--temperature T] "
               "[--top-k K] [--seed S] [--step N]")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a plait train run")
     sp.add_argument("--prompt", required=True, help="the text to continue")
@@ -165,6 +166,8 @@ def parser() -> argparse.ArgumentParser:
                     help="the prompt is a user's message: put it through the run's chat "
                          "template (from plait import) and print the assistant's answer, "
                          "up to its end-of-text token")
+    sp.add_argument("--system", metavar="TEXT",
+                    help="--chat: a system message before the prompt")
     sp.add_argument("--tokens", type=int, default=100, help="how many tokens to generate")
     sp.add_argument("--temperature", type=float, default=1.0,
                     help="softmax temperature; 0 takes the most likely token every time")

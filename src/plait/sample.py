@@ -133,10 +133,12 @@ def read_params(task, ckpts, run_dir: Path, step: int | None) -> tuple[dict, int
 
 
 def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, top_k: int,
-           seed: int, step: int | None, chat: bool = False) -> tuple[str, dict]:
+           seed: int, step: int | None, chat: bool = False, system: str | None = None
+           ) -> tuple[str, dict]:
     """The generated text (after the prompt) and what made it. With `chat`, the prompt
-    is a user's message put through the run's chat template with the assistant's turn
-    opened, and the answer ends at the template's end-of-text token."""
+    is a user's message (after `system`'s, if given) put through the run's chat template
+    with the assistant's turn opened, and the answer ends at the template's end-of-text
+    token."""
     from plait.data.tokenizer import for_run
     from plait.train.step import compute_dtype
 
@@ -147,6 +149,8 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
                         f"got {temperature}")
     if top_k < 0:
         raise UserError(f"--top-k must be >= 0 (0: no cut), got {top_k}")
+    if system is not None and not chat:
+        raise UserError("--system is a chat's first message; pass --chat with it")
     run_dir = Path(run_dir)
     exp, mdef, params, at = load(run_dir, step)
     codec = for_run(run_dir)
@@ -159,7 +163,8 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
             raise UserError(f"--chat needs the run's tokenizer and chat template; '{run_dir}' "
                             "has no tokenizer.json (byte-level)")
         template = chats.find(run_dir / RUN_FILE)
-        text = template.render([{"role": "user", "content": prompt}],
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        text = template.render([*messages, {"role": "user", "content": prompt}],
                                add_generation_prompt=True)
         ids = codec.encode_with_offsets([text])[0][0]
         stop = codec.tok.token_to_id(template.eos) if template.eos else None
