@@ -216,13 +216,15 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                     status.show(docs, tokens, tok.name)
             if batch:
                 flush(batch)
-        if held_out and docs and not held_docs:  # (no documents at all: publish says so)
+        if held_out and docs and not held_docs:  # (no documents at all: said below)
             raise UserError(f"--held-out {held_out} of {docs} document(s) holds none out; "
                             f"nothing was written; use at least {1 / max(docs, 1):.3g}")
         if held_out and docs and held_docs == docs:
             raise UserError(f"--held-out {held_out} holds out all {docs} document(s); "
                             "nothing was written; use a smaller fraction")
-        train.check_not_empty()
+        for writer in (train, held):  # both complete before either replaces a file
+            if writer is not None:
+                writer.check_not_empty()
         named = tok if isinstance(tok, HFTokenizer) else None
         written = [train.publish(named)] + ([held.publish(named)] if held else [])
     except BaseException:
