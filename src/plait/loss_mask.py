@@ -29,24 +29,27 @@ _SCALE: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("kept_
                                                                           default=None)
 
 
-def _kept_and_all(batch: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(kept targets, all targets) of a token batch [..., seq + 1] whose left-out targets
-    are stored as ~id, as float32 scalars (a batch that keeps none counts as one kept, so
-    its loss and gradients are 0, not NaN)."""
-    kept = jnp.sum(batch[..., 1:] >= 0, dtype=jnp.int32)
-    return jnp.maximum(kept, 1).astype(jnp.float32), jnp.float32(batch[..., 1:].size)
-
-
 @contextlib.contextmanager
-def kept_targets(batch: jax.Array) -> Iterator[None]:
-    """Within: the loss of any piece of `batch` leaves out its targets stored as ~id and is
-    normalized by the kept targets of the whole of `batch` (the module docstring)."""
-    kept, total = _kept_and_all(batch)
-    token = _SCALE.set(total / kept)
+def _setting(var: contextvars.ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _SCALE.reset(token)
+        var.reset(token)
+
+
+def kept_count(batch: jax.Array) -> jax.Array:
+    """How many targets of a token batch [..., seq + 1] the loss keeps (those not stored as
+    ~id), an int32 scalar."""
+    return jnp.sum(batch[..., 1:] >= 0, dtype=jnp.int32)
+
+
+def kept_targets(batch: jax.Array) -> contextlib.AbstractContextManager:
+    """Within: the loss of any piece of `batch` leaves out its targets stored as ~id and is
+    normalized by the kept targets of the whole of `batch` (the module docstring). A
+    batch that keeps none counts as one kept, so its loss and gradients are 0, not NaN."""
+    kept = jnp.maximum(kept_count(batch), 1).astype(jnp.float32)
+    return _setting(_SCALE, jnp.float32(batch[..., 1:].size) / kept)
 
 
 def kept_scale() -> jax.Array | None:
@@ -60,15 +63,6 @@ _FLAGGED: contextvars.ContextVar[bool] = contextvars.ContextVar("flagged", defau
 # mask over the whole row.
 _SEGMENTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
     "segments", default=None)
-
-
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar, value) -> Iterator[None]:
-    token = var.set(value)
-    try:
-        yield
-    finally:
-        var.reset(token)
 
 
 def flagged() -> contextlib.AbstractContextManager:
@@ -86,16 +80,21 @@ def segments() -> jax.Array | None:
     return _SEGMENTS.get()
 
 
+def _unmasked(tokens: jax.Array) -> jax.Array:
+    """Tokens with ~id undone (the DOC_START bit, if any, kept)."""
+    return jnp.where(tokens < 0, ~tokens, tokens)
+
+
 def starts(tokens: jax.Array) -> jax.Array:
     """Whether each token starts a document (inside `flagged`; else all False)."""
     if not _FLAGGED.get():
         return jnp.zeros(tokens.shape, bool)
-    return (jnp.where(tokens < 0, ~tokens, tokens) & DOC_START) != 0
+    return (_unmasked(tokens) & DOC_START) != 0
 
 
 def token_ids(tokens: jax.Array) -> jax.Array:
     """The ids of tokens as the model reads them: ~id undone inside `kept_targets`, the
     DOC_START bit cleared inside `flagged`."""
     if _FLAGGED.get():
-        return jnp.where(tokens < 0, ~tokens, tokens) & (DOC_START - 1)
-    return tokens if _SCALE.get() is None else jnp.where(tokens < 0, ~tokens, tokens)
+        return _unmasked(tokens) & (DOC_START - 1)
+    return tokens if _SCALE.get() is None else _unmasked(tokens)

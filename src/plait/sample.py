@@ -166,7 +166,7 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
         messages = [{"role": "system", "content": system}] if system is not None else []
         text = template.render([*messages, {"role": "user", "content": prompt}],
                                add_generation_prompt=True)
-        ids = codec.encode_with_offsets([text])[0][0]
+        ids = codec.encode_lines([text], special=False)[0]  # the template placed them
         stop = codec.tok.token_to_id(template.eos) if template.eos else None
     else:
         ids = codec.encode(prompt)

@@ -66,16 +66,18 @@ class TokenFile:
         self.seq_len, self.seed, self.vocab, self.key = seq_len, seed, vocab, key
         self.mask = _read_mask(path, len(self.tokens), key)
         self.row_start = resolve_row_start(path, row_start, key)
-        self.starts = (_read_starts(path, len(self.tokens), seq_len + 1, key)
+        if document_mask and not index_path(path).is_file():
+            raise UserError(f"data.document_mask needs the document index beside '{path}' "
+                            f"({key}), which plait data writes for JSON Lines / Parquet "
+                            "records; make the file that way or set data.document_mask = "
+                            "false")
+        index = (_read_index(path, len(self.tokens), key)
+                 if document_mask or self.row_start == "document" else None)
+        # Where a document starts: each one for the document mask, those early enough
+        # to start a row for data.row_start = "document".
+        self.documents = index if document_mask else None
+        self.starts = (_row_starts(index, len(self.tokens), seq_len + 1, path, key)
                        if self.row_start == "document" else None)
-        self.documents = None
-        if document_mask:
-            if not index_path(path).is_file():
-                raise UserError(f"data.document_mask needs the document index beside "
-                                f"'{path}' ({key}), which plait data writes for JSON Lines / "
-                                "Parquet records; make the file that way or set "
-                                "data.document_mask = false")
-            self.documents = np.fromfile(index_path(path), dtype="<i8")
         # The tokenizer the file was made with (None: byte-level), kept by the run.
         self.tokenizer: Path | None = sidecar(path) if sidecar(path).is_file() else None
         if self.tokenizer is not None:
@@ -111,7 +113,6 @@ class TokenFile:
             return ids
         return np.where(self.mask[offset: offset + length] != 0, ids, ~ids)
 
-
     def _check(self, ids: np.ndarray, offset: int) -> None:
         top = int(ids.max()) if ids.size else 0
         if top >= self.vocab:
@@ -146,15 +147,21 @@ def resolve_row_start(path: str | Path, setting: str, key: str = "data.path") ->
     return setting
 
 
-def _read_starts(path: Path, tokens: int, length: int, key: str) -> np.ndarray:
-    """The starts of the documents a row of `length` tokens can start at (those early
-    enough to hold it)."""
+def _read_index(path: Path, tokens: int, key: str) -> np.ndarray:
+    """The document index beside a token file, checked against it."""
     side = index_path(path)
     starts = np.fromfile(side, dtype="<i8")
     if starts.size == 0 or np.any(np.diff(starts) <= 0) or starts[0] != 0 \
             or starts[-1] >= tokens:
         raise UserError(f"the document index '{side}' does not fit '{path}' ({key}); write "
                         "both again with plait data (or delete the index)")
+    return starts
+
+
+def _row_starts(starts: np.ndarray, tokens: int, length: int, path: Path, key: str
+                ) -> np.ndarray:
+    """The starts of the documents a row of `length` tokens can start at (those early
+    enough to hold it)."""
     usable = starts[: np.searchsorted(starts, tokens - length, side="right")]
     if usable.size == 0:
         raise UserError(f"no document of '{path}' ({key}) starts early enough for a row of "

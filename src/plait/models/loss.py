@@ -54,10 +54,8 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = Non
     vocabulary rounded up for sharding) are left out, so padding does not change the
     loss. Inside `kept_targets`, the mean over the kept targets of the whole batch."""
     scale = kept_scale()
-    per_token = _token_losses(logits, token_ids(targets), vocab)
-    if scale is None:
-        return jnp.mean(per_token)
-    return jnp.mean(jnp.where(targets >= 0, per_token, 0.0)) * scale
+    mean = jnp.mean(_kept(_token_losses(logits, token_ids(targets), vocab), targets))
+    return mean if scale is None else mean * scale
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -92,18 +90,19 @@ def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
     their dtype)."""
     per_token, masked, lse, hit = _per_token(logits, token_ids(targets), vocab)
     grad = (jnp.exp(masked - lse[..., None]) - hit) * scale
-    if kept_scale() is None:
-        return jnp.sum(per_token), grad.astype(logits.dtype)
-    kept = targets >= 0
-    return (jnp.sum(jnp.where(kept, per_token, 0.0)),
-            jnp.where(kept[..., None], grad, 0.0).astype(logits.dtype))
+    return (jnp.sum(_kept(per_token, targets)),
+            _kept(grad, targets[..., None]).astype(logits.dtype))
 
 
 def _summed(logits: jax.Array, targets: jax.Array, vocab: int | None) -> jax.Array:
     """The summed cross-entropy of these logits' kept targets."""
-    per_token = _per_token(logits, token_ids(targets), vocab)[0]
-    return jnp.sum(per_token if kept_scale() is None
-                   else jnp.where(targets >= 0, per_token, 0.0))
+    return jnp.sum(_kept(_per_token(logits, token_ids(targets), vocab)[0], targets))
+
+
+def _kept(values: jax.Array, targets: jax.Array) -> jax.Array:
+    """values where the loss keeps their targets, 0 where it leaves them out (inside
+    loss_mask.kept_targets; outside, values as they are and nothing traced)."""
+    return values if kept_scale() is None else jnp.where(targets >= 0, values, 0.0)
 
 
 def _pieces(a: jax.Array, n: int) -> jax.Array:

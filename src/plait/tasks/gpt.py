@@ -201,20 +201,20 @@ class GPTTask(DecoderCheckpoints, Task):
             stack.enter_context(loss_mask.flagged())
         return stack
 
-    def _over_kept(self, loss_and_grads):
+    def _in_batch_context(self, loss_and_grads):
         """loss_and_grads within the batch's context (_batch_context), where it has one."""
         if not (self.kept_only or self.documents):
             return loss_and_grads
 
-        def over_kept(params, batch):
+        def in_context(params, batch):
             with self._batch_context(batch):
                 return loss_and_grads(params, batch)
-        return over_kept
+        return in_context
 
     def _local_step(self):
         """The step of replicas that sync every sync.period steps (parallel.local_sgd)."""
         shapes, shardings = self._params
-        grads_of = self._over_kept(self._replica_grads())  # each replica's own mean
+        grads_of = self._in_batch_context(self._replica_grads())  # each replica's own mean
 
         def replica_step(params, opt_state, batch):
             value, grads = grads_of(params, batch)
@@ -238,7 +238,7 @@ class GPTTask(DecoderCheckpoints, Task):
         extra = self.model_metrics
         loss_fn = self.loss_and_metrics if extra else self.loss
         if self.kept_only or self.documents:
-            loss_and_grads = self._over_kept(loss_and_grads or accumulated(
+            loss_and_grads = self._in_batch_context(loss_and_grads or accumulated(
                 loss_fn, lambda g: jax.lax.with_sharding_constraint(g, self.layout.params),
                 has_aux=bool(extra)))
         return make_train_step(
@@ -302,7 +302,7 @@ class GPTTask(DecoderCheckpoints, Task):
 
         def loss(params, batch):
             with self._batch_context(batch, kept=True):
-                return mean(params, batch), jnp.sum(batch[..., 1:] >= 0)
+                return mean(params, batch), loss_mask.kept_count(batch)
         return jax.jit(loss, out_shardings=sharding.replicated(self.mesh))
 
     # ------------------------------------------------------------------ figures
