@@ -2,7 +2,9 @@
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
 #   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bnoremat
-#   llama1b fp8 moe sweep124 sweep1p3b sweepllama)
+#   llama1b llama1bchunks fp8 moe moevariants sweep124 sweep1p3b sweepllama)
+#   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
+#   of 540 s; a run with under 30 s left is skipped, so one device command ends in time)
 #
 # Meant for a lent GPU machine with JAX (CUDA) and torch installed: plait runs from
 # src/ (PYTHONPATH), missing pure-Python dependencies may be wheels under .whl/, and
@@ -12,10 +14,11 @@
 #
 # A lent GPU comes with about 30 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close:
-#   1. llama1b  (issue 26's last item: llama3.2-1b >= 50% MFU; <= 640 s)
-#   2. moe      (issue 28's last item: >= 70% of the dense twin's tokens/s; <= 580 s)
-#   3. env gpt124 nanogpt (issue 29: >= 1.1x nanoGPT; <= 700 s, so two commands)
-#   4. gpt1p3bnoremat, gpt1p3b, fp8, sweep124, sweep1p3b, sweepllama (issue 29's other
+#   1. llama1b  (issue 26's last item: llama3.2-1b >= 50% MFU; <= 240 s)
+#   2. moe      (issue 28's last item: >= 70% of the dense twin's tokens/s; <= 200 s)
+#   3. llama1bchunks, moevariants (what the loss pieces and the other dispatches do)
+#   4. env gpt124 nanogpt (issue 29: >= 1.1x nanoGPT; <= 700 s, so two commands)
+#   5. gpt1p3bnoremat, gpt1p3b, fp8, sweep124, sweep1p3b, sweepllama (issue 29's other
 #      items), in later sessions if need be.
 set -u
 OUT=${OUT:-gpu-out}
@@ -30,6 +33,11 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
 run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, say how it ended
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
+  if [ -n "${DEADLINE_S:-}" ]; then
+    local left=$((DEADLINE_S - SECONDS))
+    if [ "$left" -lt 30 ]; then echo "== $name: skipped, ${left} s left of DEADLINE_S"; return; fi
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+  fi
   echo "== $name: $*"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -72,7 +80,8 @@ for stage in "$@"; do
     llama1b)  # issue 26's MFU (16 x 2048, the loss in 8 pieces so that no remat fits),
       # then the pieces' own effect at a batch that fits either way
       run llama1b-chunks8 240 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
-        --steps 16 --warmup 4 --set model.loss_chunks=8 --json "$OUT/llama1b-chunks8.json"
+        --steps 16 --warmup 4 --set model.loss_chunks=8 --json "$OUT/llama1b-chunks8.json" ;;
+    llama1bchunks)
       run llama1b-b8-chunks1 200 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
         --steps 16 --warmup 4 --set train.global_batch=8 --json "$OUT/llama1b-b8-chunks1.json"
       run llama1b-b8-chunks8 200 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
@@ -112,8 +121,8 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bnoremat llama1b fp8
-       moe sweep124 sweep1p3b sweepllama)"
+    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bnoremat llama1b
+       llama1bchunks fp8 moe moevariants sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
 done
