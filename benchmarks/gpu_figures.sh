@@ -92,12 +92,12 @@ for stage in "$@"; do
         --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b.json"
       run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
         --steps 300 --json "$OUT/fp8-124m-curve.json" ;;
-    moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s:
-      # dropless with plait's tiled grouped matmuls (the default), dropless with
-      # jax.lax.ragged_dot handed to cuDNN's grouped GEMM (an XLA flag of recent versions;
-      # an unknown flag fails only this run), then capacity 1.25
+    moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s,
+      # dropless with plait's tiled grouped matmuls (the default)
       run moe-dropless 200 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
-        --rounds 2 --steps 12 --warmup 4 --json "$OUT/moe-dropless.json"
+        --rounds 2 --steps 12 --warmup 4 --json "$OUT/moe-dropless.json" ;;
+    moevariants)  # dropless with jax.lax.ragged_dot handed to cuDNN's grouped GEMM (an XLA
+      # flag of recent versions; an unknown flag fails only this run), then capacity 1.25
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" \
         run moe-dropless-cudnn 200 python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --set 'model.moe.grouped="ragged_dot"' --rounds 2 \
