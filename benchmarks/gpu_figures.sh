@@ -93,18 +93,25 @@ for stage in "$@"; do
       run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
         --steps 300 --json "$OUT/fp8-124m-curve.json" ;;
     moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s,
-      # dropless with plait's tiled grouped matmuls (the default)
+      # dropless with plait's grouped matmuls (the default: a balanced share batched)
       run moe-dropless 200 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
         --rounds 2 --steps 12 --warmup 4 --json "$OUT/moe-dropless.json" ;;
-    moevariants)  # dropless with jax.lax.ragged_dot handed to cuDNN's grouped GEMM (an XLA
-      # flag of recent versions; an unknown flag fails only this run), then capacity 1.25
+    moevariants)  # dropless with 1.25 shares batched, with every row in the loop over
+      # tiles (bulk 0, before 2026-11-26), capacity 1.25, then jax.lax.ragged_dot handed
+      # to cuDNN's grouped GEMM (an XLA flag of recent versions)
+      run moe-dropless-bulk1.25 200 python3 benchmarks/moe_vs_dense.py \
+        experiments/mixtral-mini.toml --set model.moe.bulk=1.25 --rounds 2 --steps 12 \
+        --warmup 4 --json "$OUT/moe-dropless-bulk1.25.json"
+      run moe-dropless-loop 200 python3 benchmarks/moe_vs_dense.py \
+        experiments/mixtral-mini.toml --set model.moe.bulk=0 --rounds 2 --steps 12 \
+        --warmup 4 --json "$OUT/moe-dropless-loop.json"
+      run moe-capacity 180 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
+        --set model.moe.capacity_factor=1.25 --rounds 2 --steps 12 --warmup 4 \
+        --json "$OUT/moe-capacity.json"
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_use_ragged_dot_fusion=true" \
         run moe-dropless-cudnn 200 python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --set 'model.moe.grouped="ragged_dot"' --rounds 2 \
-        --steps 12 --warmup 4 --json "$OUT/moe-dropless-cudnn.json"
-      run moe-capacity 180 python3 benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
-        --set model.moe.capacity_factor=1.25 --rounds 2 --steps 12 --warmup 4 \
-        --json "$OUT/moe-capacity.json" ;;
+        --steps 12 --warmup 4 --json "$OUT/moe-dropless-cudnn.json" ;;
     sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on
       # the GPU, trains the top ones and fits the overheads to them

@@ -260,13 +260,15 @@ def test_small_capacity_drops_what_numpy_drops(spec):
     np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bulk", [1.0, 0.0], ids=["batched", "loop-only"])
 @pytest.mark.parametrize("expected", [None, 24], ids=["all-rows", "a-quarter"])
 @pytest.mark.parametrize("sizes", [[10, 0, 50, 30], [0, 0, 64, 0], [1, 2, 3, 4]])
-def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected):
-    """Dropless's grouped matmuls as a loop over tiles: the values and both gradients of
+def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk):
+    """Dropless's grouped matmuls, a balanced share of each group batched and the rest
+    in a loop over tiles (or all in the loop): the values and both gradients of
     jax.lax.ragged_dot, empty groups and rows past the groups (another rank's, zeros)
-    included; whether the routed rows fit the static part of the loop (`expected`, the
-    rows of a balanced routing) or spill into its part of dynamic length."""
+    included; whether the routed rows fit the batched part or the static part of the
+    loop (`expected`, the rows of a balanced routing) or spill past them."""
     from plait.parallel.grouped import grouped_matmul
 
     rng = np.random.default_rng(0)
@@ -275,7 +277,7 @@ def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected):
     s = jnp.asarray(sizes, jnp.int32)
 
     def f(x, w, how):
-        y = grouped_matmul(x, w, s, how, expected)
+        y = grouped_matmul(x, w, s, how, expected, bulk)
         return jnp.sum(jnp.sin(y)), y
 
     (_, got), got_g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w, "tiles")

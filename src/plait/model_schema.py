@@ -67,6 +67,10 @@ class MoEConfig(Section):
     # Dropless's grouped matmuls: tiles of one expert's rows in a scan (at the routed
     # FLOPs everywhere) or jax.lax.ragged_dot (whatever the backend makes of it).
     grouped: Literal["tiles", "ragged_dot"] = "tiles"
+    # tiles: each expert's rows up to `bulk` x a balanced expert's share in one batched
+    # product, only the rows past it in the loop over tiles (slow on a GPU: small
+    # products in sequence); 0 = every row in the loop.
+    bulk: NonNegFloat = 1.0
     aux_weight: NonNegFloat = 0.01
     z_weight: NonNegFloat = 0.0
 

@@ -228,12 +228,13 @@ def with_capacity(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
 
 
 def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
-                  how: str, ranks: int = 1) -> jax.Array:
+                  how: str, ranks: int = 1, bulk: float = 1.0) -> jax.Array:
     """Tokens x [N, d] of one device, every assignment kept: sorted by expert, the experts
     run as grouped matmuls over their contiguous rows, then put back and weighted.
     Assignments to experts outside [0, E) (another rank's) sort last, past every group:
     the grouped matmuls leave them out and their outputs are 0. `ranks`: how many ranks
-    share the assignments (a balanced routing gives this one 1 / ranks of them)."""
+    share the assignments (a balanced routing gives this one 1 / ranks of them); `bulk`:
+    the share of a balanced expert's rows batched (`parallel.grouped.tiles`)."""
     N, k = idx.shape
     expected = N * k // ranks
     E = next(iter(w.values())).shape[0]
@@ -244,18 +245,19 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     if activation == "swiglu":
         w13 = w["w13"]
-        gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how, expected)
+        gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how, expected,
+                            bulk)
         gu = gu.reshape(gu.shape[0], 2, -1)
         hidden = swiglu(gu[:, 0], gu[:, 1])
     else:
-        hidden = gelu(grouped_matmul(rows, w["w1"], sizes, how, expected))
-    out = grouped_matmul(hidden, w["w2"], sizes, how, expected)
+        hidden = gelu(grouped_matmul(rows, w["w1"], sizes, how, expected, bulk))
+    out = grouped_matmul(hidden, w["w2"], sizes, how, expected, bulk)
     back = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
 
 
 def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
-             how: str = "tiles") -> tuple[jax.Array, jax.Array]:
+             how: str = "tiles", bulk: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], 0 dropped): each device's
     tokens through `_ragged_group`, in a shard_map over the axes that split the rows;
     over an `expert` axis, every rank's tokens through its own experts (the module's
@@ -271,9 +273,10 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
             x, gate = _gather(x, AXIS), _gather(gate, AXIS)
             idx = jax.lax.all_gather(idx, AXIS, tiled=True)
             first = jax.lax.axis_index(AXIS) * next(iter(w.values())).shape[0]
-            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X), AXIS)
+            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X, bulk),
+                             AXIS)
         else:
-            y = _ragged_group(x, idx, gate, w, activation, how)
+            y = _ragged_group(x, idx, gate, w, activation, how, bulk=bulk)
         return y.reshape(b, T, d)
 
     ctx = active()

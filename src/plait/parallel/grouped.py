@@ -100,39 +100,66 @@ def _tile_products_bwd(static, res, dy):
 _tile_products.defvjp(_tile_products_fwd, _tile_products_bwd)
 
 
-def tiles(x: jax.Array, w: jax.Array, sizes: jax.Array, expected: int | None = None
-          ) -> jax.Array:
-    """x [M, K] sorted by group, w [G, K, N], sizes [G] (their sum at most M) ->
-    [M, N]: row i of group g times w[g]; rows past sum(sizes) give zeros. `expected`:
-    the rows a balanced routing puts in the groups (default M), which sizes the tiles
-    and the static part of the loop."""
+def _tile_loop(x: jax.Array, w: jax.Array, sizes: jax.Array, first: jax.Array, tile: int,
+               static: int) -> jax.Array:
+    """Rows [first[g], first[g] + sizes[g]) of x [M, K] through w[g] in the loop over
+    tiles -> [M, N], zeros elsewhere. The loop is `static` tiles long, then as long as
+    the occupied tiles past those."""
     M, K = x.shape
     G = w.shape[0]
-    expected = M if expected is None else max(1, min(expected, M))
-    tile = tile_rows(expected, G)
     T = -(-M // tile) + G
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
     padded = -(-sizes // tile) * tile
     pends = jnp.cumsum(padded)
     i = jnp.arange(M)
-    g = _group_of(i, ends)  # G past the last group
+    g = _group_of(i, first + sizes)
     gi = jnp.minimum(g, G - 1)
-    dest = jnp.where(g < G, pends[gi] - padded[gi] + i - starts[gi], T * tile)
+    inside = (g < G) & (i >= first[gi])
+    dest = jnp.where(inside, pends[gi] - padded[gi] + i - first[gi], T * tile)
     xp = jnp.zeros((T * tile, K), x.dtype).at[dest].set(x, mode="drop", unique_indices=True)
     tile_group = _group_of(jnp.arange(T) * tile, pends)
     occupied = (pends[-1] // tile).astype(jnp.int32)
     # the weight varies where the rows do before the custom VJP, whose backward then
     # gives its gradient per rank: the cast's transpose sums it across them
     yp = _tile_products(xp.reshape(T, tile, K), varying_like(w, xp, sizes), tile_group,
-                        occupied, min(T, -(-expected // tile)))
+                        occupied, min(T, static))
     return jnp.take(yp.reshape(T * tile, -1), dest, axis=0, mode="fill", fill_value=0)
 
 
+def tiles(x: jax.Array, w: jax.Array, sizes: jax.Array, expected: int | None = None,
+          bulk: float = 1.0) -> jax.Array:
+    """x [M, K] sorted by group, w [G, K, N], sizes [G] (their sum at most M) ->
+    [M, N]: row i of group g times w[g]; rows past sum(sizes) give zeros. `expected`:
+    the rows a balanced routing puts in the groups (default M), which sizes the tiles.
+    `bulk`: the first rows of each group, up to `bulk` x a balanced group's share (in
+    whole tiles), go through one batched product [G, C, K] x [G, K, N], as fast as a
+    dense layer of those FLOPs; only the rows past them (an expert above its share) go
+    through the loop over tiles, whose small products in sequence are slow on a GPU.
+    0: every row through the loop, whose known part is then a balanced routing's tiles."""
+    M, K = x.shape
+    G = w.shape[0]
+    expected = M if expected is None else max(1, min(expected, M))
+    tile = tile_rows(expected, G)
+    C = -(-int(bulk * expected / G) // tile) * tile
+    starts = jnp.cumsum(sizes) - sizes
+    if C == 0:
+        return _tile_loop(x, w, sizes, starts, tile, -(-expected // tile))
+    i = jnp.arange(M)
+    g = _group_of(i, starts + sizes)
+    gi = jnp.minimum(g, G - 1)
+    rank = i - starts[gi]
+    dest = jnp.where((g < G) & (rank < C), gi * C + rank, G * C)
+    xb = jnp.zeros((G * C, K), x.dtype).at[dest].set(x, mode="drop", unique_indices=True)
+    yb = jnp.einsum("gck,gkn->gcn", xb.reshape(G, C, K), w).reshape(G * C, -1)
+    y = jnp.take(yb, dest, axis=0, mode="fill", fill_value=0)
+    over = jnp.maximum(sizes - C, 0)
+    return y + _tile_loop(x, w, over, starts + sizes - over, tile, 0).astype(y.dtype)
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, how: str,
-                   expected: int | None = None) -> jax.Array:
+                   expected: int | None = None, bulk: float = 1.0) -> jax.Array:
     """`how`: "tiles" (above) or "ragged_dot" (jax.lax.ragged_dot, the backend's own).
-    `expected`: the rows a balanced routing puts in the groups (tiles only)."""
+    `expected`, `bulk`: the rows a balanced routing puts in the groups, and the share of
+    them batched (tiles only)."""
     if how == "ragged_dot":
         return jax.lax.ragged_dot(x, w, sizes)
-    return tiles(x, w, sizes, expected)
+    return tiles(x, w, sizes, expected, bulk)
