@@ -24,6 +24,7 @@ the backward over the same tiles (JAX cannot reverse a loop of dynamic length).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,15 +54,10 @@ def _over_tiles(body, init, static: int, occupied: jax.Array):
     return jax.lax.fori_loop(static, jnp.maximum(occupied, static), body, carry)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _tile_products(xp: jax.Array, w: jax.Array, tile_group: jax.Array, occupied: jax.Array,
-                   static: int) -> jax.Array:
+def _loop_forward(xp: jax.Array, w: jax.Array, tile_group: jax.Array, occupied: jax.Array,
+                  static: int) -> jax.Array:
     """xp [T, tile, K], w [G, K, N], tile_group [T] (G: no group), occupied (the tiles
     that hold rows come first) -> [T, tile, N]; tiles past `occupied` are zeros."""
-    return _forward(xp, w, tile_group, occupied, static)
-
-
-def _forward(xp, w, tile_group, occupied, static):
     G = w.shape[0]
 
     def body(t, y):
@@ -73,12 +69,10 @@ def _forward(xp, w, tile_group, occupied, static):
     return _over_tiles(body, varying_like(y, xp, w, tile_group), static, occupied)
 
 
-def _tile_products_fwd(xp, w, tile_group, occupied, static):
-    return _forward(xp, w, tile_group, occupied, static), (xp, w, tile_group, occupied)
-
-
-def _tile_products_bwd(static, res, dy):
-    xp, w, tile_group, occupied = res
+def _loop_backward(xp: jax.Array, w: jax.Array, tile_group: jax.Array, occupied: jax.Array,
+                   static: int, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The loop's gradients over the same tiles (JAX cannot reverse a loop of dynamic
+    length): dx [T, tile, K], and dw [G, K, N] accumulated in float32."""
     G = w.shape[0]
 
     def body(t, c):
@@ -93,36 +87,83 @@ def _tile_products_bwd(static, res, dy):
     like = (xp, w, tile_group, dy)
     init = (varying_like(jnp.zeros_like(xp), *like),
             varying_like(jnp.zeros(w.shape, jnp.float32), *like))
-    dx, dw = _over_tiles(body, init, static, occupied)
-    return dx, dw.astype(w.dtype), None, None
+    return _over_tiles(body, init, static, occupied)
 
 
-_tile_products.defvjp(_tile_products_fwd, _tile_products_bwd)
+class _Layout(NamedTuple):
+    """Where each of M sorted rows goes: `bulk` its row of the [G x C] batched buffer,
+    `loop` its row of the [T x tile] tiles (G x C, T x tile: not there), `tile_group`
+    each tile's group (G: none), `occupied` the tiles that hold rows (the first ones)."""
+    bulk: jax.Array
+    loop: jax.Array
+    tile_group: jax.Array
+    occupied: jax.Array
 
 
-def _tile_loop(x: jax.Array, w: jax.Array, sizes: jax.Array, first: jax.Array, tile: int,
-               static: int) -> jax.Array:
-    """Rows [first[g], first[g] + sizes[g]) of x [M, K] through w[g] in the loop over
-    tiles -> [M, N], zeros elsewhere. The loop is `static` tiles long, then as long as
-    the occupied tiles past those."""
-    M, K = x.shape
-    G = w.shape[0]
+def _layout(M: int, G: int, sizes: jax.Array, C: int, tile: int) -> _Layout:
+    """Each group's first C rows to the batched buffer, the rest to whole tiles of their
+    own group (the buffer has room for the worst case: ceil(M / tile) + G tiles)."""
     T = -(-M // tile) + G
-    padded = -(-sizes // tile) * tile
-    pends = jnp.cumsum(padded)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
     i = jnp.arange(M)
-    g = _group_of(i, first + sizes)
+    g = _group_of(i, ends)  # G past the last group
     gi = jnp.minimum(g, G - 1)
-    inside = (g < G) & (i >= first[gi])
-    dest = jnp.where(inside, pends[gi] - padded[gi] + i - first[gi], T * tile)
-    xp = jnp.zeros((T * tile, K), x.dtype).at[dest].set(x, mode="drop", unique_indices=True)
+    rank = i - starts[gi]
+    bulk = jnp.where((g < G) & (rank < C), gi * C + rank, G * C)
+    over = jnp.maximum(sizes - C, 0)
+    padded = -(-over // tile) * tile
+    pends = jnp.cumsum(padded)
+    loop = jnp.where((g < G) & (rank >= C), pends[gi] - padded[gi] + rank - C, T * tile)
     tile_group = _group_of(jnp.arange(T) * tile, pends)
-    occupied = (pends[-1] // tile).astype(jnp.int32)
-    # the weight varies where the rows do before the custom VJP, whose backward then
-    # gives its gradient per rank: the cast's transpose sums it across them
-    yp = _tile_products(xp.reshape(T, tile, K), varying_like(w, xp, sizes), tile_group,
-                        occupied, min(T, static))
-    return jnp.take(yp.reshape(T * tile, -1), dest, axis=0, mode="fill", fill_value=0)
+    return _Layout(bulk, loop, tile_group, (pends[-1] // tile).astype(jnp.int32))
+
+
+def _put(x: jax.Array, dest: jax.Array, rows: int) -> jax.Array:
+    return jnp.zeros((rows, x.shape[1]), x.dtype).at[dest].set(x, mode="drop",
+                                                              unique_indices=True)
+
+
+def _get(buf: jax.Array, dest: jax.Array) -> jax.Array:
+    return jnp.take(buf.reshape(-1, buf.shape[-1]), dest, axis=0, mode="fill", fill_value=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped(x: jax.Array, w: jax.Array, lay: _Layout, C: int, tile: int, static: int
+             ) -> jax.Array:
+    """x [M, K] through w [G, K, N] as `lay` places its rows -> [M, N]. A custom VJP so
+    that the backward keeps x, not its two padded copies (rebuilt there by a scatter)."""
+    return _grouped_fwd(x, w, lay, C, tile, static)[0]
+
+
+def _grouped_fwd(x, w, lay, C, tile, static):
+    G, K, _ = w.shape
+    T = lay.tile_group.shape[0]
+    xp = _put(x, lay.loop, T * tile).reshape(T, tile, K)
+    y = _get(_loop_forward(xp, w, lay.tile_group, lay.occupied, static), lay.loop)
+    if C:
+        xb = _put(x, lay.bulk, G * C).reshape(G, C, K)
+        y = y + _get(jnp.einsum("gck,gkn->gcn", xb, w), lay.bulk)
+    return y, (x, w, lay)
+
+
+def _grouped_bwd(C, tile, static, res, dy):
+    x, w, lay = res
+    G, K, _ = w.shape
+    T = lay.tile_group.shape[0]
+    dxp, dw = _loop_backward(_put(x, lay.loop, T * tile).reshape(T, tile, K), w,
+                             lay.tile_group, lay.occupied, static,
+                             _put(dy, lay.loop, T * tile).reshape(T, tile, -1))
+    dx = _get(dxp, lay.loop)
+    if C:
+        xb = _put(x, lay.bulk, G * C).reshape(G, C, K)
+        dyb = _put(dy, lay.bulk, G * C).reshape(G, C, -1)
+        dx = dx + _get(jnp.einsum("gcn,gkn->gck", dyb, w), lay.bulk).astype(dx.dtype)
+        dw = dw + jnp.einsum("gck,gcn->gkn", xb, dyb, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype), None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def tiles(x: jax.Array, w: jax.Array, sizes: jax.Array, expected: int | None = None,
@@ -140,19 +181,11 @@ def tiles(x: jax.Array, w: jax.Array, sizes: jax.Array, expected: int | None = N
     expected = M if expected is None else max(1, min(expected, M))
     tile = tile_rows(expected, G)
     C = -(-int(bulk * expected / G) // tile) * tile
-    starts = jnp.cumsum(sizes) - sizes
-    if C == 0:
-        return _tile_loop(x, w, sizes, starts, tile, -(-expected // tile))
-    i = jnp.arange(M)
-    g = _group_of(i, starts + sizes)
-    gi = jnp.minimum(g, G - 1)
-    rank = i - starts[gi]
-    dest = jnp.where((g < G) & (rank < C), gi * C + rank, G * C)
-    xb = jnp.zeros((G * C, K), x.dtype).at[dest].set(x, mode="drop", unique_indices=True)
-    yb = jnp.einsum("gck,gkn->gcn", xb.reshape(G, C, K), w).reshape(G * C, -1)
-    y = jnp.take(yb, dest, axis=0, mode="fill", fill_value=0)
-    over = jnp.maximum(sizes - C, 0)
-    return y + _tile_loop(x, w, over, starts + sizes - over, tile, 0).astype(y.dtype)
+    lay = _layout(M, G, sizes, C, tile)
+    static = 0 if C else min(lay.tile_group.shape[0], -(-expected // tile))
+    # the weight varies where the rows do before the custom VJP, whose backward then
+    # gives its gradient per rank: the cast's transpose sums it across them
+    return _grouped(x, varying_like(w, x, sizes), lay, C, tile, static)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, how: str,
