@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
 #   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bnoremat
-#   llama1b llama1bchunks fp8 moe moevariants sweep124 sweep1p3b sweepllama)
+#   llama1b llama1bchunks fp8 moe moevariants grouped sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
 #   of 540 s; a run with under 30 s left is skipped, so one device command ends in time)
 #
@@ -12,14 +12,16 @@
 # .refs/ (not part of plait; ignored by git). Each stage has its own time limit so a
 # failure does not cost the stages after it; logs and JSON go to $OUT (default gpu-out/).
 #
-# A lent GPU comes with about 30 minutes and 10 minutes a command, less than all stages'
+# A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close:
-#   1. llama1b  (issue 26's last item: llama3.2-1b >= 50% MFU; <= 240 s)
-#   2. moe      (issue 28's last item: >= 70% of the dense twin's tokens/s; <= 200 s)
-#   3. llama1bchunks, moevariants (what the loss pieces and the other dispatches do)
-#   4. env gpt124 nanogpt (issue 29: >= 1.1x nanoGPT; <= 700 s, so two commands)
-#   5. gpt1p3bnoremat, gpt1p3b, fp8, sweep124, sweep1p3b, sweepllama (issue 29's other
+#   1. moe grouped (issue 28's last item: >= 70% of the dense twin's tokens/s, dropless;
+#      0.43 on an H100 on 2026-11-26; grouped times the grouped matmul alone to say
+#      where the rest goes; <= 320 s)
+#   2. env gpt124 nanogpt (issue 29: >= 1.1x nanoGPT; <= 700 s, so two commands)
+#   3. gpt1p3bnoremat, gpt1p3b, fp8, sweep124, sweep1p3b, sweepllama (issue 29's other
 #      items), in later sessions if need be.
+#   llama1b (issue 26, 56% MFU on an H100 on 2026-11-26), llama1bchunks and moevariants
+#   re-measure what docs/benchmarks.md already holds.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -49,7 +51,10 @@ for stage in "$@"; do
     env)
       nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
       python3 -c "import jax, flax, optax, orbax.checkpoint, torch; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'torch', torch.__version__)"
-      git log -1 --format='plait at %h %s' 2>/dev/null || true ;;
+      # the copy's .git may be older than its files: name the files' own tree, which
+      # `git log --format='%h %T'` here matches to the commit that has it
+      echo "plait source tree $(cp .git/index /tmp/plait-index 2>/dev/null; GIT_INDEX_FILE=/tmp/plait-index \
+        git add -A 2>/dev/null && GIT_INDEX_FILE=/tmp/plait-index git write-tree 2>/dev/null)" ;;
     dlrm)
       run dlrm-sync 240 python3 benchmarks/dlrm_vs_reference.py --reference .refs/dlrm --gpu \
         --torch-python python3 --rounds 3 --steps 50 --warmup 5 --log-every 1 --json "$OUT/dlrm-sync.json"
@@ -112,6 +117,15 @@ for stage in "$@"; do
         run moe-dropless-cudnn 200 python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --set 'model.moe.grouped="ragged_dot"' --rounds 2 \
         --steps 12 --warmup 4 --json "$OUT/moe-dropless-cudnn.json" ;;
+    grouped)  # the grouped matmul alone against a dense product of its FLOPs, both of
+      # mixtral-mini's products (gate/up, down), routing balanced and skewed
+      for shape in "1024 7168" "3584 1024"; do
+        set -- $shape
+        for skew in 0 0.3; do
+          run "grouped-k$1-skew$skew" 120 python3 benchmarks/grouped_matmul.py --k "$1" \
+            --n "$2" --skew "$skew" --json "$OUT/grouped-k$1-skew$skew.json"
+        done
+      done ;;
     sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on
       # the GPU, trains the top ones and fits the overheads to them
@@ -129,7 +143,7 @@ for stage in "$@"; do
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
     *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bnoremat llama1b
-       llama1bchunks fp8 moe moevariants sweep124 sweep1p3b sweepllama)"
+       llama1bchunks fp8 moe moevariants grouped sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
 done

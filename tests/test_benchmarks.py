@@ -57,6 +57,23 @@ def test_moe_against_its_dense_twin(tmp_path):
     assert got["params"]["moe"] > 2 * got["params"]["dense"]
 
 
+def test_grouped_matmul_variants_agree_and_are_timed(tmp_path):
+    """gpu_figures.sh's grouped stage: every tiles variant computes ragged_dot's product
+    (float32 here), on skewed routing whose largest group overflows a balanced share,
+    and each variant has a time."""
+    out = tmp_path / "g.json"
+    _ok(_script("grouped_matmul.py", "--rows", "512", "--k", "16", "--n", "24", "--skew",
+                "0.5", "--dtype", "float32", "--repeat", "1", "--rounds", "1", "--json",
+                str(out)))
+    got = json.loads(out.read_text())
+    assert sum(got["sizes"]) == 512 and got["largest_over_mean"] > 1.25
+    assert set(got["relative_error_vs_ragged_dot"]) == {
+        "tiles-bulk0", "tiles-bulk1", "tiles-bulk1.25"}
+    assert max(got["relative_error_vs_ragged_dot"].values()) < 1e-5
+    assert set(got["median_ms"]) == {"dense", "batched", "ragged_dot",
+                                     *got["relative_error_vs_ragged_dot"]}
+
+
 def test_fp8_against_bf16_emulated_and_refused(tmp_path):
     """gpu_figures.sh's fp8 stage on XLA:CPU's FP8 emulation: both runs, the speed-up and
     the loss curves' gap; without emulation, a CPU is refused in one line before the
