@@ -114,7 +114,8 @@ def main() -> int:
             "rows": args.rows, "k": args.k, "n": args.n, "groups": args.groups,
             "dtype": args.dtype, "skew": args.skew, "sizes": sizes.tolist(),
             "largest_over_mean": float(sizes.max() * args.groups / args.rows),
-            "relative_error_vs_ragged_dot": error, "median_ms": ms, "over_dense": {k: v / ms["dense"] for k, v in ms.items()},
+            "relative_error_vs_ragged_dot": error, "median_ms": ms,
+            "over_dense": {k: v / ms["dense"] for k, v in ms.items()},
             "tflops_per_s": {k: flops / (v * 1e-3) / 1e12 for k, v in ms.items()},
             "rounds": rounds}, args.json)
     return 0

@@ -64,12 +64,12 @@ class MoEConfig(Section):
     shared_gate: bool = False
     renormalize: bool = True
     capacity_factor: NonNegFloat = 0.0
-    # Dropless's grouped matmuls: tiles of one expert's rows in a scan (at the routed
-    # FLOPs everywhere) or jax.lax.ragged_dot (whatever the backend makes of it).
+    # Dropless's grouped matmuls: plait's tiles (a balanced share of each expert's rows
+    # batched, the rest in a loop over tiles of one expert; the routed FLOPs anywhere)
+    # or jax.lax.ragged_dot (whatever the backend makes of it).
     grouped: Literal["tiles", "ragged_dot"] = "tiles"
-    # tiles: each expert's rows up to `bulk` x a balanced expert's share in one batched
-    # product, only the rows past it in the loop over tiles (slow on a GPU: small
-    # products in sequence); 0 = every row in the loop.
+    # tiles: the rows batched, as a multiple of a balanced expert's share; 0 = every
+    # row in the loop (small products in sequence: slow on a GPU).
     bulk: NonNegFloat = 1.0
     aux_weight: NonNegFloat = 0.01
     z_weight: NonNegFloat = 0.0

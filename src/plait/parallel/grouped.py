@@ -4,21 +4,26 @@ times its own weight, at (about) the FLOPs of the rows actually routed.
 `jax.lax.ragged_dot` says exactly this, but what it costs is the backend's choice:
 XLA:CPU expands it into a dense product over every group's zero-padded rows, G times
 the FLOPs and an activation per group (docs/architecture.md, "Dropless"). `tiles`
-gets the same result from plain XLA: each group's rows are laid out from a multiple of
-a tile of rows, so every tile belongs to one group, and a loop over the tiles
-multiplies each by its group's weight (a dynamic index, no gathered copy). Rows past
-the groups' total (assignments to another rank's experts) come back as zeros, as
-ragged_dot gives them.
+gets the same result from plain XLA in two parts. Each group's first C rows (`bulk`
+x a balanced group's share, in whole tiles) go to a [G, C, K] buffer and one batched
+product, as fast as a dense layer of those FLOPs. The rows past them are laid out
+from a multiple of a tile of rows, so every tile belongs to one group, and a loop
+over the tiles multiplies each by its group's weight (a dynamic index, no gathered
+copy): many small products in sequence, slow on a GPU, so only the rows of experts
+above their share go there (with bulk 0, every row). Rows past the groups' total
+(assignments to another rank's experts) come back as zeros, as ragged_dot gives them.
 
-The buffer has room for the worst case (every row in the groups, each group padded
-by most of a tile), but the loop runs only over the tiles that hold rows: a static
-loop over the tiles of the rows a balanced routing gives (`expected`), then a loop
-whose trip count is the tiles actually occupied past those. Over an `expert` axis of
-X ranks the buffer holds the whole group's X x N x k rows and a balanced rank's
-groups N x k of them, so this is the difference between X times the experts' FLOPs
-and their share; and the compiled program's FLOPs, which count the static loop (a
-loop of unknown trip count counts once), price the balanced case. A custom VJP runs
-the backward over the same tiles (JAX cannot reverse a loop of dynamic length).
+The tiles have room for the worst case (every row in the groups, each group padded
+by most of a tile), but the loop runs only over the tiles that hold rows: with bulk
+0 a static loop over the tiles of the rows a balanced routing gives (`expected`),
+then one whose trip count is the tiles actually occupied past those. Over an
+`expert` axis of X ranks the rows are the whole group's X x N x k and a balanced
+rank's groups hold N x k of them, so this is the difference between X times the
+experts' FLOPs and their share; and the compiled program's FLOPs, which count the
+batched product and the static loop (a loop of unknown trip count counts once),
+price the balanced case. One custom VJP covers both parts: JAX cannot reverse a loop
+of dynamic length, and the backward keeps the sorted rows instead of their two
+padded layouts, which it rebuilds.
 """
 
 from __future__ import annotations
