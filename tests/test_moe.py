@@ -262,7 +262,7 @@ def test_small_capacity_drops_what_numpy_drops(spec):
 
 @pytest.mark.parametrize("bulk", [1.0, 0.0], ids=["batched", "loop-only"])
 @pytest.mark.parametrize("expected", [None, 24], ids=["all-rows", "a-quarter"])
-@pytest.mark.parametrize("sizes", [[10, 0, 50, 30], [0, 0, 64, 0], [1, 2, 3, 4]])
+@pytest.mark.parametrize("sizes", [[10, 0, 50, 30], [10, 0, 30, 60], [0, 0, 64, 0], [1, 2, 3, 4]])
 def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk):
     """Dropless's grouped matmuls, a balanced share of each group batched and the rest
     in a loop over tiles (or all in the loop): the values and both gradients of

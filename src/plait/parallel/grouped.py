@@ -6,24 +6,26 @@ XLA:CPU expands it into a dense product over every group's zero-padded rows, G t
 the FLOPs and an activation per group (docs/architecture.md, "Dropless"). `tiles`
 gets the same result from plain XLA in two parts. Each group's first C rows (`bulk`
 x a balanced group's share, in whole tiles) go to a [G, C, K] buffer and one batched
-product, as fast as a dense layer of those FLOPs. The rows past them are laid out
-from a multiple of a tile of rows, so every tile belongs to one group, and a loop
-over the tiles multiplies each by its group's weight (a dynamic index, no gathered
-copy): many small products in sequence, slow on a GPU, so only the rows of experts
-above their share go there (with bulk 0, every row). Rows past the groups' total
-(assignments to another rank's experts) come back as zeros, as ragged_dot gives them.
+product, as fast as a dense layer of those FLOPs. The rows past them are cut into
+tiles, windows of contiguous rows of one group (the last of a group partly its
+own), and a loop over the tiles multiplies each by its group's weight, reading
+its rows from x and writing its outputs into y in place (dynamic slices and a
+dynamic weight index: no padded copy of the rows): many small products in sequence,
+slow on a GPU, so only the rows of experts above their share go there (with bulk 0,
+every row). Rows past the groups' total (assignments to another rank's experts)
+come back as zeros, as ragged_dot gives them.
 
-The tiles have room for the worst case (every row in the groups, each group padded
-by most of a tile), but the loop runs only over the tiles that hold rows: with bulk
-0 a static loop over the tiles of the rows a balanced routing gives (`expected`),
-then one whose trip count is the tiles actually occupied past those. Over an
+The tiles are counted for the worst case (every row in the groups, each group's
+last tile partly filled), but the loop runs only over the tiles that hold rows: with
+bulk 0 a static loop over the tiles of the rows a balanced routing gives
+(`expected`), then one whose trip count is the tiles actually occupied past those. Over an
 `expert` axis of X ranks the rows are the whole group's X x N x k and a balanced
 rank's groups hold N x k of them, so this is the difference between X times the
 experts' FLOPs and their share; and the compiled program's FLOPs, which count the
 batched product and the static loop (a loop of unknown trip count counts once),
 price the balanced case. One custom VJP covers both parts: JAX cannot reverse a loop
-of dynamic length, and the backward keeps the sorted rows instead of their two
-padded layouts, which it rebuilds.
+of dynamic length, and the backward keeps the sorted rows instead of the batched
+buffer, which it rebuilds.
 """
 
 from __future__ import annotations
@@ -59,55 +61,21 @@ def _over_tiles(body, init, static: int, occupied: jax.Array):
     return jax.lax.fori_loop(static, jnp.maximum(occupied, static), body, carry)
 
 
-def _loop_forward(xp: jax.Array, w: jax.Array, tile_group: jax.Array, occupied: jax.Array,
-                  static: int) -> jax.Array:
-    """xp [T, tile, K], w [G, K, N], tile_group [T] (G: no group), occupied (the tiles
-    that hold rows come first) -> [T, tile, N]; tiles past `occupied` are zeros."""
-    G = w.shape[0]
-
-    def body(t, y):
-        g = tile_group[t]
-        yt = xp[t] @ w[jnp.minimum(g, G - 1)]
-        return y.at[t].set(jnp.where(g < G, yt, jnp.zeros_like(yt)))
-
-    y = jnp.zeros(xp.shape[:2] + w.shape[2:], jnp.result_type(xp, w))
-    return _over_tiles(body, varying_like(y, xp, w, tile_group), static, occupied)
-
-
-def _loop_backward(xp: jax.Array, w: jax.Array, tile_group: jax.Array, occupied: jax.Array,
-                   static: int, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The loop's gradients over the same tiles (JAX cannot reverse a loop of dynamic
-    length): dx [T, tile, K], and dw [G, K, N] accumulated in float32."""
-    G = w.shape[0]
-
-    def body(t, c):
-        dx, dw = c
-        g = tile_group[t]
-        gi = jnp.minimum(g, G - 1)
-        dyt = jnp.where(g < G, dy[t], jnp.zeros_like(dy[t]))
-        dx = dx.at[t].set((dyt @ w[gi].T).astype(dx.dtype))
-        dw = dw.at[gi].add(jnp.matmul(xp[t].T, dyt, preferred_element_type=jnp.float32))
-        return dx, dw
-
-    like = (xp, w, tile_group, dy)
-    init = (varying_like(jnp.zeros_like(xp), *like),
-            varying_like(jnp.zeros(w.shape, jnp.float32), *like))
-    return _over_tiles(body, init, static, occupied)
-
-
 class _Layout(NamedTuple):
-    """Where each of M sorted rows goes: `bulk` its row of the [G x C] batched buffer,
-    `loop` its row of the [T x tile] tiles (G x C, T x tile: not there), `tile_group`
-    each tile's group (G: none), `occupied` the tiles that hold rows (the first ones)."""
+    """Where the M sorted rows go. `bulk`: each row's row of the [G x C] batched buffer
+    (G x C: not there). The rest are tiles of contiguous rows of one group: tile t is
+    rows [start[t], start[t] + length[t]) of group `group[t]` (G: none); the first
+    `occupied` tiles hold rows."""
     bulk: jax.Array
-    loop: jax.Array
-    tile_group: jax.Array
+    start: jax.Array
+    length: jax.Array
+    group: jax.Array
     occupied: jax.Array
 
 
 def _layout(M: int, G: int, sizes: jax.Array, C: int, tile: int) -> _Layout:
-    """Each group's first C rows to the batched buffer, the rest to whole tiles of their
-    own group (the buffer has room for the worst case: ceil(M / tile) + G tiles)."""
+    """Each group's first C rows to the batched buffer, the rest to tiles of their own
+    group (room for the worst case: ceil(M / tile) + G tiles)."""
     T = -(-M // tile) + G
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
@@ -117,11 +85,65 @@ def _layout(M: int, G: int, sizes: jax.Array, C: int, tile: int) -> _Layout:
     rank = i - starts[gi]
     bulk = jnp.where((g < G) & (rank < C), gi * C + rank, G * C)
     over = jnp.maximum(sizes - C, 0)
-    padded = -(-over // tile) * tile
-    pends = jnp.cumsum(padded)
-    loop = jnp.where((g < G) & (rank >= C), pends[gi] - padded[gi] + rank - C, T * tile)
-    tile_group = _group_of(jnp.arange(T) * tile, pends)
-    return _Layout(bulk, loop, tile_group, (pends[-1] // tile).astype(jnp.int32))
+    count = -(-over // tile)
+    tends = jnp.cumsum(count)
+    t = jnp.arange(T)
+    group = _group_of(t, tends)
+    tg = jnp.minimum(group, G - 1)
+    start = ends[tg] - over[tg] + (t - tends[tg] + count[tg]) * tile
+    length = jnp.where(group < G, jnp.clip(ends[tg] - start, 0, tile), 0)
+    return _Layout(bulk, start, length, group, tends[-1].astype(jnp.int32))
+
+
+def _tile_at(lay: _Layout, t: jax.Array, M: int, tile: int):
+    """(first row of the `tile` rows read for tile t, which of them are its own): the
+    read starts earlier near the end of the rows, where a full tile would not fit."""
+    first = jnp.clip(lay.start[t], 0, M - tile)
+    r = first + jnp.arange(tile)
+    return first, (r >= lay.start[t]) & (r < lay.start[t] + lay.length[t])
+
+
+def _loop_forward(x: jax.Array, w: jax.Array, lay: _Layout, tile: int, static: int,
+                  y: jax.Array) -> jax.Array:
+    """y [M, N] with each tile's rows of x [M, K] times its group's weight written in
+    (in place, in a loop over the occupied tiles)."""
+    M, K = x.shape
+    G = w.shape[0]
+
+    def body(t, y):
+        first, own = _tile_at(lay, t, M, tile)
+        xt = jax.lax.dynamic_slice(x, (first, 0), (tile, K))
+        yt = (xt @ w[jnp.minimum(lay.group[t], G - 1)]).astype(y.dtype)
+        kept = jax.lax.dynamic_slice(y, (first, 0), (tile, y.shape[1]))
+        return jax.lax.dynamic_update_slice(y, jnp.where(own[:, None], yt, kept), (first, 0))
+
+    return _over_tiles(body, varying_like(y, x, w, lay.start), static, lay.occupied)
+
+
+def _loop_backward(x: jax.Array, w: jax.Array, lay: _Layout, tile: int, static: int,
+                   dy: jax.Array, dx: jax.Array, dw: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The loop's gradients over the same tiles (JAX cannot reverse a loop of dynamic
+    length): the tiles' rows of dx written in, their weight gradients added to dw
+    (float32)."""
+    M, K = x.shape
+    G = w.shape[0]
+
+    def body(t, c):
+        dx, dw = c
+        first, own = _tile_at(lay, t, M, tile)
+        g = jnp.minimum(lay.group[t], G - 1)
+        xt = jax.lax.dynamic_slice(x, (first, 0), (tile, K))
+        dyt = jax.lax.dynamic_slice(dy, (first, 0), (tile, dy.shape[1]))
+        dyt = jnp.where(own[:, None], dyt, jnp.zeros_like(dyt))
+        kept = jax.lax.dynamic_slice(dx, (first, 0), (tile, K))
+        dxt = jnp.where(own[:, None], (dyt @ w[g].T).astype(dx.dtype), kept)
+        dx = jax.lax.dynamic_update_slice(dx, dxt, (first, 0))
+        dw = dw.at[g].add(jnp.matmul(xt.T, dyt, preferred_element_type=jnp.float32))
+        return dx, dw
+
+    like = (x, w, lay.start, dy)
+    return _over_tiles(body, (varying_like(dx, *like), varying_like(dw, *like)), static,
+                       lay.occupied)
 
 
 def _put(x: jax.Array, dest: jax.Array, rows: int) -> jax.Array:
@@ -136,35 +158,33 @@ def _get(buf: jax.Array, dest: jax.Array) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _grouped(x: jax.Array, w: jax.Array, lay: _Layout, C: int, tile: int, static: int
              ) -> jax.Array:
-    """x [M, K] through w [G, K, N] as `lay` places its rows -> [M, N]. A custom VJP so
-    that the backward keeps x, not its two padded copies (rebuilt there by a scatter)."""
+    """x [M, K] through w [G, K, N] as `lay` places its rows -> [M, N]. A custom VJP:
+    the loop's length is known only when it runs, and the backward keeps x, not the
+    batched buffer (rebuilt there by a scatter)."""
     return _grouped_fwd(x, w, lay, C, tile, static)[0]
 
 
 def _grouped_fwd(x, w, lay, C, tile, static):
-    G, K, _ = w.shape
-    T = lay.tile_group.shape[0]
-    xp = _put(x, lay.loop, T * tile).reshape(T, tile, K)
-    y = _get(_loop_forward(xp, w, lay.tile_group, lay.occupied, static), lay.loop)
+    G, K, N = w.shape
     if C:
         xb = _put(x, lay.bulk, G * C).reshape(G, C, K)
-        y = y + _get(jnp.einsum("gck,gkn->gcn", xb, w), lay.bulk)
-    return y, (x, w, lay)
+        y = _get(jnp.einsum("gck,gkn->gcn", xb, w), lay.bulk)
+    else:
+        y = jnp.zeros((x.shape[0], N), jnp.result_type(x, w))
+    return _loop_forward(x, w, lay, tile, static, y), (x, w, lay)
 
 
 def _grouped_bwd(C, tile, static, res, dy):
     x, w, lay = res
     G, K, _ = w.shape
-    T = lay.tile_group.shape[0]
-    dxp, dw = _loop_backward(_put(x, lay.loop, T * tile).reshape(T, tile, K), w,
-                             lay.tile_group, lay.occupied, static,
-                             _put(dy, lay.loop, T * tile).reshape(T, tile, -1))
-    dx = _get(dxp, lay.loop)
+    dw = jnp.zeros(w.shape, jnp.float32)
+    dx = jnp.zeros_like(x)
     if C:
         xb = _put(x, lay.bulk, G * C).reshape(G, C, K)
         dyb = _put(dy, lay.bulk, G * C).reshape(G, C, -1)
-        dx = dx + _get(jnp.einsum("gcn,gkn->gck", dyb, w), lay.bulk).astype(dx.dtype)
-        dw = dw + jnp.einsum("gck,gcn->gkn", xb, dyb, preferred_element_type=jnp.float32)
+        dx = _get(jnp.einsum("gcn,gkn->gck", dyb, w), lay.bulk).astype(x.dtype)
+        dw = jnp.einsum("gck,gcn->gkn", xb, dyb, preferred_element_type=jnp.float32)
+    dx, dw = _loop_backward(x, w, lay, tile, static, dy, dx, dw)
     return dx, dw.astype(w.dtype), None
 
 
@@ -184,10 +204,10 @@ def tiles(x: jax.Array, w: jax.Array, sizes: jax.Array, expected: int | None = N
     M, K = x.shape
     G = w.shape[0]
     expected = M if expected is None else max(1, min(expected, M))
-    tile = tile_rows(expected, G)
+    tile = min(tile_rows(expected, G), M)
     C = -(-int(bulk * expected / G) // tile) * tile
     lay = _layout(M, G, sizes, C, tile)
-    static = 0 if C else min(lay.tile_group.shape[0], -(-expected // tile))
+    static = 0 if C else min(lay.group.shape[0], -(-expected // tile))
     # the weight varies where the rows do before the custom VJP, whose backward then
     # gives its gradient per rank: the cast's transpose sums it across them
     return _grouped(x, varying_like(w, x, sizes), lay, C, tile, static)
