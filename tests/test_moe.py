@@ -288,6 +288,48 @@ def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("bulk", [1.0, 0.0], ids=["batched", "loop-only"])
+def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, activation):
+    """Dropless's whole expert MLP on the tiles (hidden activations kept in the batched
+    layout, each loop tile's forward recomputed in the backward): the values and the
+    gradients of the rows and every weight of the same MLP written with ragged_dot,
+    with groups over their share, under it, empty, and rows past the groups."""
+    from plait.models.activations import gelu, swiglu
+    from plait.parallel.grouped import grouped_mlp
+
+    rng = np.random.default_rng(1)
+    G, K, F = 4, 16, 12
+    x = jnp.asarray(rng.standard_normal((100, K)), jnp.float32)
+    w = {"w2": jnp.asarray(rng.standard_normal((G, F, K)) / 4, jnp.float32)}
+    if activation == "swiglu":
+        w["w13"] = jnp.asarray(rng.standard_normal((G, K, 2, F)) / 4, jnp.float32)
+    else:
+        w["w1"] = jnp.asarray(rng.standard_normal((G, K, F)) / 4, jnp.float32)
+    s = jnp.asarray([5, 0, 61, 24], jnp.int32)
+
+    def reference(x, w):
+        if activation == "swiglu":
+            gu = jax.lax.ragged_dot(x, w["w13"].reshape(G, K, -1), s).reshape(-1, 2, F)
+            hidden = swiglu(gu[:, 0], gu[:, 1])
+        else:
+            hidden = gelu(jax.lax.ragged_dot(x, w["w1"], s))
+        return jax.lax.ragged_dot(hidden, w["w2"], s)
+
+    def f(fn):
+        def loss(x, w):
+            y = fn(x, w)
+            return jnp.sum(jnp.sin(y)), y
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+
+    (_, got), got_g = f(lambda x, w: grouped_mlp(x, w, s, activation, 40, bulk))
+    (_, want), want_g = f(reference)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert not np.asarray(got[90:]).any()
+    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
 def test_dropless_tiles_compile_to_the_routed_flops():
     """The compiled step's matmul FLOPs: tiles are the active weights' (flops_per_token)
     plus at most the tiles' padding; XLA:CPU's ragged_dot multiplies every expert."""

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from plait.models.activations import gelu, swiglu
-from plait.parallel.grouped import grouped_matmul
+from plait.parallel.grouped import expert_mlp, grouped_matmul, grouped_mlp
 from plait.sharding import active, axes_tuple
 
 AXIS = "expert"
@@ -64,16 +64,6 @@ def slot_positions(idx: jax.Array, experts: int) -> jax.Array:
     onehot = jax.nn.one_hot(flat, experts, dtype=jnp.int32)
     before = jnp.cumsum(onehot, axis=0) - onehot
     return jnp.take_along_axis(before, flat[:, None], axis=1)[:, 0].reshape(idx.shape[::-1]).T
-
-
-def _expert_mlp(w: Weights, h: jax.Array, activation: str) -> jax.Array:
-    """Every expert's MLP on its own tokens: h [..., E, C, d] -> [..., E, C, d]."""
-    if activation == "swiglu":
-        gu = jnp.einsum("...ecd,edgf->...ecgf", h, w["w13"])
-        hidden = swiglu(gu[..., 0, :], gu[..., 1, :])
-    else:
-        hidden = gelu(jnp.einsum("...ecd,edf->...ecf", h, w["w1"]))
-    return jnp.einsum("...ecf,efd->...ecd", hidden, w["w2"])
 
 
 def _dispatch_row(x: jax.Array, idx: jax.Array, pos: jax.Array, experts: int, cap: int):
@@ -178,7 +168,7 @@ def _exchange(buf: jax.Array, w: Weights, activation: str, mesh) -> jax.Array:
     def body(b, wl):
         # b [rows here, E, C, d] -> [rows here, source rank, local experts, C, d]
         there = jax.lax.all_to_all(b[:, None], AXIS, split_axis=2, concat_axis=1, tiled=True)
-        done = _expert_mlp(_weights_per_rank(wl, axes), there, activation)
+        done = expert_mlp(_weights_per_rank(wl, axes), there, activation)
         return jax.lax.all_to_all(done, AXIS, split_axis=1, concat_axis=2, tiled=True)[:, 0]
 
     context = jax.sharding.get_abstract_mesh()
@@ -203,7 +193,7 @@ def _exchange_by_layout(buf: jax.Array, w: Weights, activation: str, mesh) -> ja
 
     b = pin(buf.reshape(X, B // X, *buf.shape[1:]), P(AXIS, rest))
     there = pin(b, P(None, rest, AXIS))
-    done = pin(_expert_mlp(w, there, activation), P(None, rest, AXIS))
+    done = pin(expert_mlp(w, there, activation), P(None, rest, AXIS))
     return pin(done, P(AXIS, rest)).reshape(buf.shape)
 
 
@@ -222,7 +212,7 @@ def with_capacity(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
     buf = jax.vmap(_dispatch_row, in_axes=(0, 0, 0, None, None))(x, idx, pos, E, cap)
     mesh, size = _mesh_and_size()
     out = (_exchange(buf, w, activation, mesh) if size > 1
-           else _expert_mlp(w, buf, activation))
+           else expert_mlp(w, buf, activation))
     y = jax.vmap(_combine_row, in_axes=(0, 0, 0, 0, None))(out, idx, pos, gate, cap)
     return y, jnp.sum(pos >= cap)
 
@@ -243,15 +233,17 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
     order = jnp.argsort(flat, stable=True)
     rows = jnp.take(x, order // k, axis=0)
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
-    if activation == "swiglu":
-        w13 = w["w13"]
-        gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how, expected,
-                            bulk)
-        gu = gu.reshape(gu.shape[0], 2, -1)
-        hidden = swiglu(gu[:, 0], gu[:, 1])
+    if how == "tiles":
+        out = grouped_mlp(rows, w, sizes, activation, expected, bulk)
     else:
-        hidden = gelu(grouped_matmul(rows, w["w1"], sizes, how, expected, bulk))
-    out = grouped_matmul(hidden, w["w2"], sizes, how, expected, bulk)
+        if activation == "swiglu":
+            w13 = w["w13"]
+            gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how)
+            gu = gu.reshape(gu.shape[0], 2, -1)
+            hidden = swiglu(gu[:, 0], gu[:, 1])
+        else:
+            hidden = gelu(grouped_matmul(rows, w["w1"], sizes, how))
+        out = grouped_matmul(hidden, w["w2"], sizes, how)
     back = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
 

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from plait.models.activations import gelu, swiglu
 from plait.sharding import varying_like
 
 MAX_TILE = 512
@@ -103,30 +104,54 @@ def _tile_at(lay: _Layout, t: jax.Array, M: int, tile: int):
     return first, (r >= lay.start[t]) & (r < lay.start[t] + lay.length[t])
 
 
-def _loop_forward(x: jax.Array, w: jax.Array, lay: _Layout, tile: int, static: int,
-                  y: jax.Array) -> jax.Array:
-    """y [M, N] with each tile's rows of x [M, K] times its group's weight written in
+def expert_mlp(w: dict[str, jax.Array], h: jax.Array, activation: str | None) -> jax.Array:
+    """Every expert's MLP on its own rows: h [..., E, C, d] -> [..., E, C, d]. None: the
+    one product h @ w["w"] (a grouped matmul)."""
+    if activation is None:
+        return jnp.einsum("...ecd,edf->...ecf", h, w["w"])
+    if activation == "swiglu":
+        gu = jnp.einsum("...ecd,edgf->...ecgf", h, w["w13"])
+        hidden = swiglu(gu[..., 0, :], gu[..., 1, :])
+    else:
+        hidden = gelu(jnp.einsum("...ecd,edf->...ecf", h, w["w1"]))
+    return jnp.einsum("...ecf,efd->...ecd", hidden, w["w2"])
+
+
+def _tile_mlp(xt: jax.Array, wg: dict, activation: str | None) -> jax.Array:
+    """One group's MLP (weights wg, each [1, ...]) on one tile's rows [tile, K]."""
+    return expert_mlp(wg, xt[None], activation)[0]
+
+
+def _of_group(w: dict, g: jax.Array) -> dict:
+    return {k: v[g][None] for k, v in w.items()}
+
+
+def _loop_forward(x: jax.Array, w: dict, lay: _Layout, activation: str | None, tile: int,
+                  static: int, y: jax.Array) -> jax.Array:
+    """y [M, N] with each tile's rows of x [M, K] through its group's MLP written in
     (in place, in a loop over the occupied tiles)."""
     M, K = x.shape
-    G = w.shape[0]
+    G = next(iter(w.values())).shape[0]
 
     def body(t, y):
         first, own = _tile_at(lay, t, M, tile)
         xt = jax.lax.dynamic_slice(x, (first, 0), (tile, K))
-        yt = (xt @ w[jnp.minimum(lay.group[t], G - 1)]).astype(y.dtype)
+        yt = _tile_mlp(xt, _of_group(w, jnp.minimum(lay.group[t], G - 1)), activation)
+        yt = yt.astype(y.dtype)
         kept = jax.lax.dynamic_slice(y, (first, 0), (tile, y.shape[1]))
         return jax.lax.dynamic_update_slice(y, jnp.where(own[:, None], yt, kept), (first, 0))
 
-    return _over_tiles(body, varying_like(y, x, w, lay.start), static, lay.occupied)
+    return _over_tiles(body, varying_like(y, x, *w.values(), lay.start), static,
+                       lay.occupied)
 
 
-def _loop_backward(x: jax.Array, w: jax.Array, lay: _Layout, tile: int, static: int,
-                   dy: jax.Array, dx: jax.Array, dw: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _loop_backward(x: jax.Array, w: dict, lay: _Layout, activation: str | None, tile: int,
+                   static: int, dy: jax.Array, dx: jax.Array, dw: dict):
     """The loop's gradients over the same tiles (JAX cannot reverse a loop of dynamic
-    length): the tiles' rows of dx written in, their weight gradients added to dw
-    (float32)."""
+    length), each tile's forward recomputed: the tiles' rows of dx written in, their
+    weight gradients added to dw (float32)."""
     M, K = x.shape
-    G = w.shape[0]
+    G = next(iter(w.values())).shape[0]
 
     def body(t, c):
         dx, dw = c
@@ -135,15 +160,17 @@ def _loop_backward(x: jax.Array, w: jax.Array, lay: _Layout, tile: int, static: 
         xt = jax.lax.dynamic_slice(x, (first, 0), (tile, K))
         dyt = jax.lax.dynamic_slice(dy, (first, 0), (tile, dy.shape[1]))
         dyt = jnp.where(own[:, None], dyt, jnp.zeros_like(dyt))
+        yt, pull = jax.vjp(lambda xt, wg: _tile_mlp(xt, wg, activation), xt, _of_group(w, g))
+        dxt, dwg = pull(dyt.astype(yt.dtype))
         kept = jax.lax.dynamic_slice(dx, (first, 0), (tile, K))
-        dxt = jnp.where(own[:, None], (dyt @ w[g].T).astype(dx.dtype), kept)
-        dx = jax.lax.dynamic_update_slice(dx, dxt, (first, 0))
-        dw = dw.at[g].add(jnp.matmul(xt.T, dyt, preferred_element_type=jnp.float32))
+        dx = jax.lax.dynamic_update_slice(
+            dx, jnp.where(own[:, None], dxt.astype(dx.dtype), kept), (first, 0))
+        dw = {k: dw[k].at[g].add(dwg[k][0].astype(jnp.float32)) for k in dw}
         return dx, dw
 
-    like = (x, w, lay.start, dy)
-    return _over_tiles(body, (varying_like(dx, *like), varying_like(dw, *like)), static,
-                       lay.occupied)
+    like = (x, *w.values(), lay.start, dy)
+    init = (varying_like(dx, *like), {k: varying_like(v, *like) for k, v in dw.items()})
+    return _over_tiles(body, init, static, lay.occupied)
 
 
 def _put(x: jax.Array, dest: jax.Array, rows: int) -> jax.Array:
@@ -155,69 +182,75 @@ def _get(buf: jax.Array, dest: jax.Array) -> jax.Array:
     return jnp.take(buf.reshape(-1, buf.shape[-1]), dest, axis=0, mode="fill", fill_value=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped(x: jax.Array, w: jax.Array, lay: _Layout, C: int, tile: int, static: int
-             ) -> jax.Array:
-    """x [M, K] through w [G, K, N] as `lay` places its rows -> [M, N]. A custom VJP:
-    the loop's length is known only when it runs, and the backward keeps x, not the
-    batched buffer (rebuilt there by a scatter)."""
-    return _grouped_fwd(x, w, lay, C, tile, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _grouped(x: jax.Array, w: dict, lay: _Layout, activation: str | None, C: int, tile: int,
+             static: int) -> jax.Array:
+    """x [M, K] through the groups' MLPs (weights w, each [G, ...]) as `lay` places its
+    rows -> [M, N]. A custom VJP: the loop's length is known only when it runs."""
+    return _grouped_fwd(x, w, lay, activation, C, tile, static)[0]
 
 
-def _grouped_fwd(x, w, lay, C, tile, static):
-    G, K, N = w.shape
+def _grouped_fwd(x, w, lay, activation, C, tile, static):
+    G = next(iter(w.values())).shape[0]
+    pull = None
     if C:
-        xb = _put(x, lay.bulk, G * C).reshape(G, C, K)
-        y = _get(jnp.einsum("gck,gkn->gcn", xb, w), lay.bulk)
+        xb = _put(x, lay.bulk, G * C).reshape(G, C, -1)
+        yb, pull = jax.vjp(lambda xb, w: expert_mlp(w, xb, activation), xb, w)
+        y = _get(yb, lay.bulk)
     else:
-        y = jnp.zeros((x.shape[0], N), jnp.result_type(x, w))
-    return _loop_forward(x, w, lay, tile, static, y), (x, w, lay)
+        out = jax.eval_shape(functools.partial(_tile_mlp, activation=activation), x[:1],
+                             _of_group(w, 0))
+        y = jnp.zeros((x.shape[0], out.shape[-1]), out.dtype)
+    return _loop_forward(x, w, lay, activation, tile, static, y), (x, w, lay, pull)
 
 
-def _grouped_bwd(C, tile, static, res, dy):
-    x, w, lay = res
-    G, K, _ = w.shape
-    dw = jnp.zeros(w.shape, jnp.float32)
+def _grouped_bwd(activation, C, tile, static, res, dy):
+    x, w, lay, pull = res
+    G = next(iter(w.values())).shape[0]
+    dw = {k: jnp.zeros(v.shape, jnp.float32) for k, v in w.items()}
     dx = jnp.zeros_like(x)
     if C:
-        xb = _put(x, lay.bulk, G * C).reshape(G, C, K)
-        dyb = _put(dy, lay.bulk, G * C).reshape(G, C, -1)
-        dx = _get(jnp.einsum("gcn,gkn->gck", dyb, w), lay.bulk).astype(x.dtype)
-        dw = jnp.einsum("gck,gcn->gkn", xb, dyb, preferred_element_type=jnp.float32)
-    dx, dw = _loop_backward(x, w, lay, tile, static, dy, dx, dw)
-    return dx, dw.astype(w.dtype), None
+        dxb, dwb = pull(_put(dy, lay.bulk, G * C).reshape(G, C, -1))
+        dx = _get(dxb, lay.bulk).astype(x.dtype)
+        dw = {k: v.astype(jnp.float32) for k, v in dwb.items()}
+    dx, dw = _loop_backward(x, w, lay, activation, tile, static, dy, dx, dw)
+    return dx, {k: dw[k].astype(w[k].dtype) for k in w}, None
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def tiles(x: jax.Array, w: jax.Array, sizes: jax.Array, expected: int | None = None,
-          bulk: float = 1.0) -> jax.Array:
-    """x [M, K] sorted by group, w [G, K, N], sizes [G] (their sum at most M) ->
-    [M, N]: row i of group g times w[g]; rows past sum(sizes) give zeros. `expected`:
-    the rows a balanced routing puts in the groups (default M), which sizes the tiles.
-    `bulk`: the first rows of each group, up to `bulk` x a balanced group's share (in
-    whole tiles), go through one batched product [G, C, K] x [G, K, N], as fast as a
-    dense layer of those FLOPs; only the rows past them (an expert above its share) go
-    through the loop over tiles, whose small products in sequence are slow on a GPU.
-    0: every row through the loop, whose known part is then a balanced routing's tiles."""
-    M, K = x.shape
-    G = w.shape[0]
+def grouped_mlp(x: jax.Array, w: dict[str, jax.Array], sizes: jax.Array,
+                activation: str | None, expected: int | None = None, bulk: float = 1.0
+                ) -> jax.Array:
+    """x [M, K] sorted by group, weights w (each [G, ...], as `expert_mlp` takes them),
+    sizes [G] (their sum at most M) -> [M, N]: row i of group g through group g's MLP
+    (`expert_mlp`; activation None: the one product x @ w["w"][g]); rows past
+    sum(sizes) give zeros. `expected`: the rows a balanced routing puts in the groups
+    (default M), which sizes the tiles. `bulk`: the first rows of each group, up to
+    `bulk` x a balanced group's share (in whole tiles), go through one batched MLP on
+    [G, C, K], as fast as a dense layer of those FLOPs, its hidden activations kept in
+    that layout; only the rows past them (an expert above its share) go through the
+    loop over tiles, whose small products in sequence are slow on a GPU. 0: every row
+    through the loop, whose known part is then a balanced routing's tiles."""
+    M = x.shape[0]
+    G = next(iter(w.values())).shape[0]
     expected = M if expected is None else max(1, min(expected, M))
     tile = min(tile_rows(expected, G), M)
     C = -(-int(bulk * expected / G) // tile) * tile
     lay = _layout(M, G, sizes, C, tile)
     static = 0 if C else min(lay.group.shape[0], -(-expected // tile))
-    # the weight varies where the rows do before the custom VJP, whose backward then
-    # gives its gradient per rank: the cast's transpose sums it across them
-    return _grouped(x, varying_like(w, x, sizes), lay, C, tile, static)
+    # the weights vary where the rows do before the custom VJP, whose backward then
+    # gives their gradients per rank: the cast's transpose sums them across them
+    w = {k: varying_like(v, x, sizes) for k, v in w.items()}
+    return _grouped(x, w, lay, activation, C, tile, static)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, how: str,
                    expected: int | None = None, bulk: float = 1.0) -> jax.Array:
-    """`how`: "tiles" (above) or "ragged_dot" (jax.lax.ragged_dot, the backend's own).
-    `expected`, `bulk`: the rows a balanced routing puts in the groups, and the share of
-    them batched (tiles only)."""
+    """x [M, K] sorted by group, w [G, K, N] -> [M, N] (`grouped_mlp` of the one
+    product). `how`: "tiles" (`grouped_mlp`) or "ragged_dot" (jax.lax.ragged_dot, the
+    backend's own)."""
     if how == "ragged_dot":
         return jax.lax.ragged_dot(x, w, sizes)
-    return tiles(x, w, sizes, expected, bulk)
+    return grouped_mlp(x, {"w": w}, sizes, None, expected, bulk)
