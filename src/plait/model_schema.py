@@ -64,9 +64,9 @@ class MoEConfig(Section):
     shared_gate: bool = False
     renormalize: bool = True
     capacity_factor: NonNegFloat = 0.0
-    # Dropless's grouped matmuls: plait's tiles (a balanced share of each expert's rows
+    # Dropless's grouped MLPs: plait's tiles (a balanced share of each expert's rows
     # batched, the rest in a loop over tiles of one expert; the routed FLOPs anywhere)
-    # or jax.lax.ragged_dot (whatever the backend makes of it).
+    # or jax.lax.ragged_dot's grouped matmuls (whatever the backend makes of them).
     grouped: Literal["tiles", "ragged_dot"] = "tiles"
     # tiles: the rows batched, as a multiple of a balanced expert's share; 0 = every
     # row in the loop (small products in sequence: slow on a GPU).

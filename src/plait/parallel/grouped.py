@@ -1,14 +1,15 @@
-"""Grouped matrix products for dropless experts: rows sorted by group, each group's rows
-times its own weight, at (about) the FLOPs of the rows actually routed.
+"""Grouped MLPs for dropless experts: rows sorted by group, each group's rows through
+its own expert's MLP (or one product), at (about) the FLOPs of the rows actually routed.
 
-`jax.lax.ragged_dot` says exactly this, but what it costs is the backend's choice:
-XLA:CPU expands it into a dense product over every group's zero-padded rows, G times
-the FLOPs and an activation per group (docs/architecture.md, "Dropless"). `tiles`
-gets the same result from plain XLA in two parts. Each group's first C rows (`bulk`
-x a balanced group's share, in whole tiles) go to a [G, C, K] buffer and one batched
-product, as fast as a dense layer of those FLOPs. The rows past them are cut into
-tiles, windows of contiguous rows of one group (the last of a group partly its
-own), and a loop over the tiles multiplies each by its group's weight, reading
+`jax.lax.ragged_dot` says this of one product, but what it costs is the backend's
+choice: XLA:CPU expands it into a dense product over every group's zero-padded rows,
+G times the FLOPs and an activation per group (docs/architecture.md, "Dropless").
+`grouped_mlp` gets the same result from plain XLA in two parts. Each group's first C
+rows (`bulk` x a balanced group's share, in whole tiles) go to a [G, C, K] buffer and
+one batched MLP (`expert_mlp`, the capacity path's), as fast as a dense layer of
+those FLOPs, its hidden activations staying in that layout. The rows past them are
+cut into tiles, windows of contiguous rows of one group (the last of a group partly
+its own), and a loop over the tiles runs each through its group's MLP, reading
 its rows from x and writing its outputs into y in place (dynamic slices and a
 dynamic weight index: no padded copy of the rows): many small products in sequence,
 slow on a GPU, so only the rows of experts above their share go there (with bulk 0,
@@ -18,14 +19,14 @@ come back as zeros, as ragged_dot gives them.
 The tiles are counted for the worst case (every row in the groups, each group's
 last tile partly filled), but the loop runs only over the tiles that hold rows: with
 bulk 0 a static loop over the tiles of the rows a balanced routing gives
-(`expected`), then one whose trip count is the tiles actually occupied past those. Over an
-`expert` axis of X ranks the rows are the whole group's X x N x k and a balanced
+(`expected`), then one whose trip count is the tiles actually occupied past those.
+Over an `expert` axis of X ranks the rows are the whole group's X x N x k and a balanced
 rank's groups hold N x k of them, so this is the difference between X times the
 experts' FLOPs and their share; and the compiled program's FLOPs, which count the
 batched product and the static loop (a loop of unknown trip count counts once),
 price the balanced case. One custom VJP covers both parts: JAX cannot reverse a loop
-of dynamic length, and the backward keeps the sorted rows instead of the batched
-buffer, which it rebuilds.
+of dynamic length. The backward keeps the batched MLP's own residuals and, for the
+loop, only the sorted rows: each tile's forward is recomputed there.
 """
 
 from __future__ import annotations
