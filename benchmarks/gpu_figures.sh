@@ -117,14 +117,11 @@ for stage in "$@"; do
         run moe-dropless-cudnn 200 python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --set 'model.moe.grouped="ragged_dot"' --rounds 2 \
         --steps 12 --warmup 4 --json "$OUT/moe-dropless-cudnn.json" ;;
-    grouped)  # the grouped matmul alone against a dense product of its FLOPs, both of
-      # mixtral-mini's products (gate/up, down), routing balanced and skewed
-      for shape in "1024 7168" "3584 1024"; do
-        set -- $shape
-        for skew in 0 0.3; do
-          run "grouped-k$1-skew$skew" 120 python3 benchmarks/grouped_matmul.py --k "$1" \
-            --n "$2" --skew "$skew" --json "$OUT/grouped-k$1-skew$skew.json"
-        done
+    grouped)  # the experts' grouped MLP alone (routing balanced, then skewed) and the
+      # gate/up product alone, each beside dense ones of its FLOPs (mixtral-mini's shapes)
+      for mode in "--mlp --skew 0" "--mlp --skew 0.3" "--skew 0.3"; do
+        name=grouped$(echo "$mode" | tr -d ' -')
+        run "$name" 120 python3 benchmarks/grouped_matmul.py $mode --json "$OUT/$name.json"
       done ;;
     sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on

@@ -1,22 +1,24 @@
-"""Forward + backward time of dropless's grouped matmuls alone, beside a dense product of
+"""Forward + backward time of dropless's grouped products alone, beside dense ones of
 the same FLOPs: where an MoE step's time over its dense twin's goes.
 
-This times one grouped product and its gradients, not a training step: it says which
-part of `benchmarks/moe_vs_dense.py`'s gap is the grouped matmul (and, with routing
-exactly balanced, what the tiles' scatters and the loop cost when no row overflows).
+This times one grouped product (or, with --mlp, one grouped SwiGLU MLP, what an MoE
+layer runs) and its gradients, not a training step: it says which part of
+`benchmarks/moe_vs_dense.py`'s gap is the experts' arithmetic (and, with routing
+exactly balanced, what the scatters and the loop cost when no row overflows).
 Variants, alternating for `--rounds` in one process, each the median of `--repeat`
-jitted calls of value-and-grad:
+jitted forward + backward calls:
 
-  dense           x [M, K] @ w [K, N]: the FLOPs of the routed rows, one product
-  batched         [G, M/G, K] x [G, K, N]: a perfectly balanced grouped product
-  tiles-bulkB     parallel.grouped.tiles with model.moe.bulk = B (0: the loop alone)
-  ragged_dot      jax.lax.ragged_dot (the backend's own)
+  dense           every row through expert 0: the routed rows' FLOPs, one product/MLP
+  batched         [G, M/G, K] through every expert: a perfectly balanced grouped one
+  tiles-bulkB     parallel.grouped with model.moe.bulk = B (0: the loop alone)
+  ragged_dot      jax.lax.ragged_dot's grouped matmuls (the backend's own)
 
 Routing: group sizes proportional to exp(skew x z), z standard normal (seed 0);
---skew 0 is exactly balanced. Shapes default to mixtral-mini's gate/up product (8 x 2048
-tokens, 2 experts each, d_model 1024, 2 x 3584).
+--skew 0 is exactly balanced. Shapes default to mixtral-mini's (8 x 2048 tokens, 2
+experts each, d_model 1024; one product: the gate/up one, 1024 -> 2 x 3584; --mlp:
+d_ff 3584).
 
-    python benchmarks/grouped_matmul.py [--skew 0.3] [--rows 32768 --k 1024 --n 7168]
+    python benchmarks/grouped_matmul.py [--skew 0.3] [--mlp] [--rows 32768 --k 1024 --n 7168]
 """
 
 from __future__ import annotations
@@ -38,22 +40,34 @@ def group_sizes(rows: int, groups: int, skew: float):
     return sizes
 
 
-def variants(x, w, sizes, bulks: list[float]) -> dict:
-    """name -> f(x, w) -> [M, N] for every variant."""
+def variants(sizes, bulks: list[float], mlp: bool) -> dict:
+    """name -> f(x, w) -> [M, N] for every variant; w: {"w": [G, K, N]}, or with `mlp`
+    SwiGLU's {"w13": [G, K, 2, F], "w2": [G, F, K]}."""
     import jax
-    import jax.numpy as jnp
 
-    from plait.parallel.grouped import grouped_matmul
+    from plait.models.activations import swiglu
+    from plait.parallel.grouped import expert_mlp, grouped_mlp
 
-    G, K, N = w.shape
-    M = x.shape[0]
-    out = {"dense": lambda x, w: x @ w[0],
-           "batched": lambda x, w: jnp.einsum("gck,gkn->gcn", x.reshape(G, M // G, K),
-                                               w).reshape(M, N)}
+    act = "swiglu" if mlp else None
+
+    def batched(x, w):
+        G = next(iter(w.values())).shape[0]
+        return expert_mlp(w, x.reshape(G, -1, x.shape[1]), act).reshape(x.shape[0], -1)
+
+    def ragged(x, w):
+        if not mlp:
+            return jax.lax.ragged_dot(x, w["w"], sizes)
+        G, K, _, F = w["w13"].shape
+        gu = jax.lax.ragged_dot(x, w["w13"].reshape(G, K, -1), sizes).reshape(-1, 2, F)
+        return jax.lax.ragged_dot(swiglu(gu[:, 0], gu[:, 1]), w["w2"], sizes)
+
+    M = int(sizes.sum())
+    out = {"dense": lambda x, w: expert_mlp({k: v[:1] for k, v in w.items()}, x[None],
+                                            act)[0],
+           "batched": batched}
     for b in bulks:
-        out[f"tiles-bulk{b:g}"] = (
-            lambda x, w, b=b: grouped_matmul(x, w, sizes, "tiles", M, b))
-    out["ragged_dot"] = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
+        out[f"tiles-bulk{b:g}"] = lambda x, w, b=b: grouped_mlp(x, w, sizes, act, M, b)
+    out["ragged_dot"] = ragged
     return out
 
 
@@ -75,7 +89,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32768)
     ap.add_argument("--k", type=int, default=1024)
-    ap.add_argument("--n", type=int, default=7168)
+    ap.add_argument("--n", type=int, help="outputs of the product (default 7168), or with "
+                    "--mlp the experts' hidden size (default 3584)")
+    ap.add_argument("--mlp", action="store_true", help="a grouped SwiGLU MLP, not one product")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--skew", type=float, default=0.3)
     ap.add_argument("--bulk", type=float, action="append", help="default: 0, 1, 1.25")
@@ -93,12 +109,23 @@ def main() -> int:
     if args.rows % args.groups:
         raise UserError(f"--rows {args.rows} must be a multiple of --groups {args.groups}")
     sizes = group_sizes(args.rows, args.groups, args.skew)
-    keys = jax.random.split(jax.random.key(0), 3)
+    n = args.n or (3584 if args.mlp else 7168)
+    keys = jax.random.split(jax.random.key(0), 4)
     dt = jnp.dtype(args.dtype)
-    x = jax.random.normal(keys[0], (args.rows, args.k), dt)
-    w = (jax.random.normal(keys[1], (args.groups, args.k, args.n)) / args.k ** 0.5).astype(dt)
-    dy = jax.random.normal(keys[2], (args.rows, args.n), dt)
-    fs = variants(x, w, jnp.asarray(sizes), args.bulk or [0.0, 1.0, 1.25])
+    G, K = args.groups, args.k
+
+    def normal(key, shape, fan_in):
+        return (jax.random.normal(key, shape) / fan_in ** 0.5).astype(dt)
+
+    x = normal(keys[0], (args.rows, K), 1)
+    if args.mlp:
+        w = {"w13": normal(keys[1], (G, K, 2, n), K), "w2": normal(keys[3], (G, n, K), n)}
+        out, flops = K, 18 * args.rows * K * n
+    else:
+        w = {"w": normal(keys[1], (G, K, n), K)}
+        out, flops = n, 6 * args.rows * K * n
+    dy = normal(keys[2], (args.rows, out), 1)
+    fs = variants(jnp.asarray(sizes), args.bulk or [0.0, 1.0, 1.25], args.mlp)
     want = jax.jit(fs["ragged_dot"])(x, w).astype(jnp.float32)
     error = {k: float(jnp.linalg.norm(jax.jit(f)(x, w).astype(jnp.float32) - want)
                       / jnp.linalg.norm(want)) for k, f in fs.items() if k.startswith("tiles")}
@@ -108,10 +135,10 @@ def main() -> int:
         print(f"round {i + 1}: " + ", ".join(f"{k} {v * 1e3:.2f} ms"
                                               for k, v in rounds[-1].items()), flush=True)
     ms = {k: statistics.median(r[k] for r in rounds) * 1e3 for k in fs}
-    flops = 6 * args.rows * args.k * args.n
+    what = "one grouped SwiGLU MLP" if args.mlp else "one grouped product"
     report({"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "what": "one grouped product, forward + backward",
-            "rows": args.rows, "k": args.k, "n": args.n, "groups": args.groups,
+            "jax": jax.__version__, "what": what + ", forward + backward",
+            "rows": args.rows, "k": K, "n": n, "groups": G,
             "dtype": args.dtype, "skew": args.skew, "sizes": sizes.tolist(),
             "largest_over_mean": float(sizes.max() * args.groups / args.rows),
             "relative_error_vs_ragged_dot": error, "median_ms": ms,

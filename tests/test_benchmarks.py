@@ -57,14 +57,15 @@ def test_moe_against_its_dense_twin(tmp_path):
     assert got["params"]["moe"] > 2 * got["params"]["dense"]
 
 
-def test_grouped_matmul_variants_agree_and_are_timed(tmp_path):
-    """gpu_figures.sh's grouped stage: every tiles variant computes ragged_dot's product
-    (float32 here), on skewed routing whose largest group overflows a balanced share,
-    and each variant has a time."""
+@pytest.mark.parametrize("mlp", [[], ["--mlp"]], ids=["product", "mlp"])
+def test_grouped_matmul_variants_agree_and_are_timed(tmp_path, mlp):
+    """gpu_figures.sh's grouped stage: every tiles variant computes what ragged_dot's
+    grouped matmuls compute (one product, or a SwiGLU MLP; float32 here), on skewed
+    routing whose largest group overflows a balanced share, and each has a time."""
     out = tmp_path / "g.json"
     _ok(_script("grouped_matmul.py", "--rows", "512", "--k", "16", "--n", "24", "--skew",
                 "0.5", "--dtype", "float32", "--repeat", "1", "--rounds", "1", "--json",
-                str(out)))
+                str(out), *mlp))
     got = json.loads(out.read_text())
     assert sum(got["sizes"]) == 512 and got["largest_over_mean"] > 1.25
     assert set(got["relative_error_vs_ragged_dot"]) == {
