@@ -6,6 +6,7 @@ refused in one line."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -28,18 +29,20 @@ def packed(tmp_path_factory):
     return root / "docs.bin"
 
 
-def _exp(path, **sections):
-    model = {**LLAMA, **sections.pop("model", {})}
+def _exp(path, base=LLAMA, **sections):
+    model = {**base, **sections.pop("model", {})}
     data = {"source": "tokens", "path": str(path), "document_mask": True,
             **sections.pop("data", {})}
     train = {"steps": 6, "microbatches": 2, **sections.pop("train", {})}
     return tiny(model=model, data=data, train=train, **sections)
 
 
-def test_a_packed_document_sees_only_itself(packed):
+@pytest.mark.parametrize("base", [LLAMA, {}], ids=["rotary", "learned-positions"])
+def test_a_packed_document_sees_only_itself(packed, base):
     """The logits of the second and third documents of a row equal those of each
-    document run alone (rotary positions: only distances matter); without the mask they
-    do not."""
+    document run alone: a rotary model's (only distances matter) and a GPT-2's, whose
+    learned positions restart at each document; without the mask they do not, nor
+    the GPT-2's with positions running on across the row."""
     import jax
     from helpers import make_mesh
 
@@ -48,7 +51,7 @@ def test_a_packed_document_sees_only_itself(packed):
     from plait.parallel import context
     from plait.tasks import make_task
 
-    exp = _exp(packed)
+    exp = _exp(packed, base)
     task = make_task(exp, make_mesh("data=1"))
     params = task.init_state()["params"]
     starts = np.fromfile(str(packed) + ".documents", "<i8")
@@ -58,11 +61,11 @@ def test_a_packed_document_sees_only_itself(packed):
     first = int(starts[j])
     row = source.window(first, 33)[None]
 
-    @jax.jit
-    def logits(params, row):
+    @functools.partial(jax.jit, static_argnums=2)
+    def logits(params, row, restart=True):
         with loss_mask.flagged():
-            segments = context.document_segments(row)
-            with loss_mask.documents(segments):
+            within = context.document_positions(row) if restart else None
+            with loss_mask.documents(context.document_segments(row), within):
                 return task.model.apply(params, loss_mask.token_ids(row[:, :-1]))
 
     @jax.jit
@@ -78,6 +81,9 @@ def test_a_packed_document_sees_only_itself(packed):
                                                     np.int32)[None]))[0]
         np.testing.assert_allclose(packed_logits[a:b], alone, rtol=2e-4, atol=2e-5)
         assert not np.allclose(unmasked[a:b], alone, rtol=2e-4, atol=2e-5)
+        if not base:
+            running_on = np.asarray(logits(params, row, False))[0]
+            assert not np.allclose(running_on[a:b], alone, rtol=2e-4, atol=2e-5)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +101,15 @@ def test_masked_losses_equal_the_one_device_run(packed, reference, tmp_path, spe
                                                 capsys):
     got = losses(run(_exp(packed, **sections), spec, tmp_path))
     np.testing.assert_allclose(got, reference, rtol=1e-4)
+
+
+def test_learned_positions_restart_per_document_on_a_context_ring(packed, tmp_path):
+    """A GPT-2's per-document positions, in the order a context axis stores a sequence:
+    its losses on data=2,context=2 equal one device's."""
+    exp = _exp(packed, {}, train={"steps": 4})
+    want = losses(run(exp, "data=1", tmp_path / "one"))
+    np.testing.assert_allclose(losses(run(exp, "data=2,context=2", tmp_path / "ring")),
+                               want, rtol=1e-4)
 
 
 def test_the_mask_changes_the_loss(packed, reference, tmp_path):

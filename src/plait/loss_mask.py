@@ -8,9 +8,10 @@ DOC_START set, so every path a batch takes (microbatches, context and data
 splits) carries them with no second array. `kept_targets(batch)` sets, for the
 step being traced, the scale that makes each piece's loss (models.loss) part of
 the mean over the kept targets of the whole batch; `flagged()` says the ids may
-carry DOC_START; `token_ids` gives the model its ids back; `documents(segments)`
-gives attention each token's document (parallel.context). Outside them nothing
-of this is traced.
+carry DOC_START; `token_ids` gives the model its ids back; `documents(segments,
+positions)` gives attention each token's document and learned position embeddings
+each token's place in it (parallel.context). Outside them nothing of this is
+traced.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ _FLAGGED: contextvars.ContextVar[bool] = contextvars.ContextVar("flagged", defau
 # mask over the whole row.
 _SEGMENTS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
     "segments", default=None)
+# Each stored token's position within its document [rows, seq]; None: its place in the row.
+_POSITIONS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "document_positions", default=None)
 
 
 def flagged() -> contextlib.AbstractContextManager:
@@ -70,14 +74,23 @@ def flagged() -> contextlib.AbstractContextManager:
     return _setting(_FLAGGED, True)
 
 
-def documents(segments: jax.Array | None) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def documents(segments: jax.Array | None, positions: jax.Array | None = None
+              ) -> Iterator[None]:
     """Within: attention keeps each token to the earlier tokens of its own document
-    (segments [rows, seq], in the order the model stores a sequence); None: no change."""
-    return _setting(_SEGMENTS, segments)
+    (segments [rows, seq], in the order the model stores a sequence), and learned
+    position embeddings read each token's position within its document (positions
+    [rows, seq]; None: its place in the row); None: no change."""
+    with _setting(_SEGMENTS, segments), _setting(_POSITIONS, positions):
+        yield
 
 
 def segments() -> jax.Array | None:
     return _SEGMENTS.get()
+
+
+def document_positions() -> jax.Array | None:
+    return _POSITIONS.get()
 
 
 def _unmasked(tokens: jax.Array) -> jax.Array:

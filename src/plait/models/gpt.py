@@ -20,6 +20,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from plait.config import GPTConfig
+from plait.loss_mask import document_positions
 from plait.models import (
     ATTENTION_NAMES,
     ModelDef,
@@ -329,7 +330,9 @@ class GPT(nnx.Module):
         x = constrain(lookup(self.tok_embed, tokens), BATCH_SEQ_EMBED)
         if not self.learned_positions:  # rotary: positions enter each attention
             return x
-        pos = sequence_positions(tokens.shape[1])
+        # packed documents (data.document_mask): each from position 0
+        pos = document_positions()
+        pos = sequence_positions(tokens.shape[1]) if pos is None else pos
         table = self.pos_embed[...]
         rows = table[: tokens.shape[1]] if pos is None else table[jnp.asarray(pos)]
         return constrain(x + rows, BATCH_SEQ_EMBED)

@@ -84,6 +84,17 @@ def document_segments(tokens: jax.Array) -> jax.Array:
     return seg if order is None else seg[:, order]
 
 
+def document_positions(tokens: jax.Array) -> jax.Array:
+    """tokens [rows, seq + 1] -> each input's position within its document [rows, seq]
+    (from 0 at each start; a row's first tokens, of a document begun before it, from 0
+    at the row's start), in the stored order."""
+    first = starts(tokens[:, :-1])
+    i = jnp.arange(first.shape[1], dtype=jnp.int32)
+    pos = i - jax.lax.cummax(jnp.where(first, i, 0), axis=1)
+    order = positions(pos.shape[1])
+    return pos if order is None else pos[:, order]
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, pos: np.ndarray | None,
            implementation: str | None) -> jax.Array:
     """Causal attention of q [batch, seq, heads, head] over k, v [batch, seq, kv_heads,

@@ -150,8 +150,9 @@ class GPTTask(DecoderCheckpoints, Task):
         with sharding.use(self.mesh, rules or self.rules):
             inputs, targets = context.inputs_targets(tokens)
             module = self.model.module(params, compute_dtype(self.exp))
-            with loss_mask.documents(context.document_segments(tokens) if self.documents
-                                     else None):
+            with (loss_mask.documents(context.document_segments(tokens),
+                                      context.document_positions(tokens))
+                  if self.documents else contextlib.nullcontext()):
                 x, metrics = module.hidden(inputs)
             return module.loss(x, targets), metrics
 
