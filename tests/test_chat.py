@@ -96,6 +96,45 @@ def test_sample_chat_answers_as_the_greedy_decode_does(imported, capsys):
     assert got == tok.decode(new, skip_special_tokens=False) + "\n"
 
 
+def test_a_conversation_answers_each_turn_with_the_turns_before_it(imported, capsys,
+                                                                  monkeypatch):
+    """`plait sample RUN --chat` without --prompt: a message a line on standard input, each
+    answered as the greedy decode of the whole conversation so far (the earlier answers
+    included) does; once it no longer fits model.seq_len (64 here) the oldest exchange
+    is left out, the system message kept, and the user told."""
+    import io
+
+    from tokenizers import Tokenizer
+
+    from plait.sample import greedy_without_cache, load
+
+    said = ["what is the mesh?", "", "and the shard?", "why?", "tell me more", "more"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(said) + "\n"))
+    assert main(["sample", str(imported), "--chat", "--system", "be brief", "--tokens", "8",
+                 "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    answers = out.split("\n")[:-1]
+    assert len(answers) == 5  # the blank line is no turn
+    tok = Tokenizer.from_file(str(imported / "tokenizer.json"))
+    _, mdef, params, _ = load(imported, None)
+    end = tok.token_to_id(EOS)
+    turns, left_out = [], 0
+    for message, answer in zip([m for m in said if m], answers, strict=True):
+        turns.append(("user", message))
+        while True:
+            text = _rendered([{"role": "system", "content": "be brief"},
+                              *({"role": r, "content": c} for r, c in turns)])
+            prompt = tok.encode(text + "<assistant>\n", add_special_tokens=False).ids
+            if len(prompt) + 8 <= 64:
+                break
+            turns, left_out = turns[2:], left_out + 2
+        new = greedy_without_cache(mdef, params, prompt, 8)
+        new = new[:new.index(end)] if end in new else new
+        assert answer == tok.decode(new, skip_special_tokens=False)
+        turns.append(("assistant", answer))
+    assert left_out > 0 and f"the oldest {left_out} messages no longer fit" in err
+
+
 # A template that does not render a conversation as a continuation of its first turns.
 COUNTING = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 

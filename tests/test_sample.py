@@ -88,6 +88,17 @@ def test_sample_mistakes_are_one_line(trained, capsys, args, needle):
     assert needle in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("args,needle", [
+    ([], "give the text to continue with --prompt TEXT (or --chat alone to converse"),
+    (["--chat"], "--chat needs the run's tokenizer and chat template"),
+])
+def test_sample_without_a_prompt_is_a_chat_or_a_one_line_refusal(trained, capsys, args,
+                                                                 needle):
+    assert main(["sample", str(trained), *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_sample_needs_a_gpt_run_with_checkpoints(tmp_path, capsys):
     assert main(["sample", str(tmp_path / "none"), "--prompt", "a"]) == 2
     assert "not found" in capsys.readouterr().err

@@ -54,8 +54,22 @@ def _unraisablehook(unraisable) -> None:
 
 
 def cmd_sample(args) -> int:
-    from plait.sample import sample
+    from plait.sample import converse, sample
 
+    if args.prompt is None:
+        if not args.chat:
+            raise UserError("give the text to continue with --prompt TEXT (or --chat alone "
+                            "to converse: a message a line on standard input)")
+        if sys.stdin.isatty():
+            print("plait: a message a line; Ctrl-D ends the conversation", file=sys.stderr)
+        answers = converse(args.run_dir, sys.stdin, args.tokens, args.temperature,
+                           args.top_k, args.seed, args.step, args.system)
+        for text, info in answers:
+            print(text, flush=True)
+            if info["left_out"]:
+                print(f"plait: the oldest {info['left_out']} messages no longer fit "
+                      f"model.seq_len and were left out", file=sys.stderr)
+        return 0
     text, info = sample(args.run_dir, args.prompt, args.tokens, args.temperature,
                         args.top_k, args.seed, args.step, args.chat, args.system)
     print(text if args.chat else args.prompt + text)

@@ -157,15 +157,18 @@ def parser() -> argparse.ArgumentParser:
                    help="criteo: skip lines that do not parse (counted) or stop at the first")
     sp = sub.add_parser(
         "sample", help="generate text from a GPT run's checkpoint (KV cache, one device)",
-        usage="plait sample RUN_DIR --prompt TEXT [--chat [--system TEXT]] [--tokens N] "
+        usage="plait sample RUN_DIR (--prompt TEXT | --chat) [--chat] [--system TEXT] "
+              "[--tokens N] "
               "[--temperature T] "
               "[--top-k K] [--seed S] [--step N]")
     sp.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a plait train run")
-    sp.add_argument("--prompt", required=True, help="the text to continue")
+    sp.add_argument("--prompt", help="the text to continue")
     sp.add_argument("--chat", action="store_true",
                     help="the prompt is a user's message: put it through the run's chat "
                          "template (from plait import) and print the assistant's answer, "
-                         "up to its end-of-text token")
+                         "up to its end-of-text token; without --prompt, a conversation: "
+                         "a message a line on standard input, each answered with the "
+                         "turns before it")
     sp.add_argument("--system", metavar="TEXT",
                     help="--chat: a system message before the prompt")
     sp.add_argument("--tokens", type=int, default=100, help="how many tokens to generate")

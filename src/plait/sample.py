@@ -12,6 +12,7 @@ the result decoded, with the tokenizer the run was trained with
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import jax
@@ -132,16 +133,8 @@ def read_params(task, ckpts, run_dir: Path, step: int | None) -> tuple[dict, int
     return take(state), int(meta["step"]), note
 
 
-def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, top_k: int,
-           seed: int, step: int | None, chat: bool = False, system: str | None = None
-           ) -> tuple[str, dict]:
-    """The generated text (after the prompt) and what made it. With `chat`, the prompt
-    is a user's message (after `system`'s, if given) put through the run's chat template
-    with the assistant's turn opened, and the answer ends at the template's end-of-text
-    token."""
-    from plait.data.tokenizer import for_run
-    from plait.train.step import compute_dtype
-
+def _check(tokens: int, temperature: float, top_k: int, chat: bool, system: str | None
+           ) -> None:
     if tokens < 1:
         raise UserError(f"--tokens must be at least 1, got {tokens}")
     if temperature < 0:
@@ -151,39 +144,95 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
         raise UserError(f"--top-k must be >= 0 (0: no cut), got {top_k}")
     if system is not None and not chat:
         raise UserError("--system is a chat's first message; pass --chat with it")
-    run_dir = Path(run_dir)
-    exp, mdef, params, at = load(run_dir, step)
-    codec = for_run(run_dir)
-    stop = None
-    if chat:
-        from plait.data import chat as chats
-        from plait.data.tokenizer import RUN_FILE, HFTokenizer
 
-        if not isinstance(codec, HFTokenizer):
-            raise UserError(f"--chat needs the run's tokenizer and chat template; '{run_dir}' "
-                            "has no tokenizer.json (byte-level)")
-        template = chats.find(run_dir / RUN_FILE)
-        messages = [{"role": "system", "content": system}] if system is not None else []
-        text = template.render([*messages, {"role": "user", "content": prompt}],
-                               add_generation_prompt=True)
-        ids = codec.encode_lines([text], special=False)[0]  # the template placed them
-        stop = codec.tok.token_to_id(template.eos) if template.eos else None
+
+class _Model:
+    """A run's checkpoint loaded once for sampling: the model, its tokenizer, and with
+    `chat` its chat template and end-of-text token."""
+
+    def __init__(self, run_dir: Path, step: int | None, tokens: int, temperature: float,
+                 top_k: int, chat: bool):
+        from plait.data.tokenizer import for_run
+        from plait.train.step import compute_dtype
+
+        self.exp, mdef, self.params, self.at = load(run_dir, step)
+        self.codec, self.tokens, self.template, self.stop = for_run(run_dir), tokens, None, None
+        if chat:
+            from plait.data import chat as chats
+            from plait.data.tokenizer import RUN_FILE, HFTokenizer
+
+            if not isinstance(self.codec, HFTokenizer):
+                raise UserError(f"--chat needs the run's tokenizer and chat template; "
+                                f"'{run_dir}' has no tokenizer.json (byte-level)")
+            self.template = chats.find(run_dir / RUN_FILE)
+            eos = self.template.eos
+            self.stop = self.codec.tok.token_to_id(eos) if eos else None
+        self.generate = generator(mdef, compute_dtype(self.exp), tokens, temperature, top_k)
+
+    def conversation(self, messages: list[dict]) -> list[int]:
+        """The ids of `messages` through the chat template, the assistant's turn opened."""
+        text = self.template.render(messages, add_generation_prompt=True)
+        return self.codec.encode_lines([text], special=False)[0]  # the template placed them
+
+    def fits(self, ids: list[int]) -> bool:
+        return len(ids) + self.tokens <= self.exp.model.seq_len
+
+    def answer(self, ids: list[int], key: jax.Array) -> tuple[str, dict]:
+        """The text generated after prompt ids (cut at the chat's end-of-text)."""
+        if not ids:
+            raise UserError("the prompt is empty; give --prompt some text")
+        room = self.exp.model.seq_len
+        if not self.fits(ids):
+            raise UserError(f"the prompt ({len(ids)} tokens) plus --tokens {self.tokens} is "
+                            f"more than model.seq_len = {room}; ask for at most "
+                            f"{max(room - len(ids), 0)} tokens or shorten the prompt")
+        if max(ids) >= self.exp.model.vocab:
+            raise UserError(f"the prompt has token id {max(ids)} >= model.vocab = "
+                            f"{self.exp.model.vocab} (tokenizer: {self.codec.name})")
+        out = self.generate(self.params, jnp.asarray(ids, jnp.int32), key)
+        new = [int(t) for t in np.asarray(out)]
+        if self.stop is not None and self.stop in new:  # the assistant's turn is over
+            new = new[:new.index(self.stop)]
+        return self.codec.decode(new), {"step": self.at, "prompt_tokens": len(ids),
+                                        "tokens": new, "tokenizer": self.codec.name}
+
+
+def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, top_k: int,
+           seed: int, step: int | None, chat: bool = False, system: str | None = None
+           ) -> tuple[str, dict]:
+    """The generated text (after the prompt) and what made it. With `chat`, the prompt
+    is a user's message (after `system`'s, if given) put through the run's chat template
+    with the assistant's turn opened, and the answer ends at the template's end-of-text
+    token."""
+    _check(tokens, temperature, top_k, chat, system)
+    m = _Model(Path(run_dir), step, tokens, temperature, top_k, chat)
+    if chat:
+        first = [{"role": "system", "content": system}] if system is not None else []
+        ids = m.conversation([*first, {"role": "user", "content": prompt}])
     else:
-        ids = codec.encode(prompt)
-    if not ids:
-        raise UserError("the prompt is empty; give --prompt some text")
-    room = exp.model.seq_len
-    if len(ids) + tokens > room:
-        raise UserError(f"the prompt ({len(ids)} tokens) plus --tokens {tokens} is more than "
-                        f"model.seq_len = {room}; ask for at most {max(room - len(ids), 0)} "
-                        "tokens or shorten the prompt")
-    if max(ids) >= exp.model.vocab:
-        raise UserError(f"the prompt has token id {max(ids)} >= model.vocab = "
-                        f"{exp.model.vocab} (tokenizer: {codec.name})")
-    generate = generator(mdef, compute_dtype(exp), tokens, temperature, top_k)
-    out = generate(params, jnp.asarray(ids, jnp.int32), jax.random.key(seed))
-    new = [int(t) for t in np.asarray(out)]
-    if stop is not None and stop in new:  # the assistant's turn is over
-        new = new[:new.index(stop)]
-    return codec.decode(new), {"step": at, "prompt_tokens": len(ids), "tokens": new,
-                               "tokenizer": codec.name}
+        ids = m.codec.encode(prompt)
+    return m.answer(ids, jax.random.key(seed))
+
+
+def converse(run_dir: str | Path, messages: Iterable[str], tokens: int, temperature: float,
+             top_k: int, seed: int, step: int | None, system: str | None = None
+             ) -> Iterator[tuple[str, dict]]:
+    """A conversation: each of `messages` (a user's turn; blank ones skipped) answered in
+    turn through the run's chat template, every earlier turn and answer before it (after
+    `system`'s message). Turns that no longer fit model.seq_len with --tokens to spare
+    are left out from the oldest (the system message stays); info["left_out"] counts
+    them. The checkpoint is read once."""
+    _check(tokens, temperature, top_k, True, system)
+    m = _Model(Path(run_dir), step, tokens, temperature, top_k, True)
+    first = [{"role": "system", "content": system}] if system is not None else []
+    turns: list[dict] = []
+    left_out = 0
+    for i, message in enumerate(x for x in messages if x.strip()):
+        turns.append({"role": "user", "content": message.rstrip("\n")})
+        ids = m.conversation(first + turns)
+        while not m.fits(ids) and len(turns) > 1:  # the oldest exchange goes first
+            turns, left_out = turns[2:], left_out + 2
+            ids = m.conversation(first + turns)
+        text, info = m.answer(ids, jax.random.fold_in(jax.random.key(seed), i))
+        turns.append({"role": "assistant", "content": text})
+        yield text, {**info, "left_out": left_out}
