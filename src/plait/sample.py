@@ -35,26 +35,41 @@ def choose(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) ->
 
 
 def generator(mdef, dtype, n: int, temperature: float, top_k: int):
-    """jit(params, prompt [P], key) -> `n` new token ids (P + n <= the model's seq_len)."""
+    """(params, prompt [P], key) -> `n` new token ids (P + n <= the model's seq_len). The
+    prompt is padded to a power of two (at least 16, at most seq_len), so prompts of
+    nearby lengths (a conversation's turns) share one compiled program: the padding's
+    cache entries lie past the prompt, where each step's mask does not look and its own
+    token overwrites them. A mixture of experts with a capacity is not padded (the
+    padding would change a sequence's capacity)."""
     cfg = mdef.cfg
     heads, head_dim = cfg.n_kv_heads, cfg.head_size  # the cache holds the key/value heads
+    exact = cfg.moe is not None and cfg.moe.capacity_factor > 0
 
-    def generate(params: dict, prompt: jax.Array, key: jax.Array) -> jax.Array:
+    def generate(params: dict, prompt: jax.Array, length: jax.Array, key: jax.Array
+                 ) -> jax.Array:
         model = mdef.module(params, dtype)
         empty = jnp.zeros((1, cfg.seq_len, heads, head_dim), dtype or jnp.float32)
         caches = [(empty, empty) for _ in range(cfg.layers)]
         logits, caches = model.decode(prompt[None], caches, jnp.int32(0))
-        P = prompt.shape[0]
 
         def step(carry, i):
             caches, last = carry
             token = choose(last[: cfg.vocab], jax.random.fold_in(key, i), temperature, top_k)
-            logits, caches = model.decode(token[None, None], caches, P + i)
+            logits, caches = model.decode(token[None, None], caches, length + i)
             return (caches, logits[0, -1]), token
 
-        return jax.lax.scan(step, (caches, logits[0, -1]), jnp.arange(n, dtype=jnp.int32))[1]
+        first = jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=False)
+        return jax.lax.scan(step, (caches, first), jnp.arange(n, dtype=jnp.int32))[1]
 
-    return jax.jit(generate)
+    compiled = jax.jit(generate)
+
+    def run(params: dict, prompt: jax.Array, key: jax.Array) -> jax.Array:
+        P = prompt.shape[0]
+        width = P if exact else min(max(16, 1 << (P - 1).bit_length()), cfg.seq_len)
+        padded = jnp.zeros((width,), jnp.int32).at[:P].set(jnp.asarray(prompt, jnp.int32))
+        return compiled(params, padded, jnp.int32(P), key)
+
+    return run
 
 
 def greedy_without_cache(mdef, params: dict, prompt: list[int], n: int, dtype=None) -> list[int]:
