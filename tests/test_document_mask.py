@@ -1,8 +1,8 @@
 """data.document_mask: documents packed into one row do not attend to each other. A
 rotary model gives a document the logits it gives the document alone; the losses are
 the same on every mesh (the context ring sends each key block's documents round with
-it; gathered keys carry them too); a pipeline and a file without a document index are
-refused in one line."""
+it; gathered keys carry them too; a pipeline gives every stage's layers their
+microbatch's documents); a file without a document index is refused in one line."""
 
 from __future__ import annotations
 
@@ -91,25 +91,41 @@ def reference(packed, tmp_path_factory):
     return losses(run(_exp(packed), "data=1", tmp_path_factory.mktemp("ref")))
 
 
+PIPE = {"train": {"microbatches": 1}}
+
+
 @pytest.mark.parametrize("spec,sections", [
     ("data=2,fsdp=2,tensor=2", {"train": {"microbatches": 1}, "model": {"loss_chunks": 2}}),
     ("data=2,context=2", {}),  # the ring: each key block's documents travel with it
     ("context=4", {"context": {"attention": "allgather"}}),
     ("data=2,tensor_row=2,tensor_col=2", {}),
-], ids=["3d", "context-ring", "context-allgather", "2d"])
+    # every stage's layers are given their microbatch's documents: the whole backward
+    # (1F1B, with remat), the split one (ZB-H1), and the stage recomputed from its input
+    ("pipeline=2,data=2", {**PIPE, "pipeline": {"schedule": "1f1b", "microbatches": 4},
+                           "model": {"remat": "full"}}),
+    ("pipeline=2", {**PIPE, "pipeline": {"schedule": "zb-h1", "microbatches": 2}}),
+    ("pipeline=2,tensor=2", {**PIPE, "pipeline": {"schedule": "gpipe", "microbatches": 2,
+                                                  "recompute": True}}),
+], ids=["3d", "context-ring", "context-allgather", "2d", "1f1b-remat", "zb-h1",
+        "gpipe-recompute"])
 def test_masked_losses_equal_the_one_device_run(packed, reference, tmp_path, spec, sections,
                                                 capsys):
     got = losses(run(_exp(packed, **sections), spec, tmp_path))
     np.testing.assert_allclose(got, reference, rtol=1e-4)
 
 
-def test_learned_positions_restart_per_document_on_a_context_ring(packed, tmp_path):
-    """A GPT-2's per-document positions, in the order a context axis stores a sequence:
-    its losses on data=2,context=2 equal one device's."""
+def test_learned_positions_restart_per_document_on_a_ring_and_a_pipeline(packed, tmp_path):
+    """A GPT-2's per-document positions, in the order a context axis stores a sequence,
+    and made by a pipeline's first stage from its microbatch: its losses on
+    data=2,context=2 and on pipeline=2 (1F1B) equal one device's."""
     exp = _exp(packed, {}, train={"steps": 4})
     want = losses(run(exp, "data=1", tmp_path / "one"))
     np.testing.assert_allclose(losses(run(exp, "data=2,context=2", tmp_path / "ring")),
                                want, rtol=1e-4)
+    piped = _exp(packed, {}, train={"steps": 4, "microbatches": 1},
+                 pipeline={"schedule": "1f1b", "microbatches": 2})
+    np.testing.assert_allclose(losses(run(piped, "pipeline=2", tmp_path / "pipe")), want,
+                               rtol=1e-4)
 
 
 def test_the_mask_changes_the_loss(packed, reference, tmp_path):
@@ -118,7 +134,6 @@ def test_the_mask_changes_the_loss(packed, reference, tmp_path):
 
 
 @pytest.mark.parametrize("spec,data,message", [
-    ("pipeline=2", {}, "data.document_mask is not carried through a pipeline's stages yet"),
     ("data=1", {"path": "{text}"}, "data.document_mask needs the document index beside"),
 ])
 def test_document_mask_mistakes_are_one_line(packed, tmp_path, capsys, spec, data, message):

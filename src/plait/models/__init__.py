@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from plait import loss_mask
 from plait.config import ModelSection
 from plait.models.keys import ParamKeys
 
@@ -232,16 +233,23 @@ class LayerStack:
     remat: str  # none | full | save_dots | save_attention | save_qkv (GPTConfig.remat)
 
     def layer_fn(self, dtype: jnp.dtype | None = None, method: str = "__call__"
-                 ) -> Callable[[dict, jax.Array], Any]:
-        """One layer as a function (its parameters, h) -> h (or what the layer's `method`
-        returns), computing in `dtype`, with the model's rematerialisation policy."""
+                 ) -> Callable[..., Any]:
+        """One layer as a function (its parameters, h[, segments]) -> h (or what the
+        layer's `method` returns), computing in `dtype`, with the model's
+        rematerialisation policy. `segments` [rows, seq]: packed documents' (each token's
+        document), an argument rather than read from outside: a checkpointed function's
+        trace is cached and would keep the first segments it saw."""
         flat_abstract = list(nnx.to_flat_state(self.abstract))
 
-        def one(layer: dict, h: jax.Array):
+        def one(layer: dict, h: jax.Array, segments: jax.Array | None = None):
             flat = []
             for path, var in flat_abstract:
                 flat.append((path, var.replace(_cast(var, _lookup(layer, path), dtype))))
-            return getattr(nnx.merge(self.graphdef, nnx.from_flat_state(flat)), method)(h)
+            module = nnx.merge(self.graphdef, nnx.from_flat_state(flat))
+            if segments is None:
+                return getattr(module, method)(h)
+            with loss_mask.documents(segments):
+                return getattr(module, method)(h)
 
         if self.remat != "none":
             one = jax.checkpoint(one, policy=remat_policy(self.remat))

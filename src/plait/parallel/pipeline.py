@@ -63,8 +63,10 @@ class StageFns:
     """The model, cut for the pipeline. Shapes: x [b, seq, d]; tokens [b, seq + 1]."""
 
     embed: Callable  # (shared, tokens) -> x
-    layer: Callable  # (one layer's params, x) -> x; a stage runs its layers in turn
+    layer: Callable  # (one layer's params, x[, documents]) -> x; a stage runs its layers
     head_loss: Callable  # (shared, x, tokens) -> mean loss of the microbatch
+    # tokens -> each input's document [b, seq] (data.document_mask), given to every layer
+    documents: Callable | None = None
 
 
 def _vary(x):
@@ -82,25 +84,25 @@ class _Stage:
     def __init__(self, lg: LayerGrad):
         self.lg = lg
 
-    def forward(self, pc, x) -> tuple[jax.Array, list]:
+    def forward(self, pc, x, docs=None) -> tuple[jax.Array, list]:
         """(output, the stashed residuals of every layer, stacked)."""
-        return jax.lax.scan(lambda h, p: self.lg.forward(p, h), x, pc)
+        return jax.lax.scan(lambda h, p: self.lg.forward(p, h, docs), x, pc)
 
-    def backward(self, pc, stashed: list, g):
+    def backward(self, pc, stashed: list, g, docs=None):
         def body(g, xs):
-            dp, dh = self.lg.backward(xs[0], xs[1], g)
+            dp, dh = self.lg.backward(xs[0], xs[1], g, docs)
             return dh, dp
 
         dx, dp = jax.lax.scan(body, g, (pc, stashed), reverse=True)
         return dp, dx
 
-    def backward_input(self, pc, res_b: list, res_w: list, g):
+    def backward_input(self, pc, res_b: list, res_w: list, g, docs=None):
         """(input gradient, what W needs of each layer: the frontier, stacked)."""
-        return jax.lax.scan(lambda g, xs: self.lg.backward_input(*xs, g), g,
+        return jax.lax.scan(lambda g, xs: self.lg.backward_input(*xs, g, docs), g,
                             (pc, res_b, res_w), reverse=True)
 
-    def backward_weight(self, pc, res_w: list, frontier: list):
-        return jax.lax.scan(lambda c, xs: (c, self.lg.backward_weight(*xs)), 0,
+    def backward_weight(self, pc, res_w: list, frontier: list, docs=None):
+        return jax.lax.scan(lambda c, xs: (c, self.lg.backward_weight(*xs, docs)), 0,
                             (pc, res_w, frontier))[1]
 
     def pick(self, stashed: list, which: list[int]) -> list:
@@ -129,7 +131,8 @@ class _Rank:
         self.shared = jax.tree.map(_vary, shared)
         self.x0 = _vary(jnp.zeros(act_shape, act_dtype))
         layer0 = jax.tree.map(lambda a: a[0, 0], self.stage_local)
-        self.stage = _Stage(LayerGrad(fns.layer, layer0, self.x0))
+        docs0 = None if fns.documents is None else _vary(jnp.zeros(act_shape[:2], jnp.int32))
+        self.stage = _Stage(LayerGrad(fns.layer, layer0, self.x0, docs0))
         self._layouts()
         zeros32 = (lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t))
         self.g_stage0, self.g_shared0 = zeros32(self.stage_local), zeros32(self.shared)
@@ -171,9 +174,9 @@ class _Rank:
         return _f32(vjp_e(dx)[0])
 
     # --- the stage's passes over a microbatch's stash rows --------------------------
-    def forward(self, c, x):
+    def forward(self, c, x, docs):
         """(output, stash rows)."""
-        y, stashed = self.stage.forward(self.chunk_params(c), x)
+        y, stashed = self.stage.forward(self.chunk_params(c), x, docs)
         rows, st = self.stash.zeros(), self.stage
         if self.recompute:
             return y, self.stash.write(rows, "x", [x])
@@ -182,32 +185,33 @@ class _Rank:
         rows = self.stash.write(rows, "res_w", st.pick(stashed, st.lg.res_w))
         return y, self.stash.write(rows, "res_b", st.pick(stashed, st.lg.res_b))
 
-    def _recomputed(self, c, s_rows) -> list:
-        return self.stage.forward(self.chunk_params(c), self.stash.read(s_rows, "x")[0])[1]
+    def _recomputed(self, c, s_rows, docs) -> list:
+        return self.stage.forward(self.chunk_params(c), self.stash.read(s_rows, "x")[0],
+                                  docs)[1]
 
-    def backward(self, c, s_rows, g):
-        stashed = (self._recomputed(c, s_rows) if self.recompute
+    def backward(self, c, s_rows, g, docs):
+        stashed = (self._recomputed(c, s_rows, docs) if self.recompute
                    else self.stash.read(s_rows, "stashed"))
-        return self.stage.backward(self.chunk_params(c), stashed, g)
+        return self.stage.backward(self.chunk_params(c), stashed, g, docs)
 
-    def backward_input(self, c, s_rows, g):
+    def backward_input(self, c, s_rows, g, docs):
         """(input gradient, stash rows, keep rows): what W needs is kept."""
         pc, st, lg = self.chunk_params(c), self.stage, self.stage.lg
         if self.recompute:
-            stashed = self._recomputed(c, s_rows)
+            stashed = self._recomputed(c, s_rows, docs)
             res_b, res_w = st.pick(stashed, lg.res_b), st.pick(stashed, lg.res_w)
         else:
             res_w, res_b = self.stash.read(s_rows, "res_w"), self.stash.read(s_rows, "res_b")
-        dx, frontier = st.backward_input(pc, res_b, res_w, g)
+        dx, frontier = st.backward_input(pc, res_b, res_w, g, docs)
         if self.recompute:
             k_rows = self.keep.write(self.keep.zeros(), "res_w", res_w)
             return dx, None, self.keep.write(k_rows, "frontier", frontier)
         return dx, self.stash.write(s_rows, "frontier", frontier), None
 
-    def backward_weight(self, c, s_rows, k_rows):
+    def backward_weight(self, c, s_rows, k_rows, docs):
         rows, buf = (k_rows, self.keep) if self.recompute else (s_rows, self.stash)
         return self.stage.backward_weight(self.chunk_params(c), buf.read(rows, "res_w"),
-                                          buf.read(rows, "frontier"))
+                                          buf.read(rows, "frontier"), docs)
 
     def act(self, row, inbox, stash, keep):
         """Run this tick's action (the table's KIND column) with lax.switch."""
@@ -218,20 +222,21 @@ class _Rank:
         # rank's branch would reach it).
         toks = jax.lax.with_sharding_constraint(self.tokens[m], jax.sharding.NamedSharding(
             jax.sharding.get_abstract_mesh(), P()))
+        docs = None if fns.documents is None else fns.documents(toks)
         x_in = inbox[row[IN_SLOT]]
         s_rows = [b[row[RES_SLOT]] for b in stash]
         k_rows = [b[row[KEEP_SLOT]] for b in keep]
 
         def f_first():
-            y, r = self.forward(c, fns.embed(self.shared, toks).astype(self.act_dtype))
+            y, r = self.forward(c, fns.embed(self.shared, toks).astype(self.act_dtype), docs)
             return out(msg=y, s_rows=r)
 
         def f_mid():
-            y, r = self.forward(c, x_in)
+            y, r = self.forward(c, x_in, docs)
             return out(msg=y, s_rows=r)
 
         def f_last():
-            y, r = self.forward(c, x_in)
+            y, r = self.forward(c, x_in, docs)
             loss, (dsh, dy) = jax.value_and_grad(fns.head_loss, argnums=(0, 1))(
                 self.shared, y, toks)
             return out(msg=(dy / N).astype(self.act_dtype), s_rows=r,
@@ -239,23 +244,23 @@ class _Rank:
                        loss=loss.astype(jnp.float32))
 
         def b_first():
-            dp, dx = self.backward(c, s_rows, x_in)
+            dp, dx = self.backward(c, s_rows, x_in, docs)
             return out(g_chunk=_f32(dp), g_shared=self.embed_grad(toks, dx))
 
         def b_mid():
-            dp, dx = self.backward(c, s_rows, x_in)
+            dp, dx = self.backward(c, s_rows, x_in, docs)
             return out(msg=dx.astype(self.act_dtype), g_chunk=_f32(dp))
 
         def bx_first():
-            dx, s2, k2 = self.backward_input(c, s_rows, x_in)
+            dx, s2, k2 = self.backward_input(c, s_rows, x_in, docs)
             return out(s_rows=s2, k_rows=k2, g_shared=self.embed_grad(toks, dx))
 
         def bx_mid():
-            dx, s2, k2 = self.backward_input(c, s_rows, x_in)
+            dx, s2, k2 = self.backward_input(c, s_rows, x_in, docs)
             return out(msg=dx.astype(self.act_dtype), s_rows=s2, k_rows=k2)
 
         def w_any():
-            return out(g_chunk=_f32(self.backward_weight(c, s_rows, k_rows)))
+            return out(g_chunk=_f32(self.backward_weight(c, s_rows, k_rows, docs)))
 
         # A schedule runs either whole backwards or split ones; the other kind's
         # branches never run and are left empty.

@@ -169,24 +169,32 @@ def _cheap_for_w(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int]) -> li
 class LayerGrad:
     """The forward, the whole backward, and the two halves of the backward of one layer
     `layer(params, h) -> h'`, traced once at the example values (inside shard_map:
-    the traced values carry how they vary over the mesh)."""
+    the traced values carry how they vary over the mesh). With `extra_example`, the
+    layer is `layer(params, h, extra)`: an input of the microbatch that takes no
+    gradient (packed documents' segments); every method then takes it last, and the
+    residuals made from it and the parameters alone are recomputed, not stashed."""
 
     layer: Callable
     p_example: object
     h_example: jax.Array
+    extra_example: jax.Array | None = None
+
+    def _bound(self, extra):
+        return self.layer if extra is None else (lambda p, h: self.layer(p, h, extra))
 
     def __post_init__(self):
         p_leaves, self.p_tree = jax.tree.flatten(self.p_example)
         n_p = len(p_leaves)
-        y, vjp_fn = jax.vjp(self.layer, self.p_example, self.h_example)
+        extra = [] if self.extra_example is None else [self.extra_example]
+        y, vjp_fn = jax.vjp(self._bound(self.extra_example), self.p_example, self.h_example)
         res, self.vjp_tree = jax.tree.flatten(vjp_fn)
 
         def fwd(*args):
             p = jax.tree.unflatten(self.p_tree, args[:n_p])
-            out, f = jax.vjp(self.layer, p, args[n_p])
+            out, f = jax.vjp(self._bound(args[n_p + 1] if extra else None), p, args[n_p])
             return [out, *jax.tree.leaves(f)]
 
-        self.fwd = _flat(fwd, *p_leaves, self.h_example)
+        self.fwd = _flat(fwd, *p_leaves, self.h_example, *extra)
         fj = self.fwd.jaxpr
         from_h = _depends_on(fj, {fj.invars[n_p]})
         res_vars = fj.outvars[1:]
@@ -227,42 +235,47 @@ class LayerGrad:
         self._b_eqns, self._w_eqns = b_eqns, w_eqns
 
     # --- pieces --------------------------------------------------------------------
-    def _residuals(self, p, stashed: dict[int, jax.Array]) -> list:
-        """Every residual of the vjp: the stashed ones given, the rest from `p`."""
+    def _args(self, p, h, extra) -> list:
+        """The flat forward's inputs (h None: not needed)."""
+        return [*jax.tree.leaves(p), h, *([] if self.extra_example is None else [extra])]
+
+    def _residuals(self, p, stashed: dict[int, jax.Array], extra=None) -> list:
+        """Every residual of the vjp: the stashed ones given, the rest from `p` (and
+        `extra`)."""
         fj = self.fwd.jaxpr
-        p_leaves = jax.tree.leaves(p)
-        static = _eval(fj, self.fwd.consts, [*p_leaves, None], eqns=self._static_eqns,
-                       outs=[fj.outvars[1 + i] for i in self.static])
+        static = _eval(fj, self.fwd.consts, self._args(p, None, extra),
+                       eqns=self._static_eqns, outs=[fj.outvars[1 + i] for i in self.static])
         full = dict(zip(self.static, static, strict=True)) | stashed
         return [full.get(i) for i in range(len(fj.outvars) - 1)]
 
-    def forward(self, p, h) -> tuple[jax.Array, list]:
+    def forward(self, p, h, extra=None) -> tuple[jax.Array, list]:
         """(layer output, the residuals to stash: `self.stashed`, in order)."""
         fj = self.fwd.jaxpr
-        outs = _eval(fj, self.fwd.consts, [*jax.tree.leaves(p), h], eqns=self._fwd_eqns,
+        outs = _eval(fj, self.fwd.consts, self._args(p, h, extra), eqns=self._fwd_eqns,
                      outs=[fj.outvars[0]] + [fj.outvars[1 + i] for i in self.stashed])
         return outs[0], outs[1:]
 
-    def backward(self, p, stashed: list, g) -> tuple[object, jax.Array]:
+    def backward(self, p, stashed: list, g, extra=None) -> tuple[object, jax.Array]:
         """(parameter gradients, input gradient): the whole backward."""
-        res = self._residuals(p, dict(zip(self.stashed, stashed, strict=True)))
+        res = self._residuals(p, dict(zip(self.stashed, stashed, strict=True)), extra)
         outs = _eval(self.bwd.jaxpr, self.bwd.consts, [*res, g])
         return jax.tree.unflatten(self.p_tree, outs[:-1]), outs[-1]
 
-    def backward_input(self, p, res_b: list, res_w: list, g) -> tuple[jax.Array, list]:
+    def backward_input(self, p, res_b: list, res_w: list, g, extra=None
+                       ) -> tuple[jax.Array, list]:
         """(input gradient, frontier): the Bx half. res_b / res_w: the stashed
         residuals listed in `self.res_b` / `self.res_w`."""
         stashed = dict(zip(self.res_b, res_b, strict=True))
         stashed |= dict(zip(self.res_w, res_w, strict=True))
-        res = self._residuals(p, stashed)
+        res = self._residuals(p, stashed, extra)
         bj = self.bwd.jaxpr
         outs = _eval(bj, self.bwd.consts, [*res, g], eqns=self._b_eqns,
                      outs=[bj.outvars[-1], *self.frontier])
         return outs[0], outs[1:]
 
-    def backward_weight(self, p, res_w: list, frontier: list):
+    def backward_weight(self, p, res_w: list, frontier: list, extra=None):
         """Parameter gradients: the W half, from what Bx kept."""
-        res = self._residuals(p, dict(zip(self.res_w, res_w, strict=True)))
+        res = self._residuals(p, dict(zip(self.res_w, res_w, strict=True)), extra)
         bj = self.bwd.jaxpr
         env = dict(zip(self.frontier, frontier, strict=True))
         outs = _eval(bj, self.bwd.consts, [*res, None], eqns=self._w_eqns, env=env,

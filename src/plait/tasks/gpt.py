@@ -92,10 +92,6 @@ class GPTTask(DecoderCheckpoints, Task):
                             "= \"default\"")
         # data.document_mask: each token attends within its own document.
         self.documents = exp.data.document_mask and exp.data.source == "tokens"
-        if self.documents and self.pipeline:
-            raise UserError("data.document_mask is not carried through a pipeline's stages "
-                            "yet; drop the pipeline axis (fsdp or tensor hold a large model "
-                            "instead) or set data.document_mask = false")
         if (self.local or self.data_split) and self.context_attention == "ring":
             # The model is traced per data replica (vmap over `data`), and a shard_map
             # manual over `context` alone cannot be batched over an axis it leaves to GSPMD.
@@ -169,7 +165,8 @@ class GPTTask(DecoderCheckpoints, Task):
         # the router losses' (parallel.experts.aux_scale).
         with sharding.use(self.mesh, self.rules), \
                 experts.aux_scale(1.0 / self.pipeline.microbatches):
-            return self.pipeline.loss_and_grads(params, batch, compute_dtype(self.exp))
+            return self.pipeline.loss_and_grads(params, batch, compute_dtype(self.exp),
+                                                self.documents)
 
     def _replica_grads(self):
         """(params, batch) -> (loss, grads) of one data replica's rows, for a model

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from plait import sharding
+from plait import loss_mask, sharding
 from plait.config import Experiment
 from plait.errors import UserError
 from plait.models import ModelDef, build, flat_to_pure, layer_stack
@@ -141,19 +141,24 @@ class Pipelined:
             isinstance(n, dict) and self.key in n), fn)
 
     # --- the step ----------------------------------------------------------------
-    def loss_and_grads(self, params: dict, batch: jax.Array, dtype):
-        """batch [N, b, seq + 1] -> (mean loss, grads shaped like params)."""
-        shared_model, layers = self.shared_model, self.layers
+    def loss_and_grads(self, params: dict, batch: jax.Array, dtype, documents: bool = False):
+        """batch [N, b, seq + 1] -> (mean loss, grads shaped like params). `documents`:
+        packed documents do not attend to each other (data.document_mask): every layer
+        is given its microbatch's segments, learned positions restart per document."""
+        shared_model, layer = self.shared_model, self.layers.layer_fn(dtype)
 
         def embed(shared, toks):
-            return shared_model.module(shared, dtype).embed(context.inputs_targets(toks)[0])
+            within = context.document_positions(toks) if documents else None
+            with loss_mask.documents(None, within):
+                return shared_model.module(shared, dtype).embed(context.inputs_targets(toks)[0])
 
         def head_loss(shared, x, toks):
             return shared_model.module(shared, dtype).loss(x, context.inputs_targets(toks)[1])
 
         b, seq = batch.shape[1], batch.shape[2] - 1
         act_dtype = dtype or jnp.float32
-        fns = pipeline.StageFns(embed, layers.layer_fn(dtype), head_loss)
+        fns = pipeline.StageFns(embed, layer, head_loss,
+                                context.document_segments if documents else None)
         loss, g_stages, g_shared = pipeline.run(
             self.ticks, fns, params["stages"],
             params["shared"], batch, self.mesh, (b, seq, self.exp.model.d_model), act_dtype,
