@@ -417,6 +417,37 @@ def test_a_program_whose_compile_kills_its_process_is_left_out_and_the_rest_go_o
     assert got == {m: None if m == sa.ABORTS else {"mesh": m} for m in meshes}
 
 
+def test_a_pool_found_broken_when_submitting_hands_back_what_did_not_run():
+    """The race seen in CI: a process dies after the last wait and before the next
+    submit, which then raises BrokenProcessPool itself. The program not submitted goes
+    back on the queue for the next pool, what was in flight ends first and is yielded
+    (or handed back if it failed with the pool), nothing is raised."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    import sweep_abort as sa
+
+    from plait.sweep.run import _run_pool
+
+    calls = []
+
+    def submit(pool, prog):
+        calls.append(prog[0].mesh)
+        if len(calls) == 2:
+            raise BrokenProcessPool("a process died")
+        return pool.submit(sa.measure, None, prog[0], 2, None, False)
+
+    queue = [[sa.Shape(m)] for m in ("fsdp=2", "data=4", "data=2")]  # popped from the end
+    gen = _run_pool(queue, 2, submit, sa.init, 2)
+    yielded = []
+    try:
+        while True:
+            yielded.append(next(gen))
+    except StopIteration as stop:
+        lost = stop.value
+    assert [(p[0].mesh, f) for p, f, _ in yielded] == [("data=2", {"mesh": "data=2"})]
+    assert lost == [] and [p[0].mesh for p in queue] == ["fsdp=2", "data=4"]
+
+
 def test_a_sweep_cut_short_resumes_from_its_journal(tmp_path, monkeypatch, capsys):
     """Each program's figures are journaled as read; a rerun reads back what the file
     holds for the same sweep (a line a kill cut short is skipped) and ranks exactly what

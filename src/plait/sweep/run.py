@@ -143,11 +143,17 @@ def _run_pool(queue: list[Program], size: int, submit, init, n: int):
                              initargs=(n,)) as pool:
         running: dict = {}
         while queue or running:
+            broken = False
             while queue and len(running) < size:
                 prog = queue.pop()
-                running[submit(pool, prog)] = prog
+                try:
+                    running[submit(pool, prog)] = prog
+                except BrokenProcessPool:  # a process died since the last wait
+                    queue.append(prog)  # never ran: the next pool takes it
+                    wait(running)  # every call in flight has ended or failed with it
+                    broken = True
+                    break
             done, _ = wait(running, return_when=FIRST_COMPLETED)
-            broken = False
             for fut in done:
                 try:
                     figures, seconds = fut.result()
