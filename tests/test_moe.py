@@ -330,6 +330,25 @@ def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, activation):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("moe,says", [
+    ({"capacity_factor": 0.0}, "dropless, 1 x a balanced expert's rows batched, the rest "
+     "through the loop over tiles"),
+    ({"capacity_factor": 0.0, "bulk": 0}, "dropless, every row through the loop over tiles"),
+    ({"capacity_factor": 0.0, "grouped": "ragged_dot"}, "dropless through jax.lax.ragged_dot"),
+    ({"capacity_factor": 1.25}, "capacity factor 1.25"),
+])
+def test_the_run_says_how_its_experts_are_dispatched(moe, says):
+    """The start-up line names the dispatch a run's figures come from."""
+    from helpers import make_mesh
+
+    from plait.tasks import make_task
+    from plait.tasks.gpt_runtime import start_up_lines
+
+    lines = start_up_lines(make_task(experiment(moe), make_mesh("data=1")))
+    (line,) = [x for x in lines if "mixture of experts" in x]
+    assert f"2 per token, {says};" in line, line
+
+
 def test_dropless_tiles_compile_to_the_routed_flops():
     """The compiled step's matmul FLOPs: tiles are the active weights' (flops_per_token)
     plus at most the tiles' padding; XLA:CPU's ragged_dot multiplies every expert."""

@@ -80,7 +80,10 @@ def start_up_lines(task) -> list[str]:
         m = task.exp.model
         sparse = m.sparse_count
         routing = (f"capacity factor {moe.capacity_factor:g}" if moe.capacity_factor
-                   else "dropless")
+                   else "dropless through jax.lax.ragged_dot" if moe.grouped == "ragged_dot"
+                   else "dropless, every row through the loop over tiles" if not moe.bulk
+                   else f"dropless, {moe.bulk:g} x a balanced expert's rows batched, the "
+                   "rest through the loop over tiles")
         X = task.mesh.shape.get("expert", 1)
         where = (f"{moe.experts // X} per rank of the expert axis ({X}), "
                  + ("all-to-all" if moe.capacity_factor else
