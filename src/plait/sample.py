@@ -163,10 +163,11 @@ def _check(tokens: int, temperature: float, top_k: int, chat: bool, system: str 
 
 class _Model:
     """A run's checkpoint loaded once for sampling: the model, its tokenizer, and with
-    `chat` its chat template and end-of-text token."""
+    `chat` its chat template, end-of-text token and the conversation's opening (the
+    system message, if any)."""
 
     def __init__(self, run_dir: Path, step: int | None, tokens: int, temperature: float,
-                 top_k: int, chat: bool):
+                 top_k: int, chat: bool, system: str | None = None):
         from plait.data.tokenizer import for_run
         from plait.train.step import compute_dtype
 
@@ -182,11 +183,13 @@ class _Model:
             self.template = chats.find(run_dir / RUN_FILE)
             eos = self.template.eos
             self.stop = self.codec.tok.token_to_id(eos) if eos else None
+        self.opening = [{"role": "system", "content": system}] if system is not None else []
         self.generate = generator(mdef, compute_dtype(self.exp), tokens, temperature, top_k)
 
-    def conversation(self, messages: list[dict]) -> list[int]:
-        """The ids of `messages` through the chat template, the assistant's turn opened."""
-        text = self.template.render(messages, add_generation_prompt=True)
+    def conversation(self, turns: list[dict]) -> list[int]:
+        """The ids of the opening and `turns` through the chat template, the assistant's
+        turn opened."""
+        text = self.template.render(self.opening + turns, add_generation_prompt=True)
         return self.codec.encode_lines([text], special=False)[0]  # the template placed them
 
     def fits(self, ids: list[int]) -> bool:
@@ -220,12 +223,9 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
     with the assistant's turn opened, and the answer ends at the template's end-of-text
     token."""
     _check(tokens, temperature, top_k, chat, system)
-    m = _Model(Path(run_dir), step, tokens, temperature, top_k, chat)
-    if chat:
-        first = [{"role": "system", "content": system}] if system is not None else []
-        ids = m.conversation([*first, {"role": "user", "content": prompt}])
-    else:
-        ids = m.codec.encode(prompt)
+    m = _Model(Path(run_dir), step, tokens, temperature, top_k, chat, system)
+    ids = (m.conversation([{"role": "user", "content": prompt}]) if chat
+           else m.codec.encode(prompt))
     return m.answer(ids, jax.random.key(seed))
 
 
@@ -238,16 +238,15 @@ def converse(run_dir: str | Path, messages: Iterable[str], tokens: int, temperat
     are left out from the oldest (the system message stays); info["left_out"] counts
     them. The checkpoint is read once."""
     _check(tokens, temperature, top_k, True, system)
-    m = _Model(Path(run_dir), step, tokens, temperature, top_k, True)
-    first = [{"role": "system", "content": system}] if system is not None else []
+    m = _Model(Path(run_dir), step, tokens, temperature, top_k, True, system)
     turns: list[dict] = []
     left_out = 0
     for i, message in enumerate(x for x in messages if x.strip()):
         turns.append({"role": "user", "content": message.rstrip("\n")})
-        ids = m.conversation(first + turns)
+        ids = m.conversation(turns)
         while not m.fits(ids) and len(turns) > 1:  # the oldest exchange goes first
             turns, left_out = turns[2:], left_out + 2
-            ids = m.conversation(first + turns)
+            ids = m.conversation(turns)
         text, info = m.answer(ids, jax.random.fold_in(jax.random.key(seed), i))
         turns.append({"role": "assistant", "content": text})
         yield text, {**info, "left_out": left_out}

@@ -14,6 +14,7 @@ Checkpoints hold one entry per layer whatever the layout (`unstack` /
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -246,9 +247,9 @@ class LayerStack:
             for path, var in flat_abstract:
                 flat.append((path, var.replace(_cast(var, _lookup(layer, path), dtype))))
             module = nnx.merge(self.graphdef, nnx.from_flat_state(flat))
-            if segments is None:
-                return getattr(module, method)(h)
-            with loss_mask.documents(segments):
+            # None leaves alone the documents set around the call (the unpipelined model)
+            with (contextlib.nullcontext() if segments is None
+                  else loss_mask.documents(segments)):
                 return getattr(module, method)(h)
 
         if self.remat != "none":

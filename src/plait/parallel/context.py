@@ -65,23 +65,23 @@ def positions(seq: int) -> np.ndarray | None:
     return None if c == 1 else balanced_order(seq, c)
 
 
+def _stored(a: jax.Array) -> jax.Array:
+    """a [rows, seq] in natural order -> in the order the model stores a sequence."""
+    order = positions(a.shape[1])
+    return a if order is None else a[:, order]
+
+
 def inputs_targets(tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """tokens [rows, seq + 1] -> (inputs, next-token targets) [rows, seq], in the order
     the model stores a sequence under the active mesh (the inputs as ids; targets the
     loss leaves out stay ~id, loss_mask.kept_targets)."""
-    inputs, targets = token_ids(tokens[:, :-1]), tokens[:, 1:]
-    order = positions(inputs.shape[1])
-    if order is None:
-        return inputs, targets
-    return inputs[:, order], targets[:, order]
+    return _stored(token_ids(tokens[:, :-1])), _stored(tokens[:, 1:])
 
 
 def document_segments(tokens: jax.Array) -> jax.Array:
     """tokens [rows, seq + 1] -> each input's document [rows, seq] (how many documents
     start at or before it in its row: data.document_mask), in the stored order."""
-    seg = jnp.cumsum(starts(tokens[:, :-1]), axis=1, dtype=jnp.int32)
-    order = positions(seg.shape[1])
-    return seg if order is None else seg[:, order]
+    return _stored(jnp.cumsum(starts(tokens[:, :-1]), axis=1, dtype=jnp.int32))
 
 
 def document_positions(tokens: jax.Array) -> jax.Array:
@@ -90,9 +90,7 @@ def document_positions(tokens: jax.Array) -> jax.Array:
     at the row's start), in the stored order."""
     first = starts(tokens[:, :-1])
     i = jnp.arange(first.shape[1], dtype=jnp.int32)
-    pos = i - jax.lax.cummax(jnp.where(first, i, 0), axis=1)
-    order = positions(pos.shape[1])
-    return pos if order is None else pos[:, order]
+    return _stored(i - jax.lax.cummax(jnp.where(first, i, 0), axis=1))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, pos: np.ndarray | None,

@@ -54,6 +54,18 @@ def scan_for(cfg: GPTConfig, platform: str) -> tuple[bool, str]:
     return True, f"auto: scanned on {platform}"
 
 
+def _dispatch(moe) -> str:
+    """How a mixture of experts' tokens reach their experts, in words."""
+    if moe.capacity_factor:
+        return f"capacity factor {moe.capacity_factor:g}"
+    if moe.grouped == "ragged_dot":
+        return "dropless through jax.lax.ragged_dot"
+    if not moe.bulk:
+        return "dropless, every row through the loop over tiles"
+    return (f"dropless, {moe.bulk:g} x a balanced expert's rows batched, the rest through "
+            "the loop over tiles")
+
+
 def start_up_lines(task) -> list[str]:
     """The lines a run prints after its header: the kernel and layout chosen and why, how
     the loss is formed, a mixture of experts' routing, a context axis's split."""
@@ -79,11 +91,7 @@ def start_up_lines(task) -> list[str]:
     if moe is not None:
         m = task.exp.model
         sparse = m.sparse_count
-        routing = (f"capacity factor {moe.capacity_factor:g}" if moe.capacity_factor
-                   else "dropless through jax.lax.ragged_dot" if moe.grouped == "ragged_dot"
-                   else "dropless, every row through the loop over tiles" if not moe.bulk
-                   else f"dropless, {moe.bulk:g} x a balanced expert's rows batched, the "
-                   "rest through the loop over tiles")
+        routing = _dispatch(moe)
         X = task.mesh.shape.get("expert", 1)
         where = (f"{moe.experts // X} per rank of the expert axis ({X}), "
                  + ("all-to-all" if moe.capacity_factor else
