@@ -10,7 +10,8 @@ jitted forward + backward calls:
 
   dense           every row through expert 0: the routed rows' FLOPs, one product/MLP
   batched         [G, M/G, K] through every expert: a perfectly balanced grouped one
-  tiles-bulkB     parallel.grouped with model.moe.bulk = B (0: the loop alone)
+  tiles-bB-sS     parallel.grouped with model.moe.bulk = B and spill = S (both 0: the
+                  loop alone; b1-s0.125 is plait's default)
   ragged_dot      jax.lax.ragged_dot's grouped matmuls (the backend's own)
 
 Routing: group sizes proportional to exp(skew x z), z standard normal (seed 0);
@@ -40,7 +41,19 @@ def group_sizes(rows: int, groups: int, skew: float):
     return sizes
 
 
-def variants(sizes, bulks: list[float], mlp: bool) -> dict:
+SPLITS = [(0.0, 0.0), (1.0, 0.0), (1.0, 0.125), (1.0, 0.25), (0.0, 1.25)]
+
+
+def split(text: str) -> tuple[float, float]:
+    """--split BULK:SPILL."""
+    try:
+        bulk, spill = (float(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': give BULK:SPILL, e.g. 1:0.125") from None
+    return bulk, spill
+
+
+def variants(sizes, splits: list[tuple[float, float]], mlp: bool) -> dict:
     """name -> f(x, w) -> [M, N] for every variant; w: {"w": [G, K, N]}, or with `mlp`
     SwiGLU's {"w13": [G, K, 2, F], "w2": [G, F, K]}."""
     import jax
@@ -65,8 +78,9 @@ def variants(sizes, bulks: list[float], mlp: bool) -> dict:
     out = {"dense": lambda x, w: expert_mlp({k: v[:1] for k, v in w.items()}, x[None],
                                             act)[0],
            "batched": batched}
-    for b in bulks:
-        out[f"tiles-bulk{b:g}"] = lambda x, w, b=b: grouped_mlp(x, w, sizes, act, M, b)
+    for b, s in splits:
+        out[f"tiles-b{b:g}-s{s:g}"] = lambda x, w, b=b, s=s: grouped_mlp(x, w, sizes, act,
+                                                                          M, b, s)
     out["ragged_dot"] = ragged
     return out
 
@@ -94,7 +108,9 @@ def main() -> int:
     ap.add_argument("--mlp", action="store_true", help="a grouped SwiGLU MLP, not one product")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--skew", type=float, default=0.3)
-    ap.add_argument("--bulk", type=float, action="append", help="default: 0, 1, 1.25")
+    ap.add_argument("--split", type=split, action="append", metavar="BULK:SPILL",
+                    help="model.moe.bulk and spill of a tiles variant (default: 0:0, 1:0, "
+                         "1:0.125, 1:0.25, 0:1.25)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
@@ -125,7 +141,7 @@ def main() -> int:
         w = {"w": normal(keys[1], (G, K, n), K)}
         out, flops = n, 6 * args.rows * K * n
     dy = normal(keys[2], (args.rows, out), 1)
-    fs = variants(jnp.asarray(sizes), args.bulk or [0.0, 1.0, 1.25], args.mlp)
+    fs = variants(jnp.asarray(sizes), args.split or SPLITS, args.mlp)
     want = jax.jit(fs["ragged_dot"])(x, w).astype(jnp.float32)
     error = {k: float(jnp.linalg.norm(jax.jit(f)(x, w).astype(jnp.float32) - want)
                       / jnp.linalg.norm(want)) for k, f in fs.items() if k.startswith("tiles")}

@@ -260,15 +260,24 @@ def test_small_capacity_drops_what_numpy_drops(spec):
     np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("bulk", [1.0, 0.0], ids=["batched", "loop-only"])
+# (bulk, spill): how grouped_mlp splits the rows between its batched bulk, its batched
+# spill tiles and its loop over tiles (parallel/grouped.py)
+SPLITS = pytest.mark.parametrize("bulk,spill", [(1.0, 0.125), (1.0, 0.0), (0.0, 0.0),
+                                                (0.0, 2.0), (0.5, 0.25)],
+                                 ids=["bulk-spill-loop", "bulk-loop", "loop-only",
+                                      "spill-only", "all-three"])
+
+
+@SPLITS
 @pytest.mark.parametrize("expected", [None, 24], ids=["all-rows", "a-quarter"])
 @pytest.mark.parametrize("sizes", [[10, 0, 50, 30], [10, 0, 30, 60], [0, 0, 64, 0], [1, 2, 3, 4]])
-def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk):
-    """Dropless's grouped matmuls, a balanced share of each group batched and the rest
-    in a loop over tiles (or all in the loop): the values and both gradients of
-    jax.lax.ragged_dot, empty groups and rows past the groups (another rank's, zeros)
-    included; whether the routed rows fit the batched part or the static part of the
-    loop (`expected`, the rows of a balanced routing) or spill past them."""
+def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk, spill):
+    """Dropless's grouped matmuls, a share of each group batched (bulk), tiles of the
+    rows past it batched with their groups' weights gathered (spill), the rest in a loop
+    over tiles: the values and both gradients of jax.lax.ragged_dot, empty groups and
+    rows past the groups (another rank's, zeros) included; whether the routed rows fit
+    the batched parts (sized by `expected`, the rows of a balanced routing) or spill
+    past them into the loop."""
     from plait.parallel.grouped import grouped_matmul
 
     rng = np.random.default_rng(0)
@@ -277,7 +286,7 @@ def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk):
     s = jnp.asarray(sizes, jnp.int32)
 
     def f(x, w, how):
-        y = grouped_matmul(x, w, s, how, expected, bulk)
+        y = grouped_matmul(x, w, s, how, expected, bulk, spill)
         return jnp.sum(jnp.sin(y)), y
 
     (_, got), got_g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w, "tiles")
@@ -289,8 +298,8 @@ def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk):
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-@pytest.mark.parametrize("bulk", [1.0, 0.0], ids=["batched", "loop-only"])
-def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, activation):
+@SPLITS
+def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, spill, activation):
     """Dropless's whole expert MLP on the tiles (hidden activations kept in the batched
     layout, each loop tile's forward recomputed in the backward): the values and the
     gradients of the rows and every weight of the same MLP written with ragged_dot,
@@ -322,7 +331,7 @@ def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, activation):
             return jnp.sum(jnp.sin(y)), y
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
 
-    (_, got), got_g = f(lambda x, w: grouped_mlp(x, w, s, activation, 40, bulk))
+    (_, got), got_g = f(lambda x, w: grouped_mlp(x, w, s, activation, 40, bulk, spill))
     (_, want), want_g = f(reference)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert not np.asarray(got[90:]).any()
@@ -331,9 +340,15 @@ def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, activation):
 
 
 @pytest.mark.parametrize("moe,says", [
-    ({"capacity_factor": 0.0}, "dropless, 1 x a balanced expert's rows batched, the rest "
-     "through the loop over tiles"),
-    ({"capacity_factor": 0.0, "bulk": 0}, "dropless, every row through the loop over tiles"),
+    ({"capacity_factor": 0.0}, "dropless, 1 x a balanced expert's rows batched, tiles of "
+     "0.125 x all rows more batched with their experts' weights gathered, the rest through "
+     "the loop over tiles"),
+    ({"capacity_factor": 0.0, "spill": 0}, "dropless, 1 x a balanced expert's rows batched, "
+     "the rest through the loop over tiles"),
+    ({"capacity_factor": 0.0, "bulk": 0, "spill": 1.5}, "dropless, tiles of 1.5 x all rows "
+     "batched with their experts' weights gathered, the rest through the loop over tiles"),
+    ({"capacity_factor": 0.0, "bulk": 0, "spill": 0},
+     "dropless, every row through the loop over tiles"),
     ({"capacity_factor": 0.0, "grouped": "ragged_dot"}, "dropless through jax.lax.ragged_dot"),
     ({"capacity_factor": 1.25}, "capacity factor 1.25"),
 ])
@@ -356,13 +371,34 @@ def test_dropless_tiles_compile_to_the_routed_flops():
     from plait.models.gpt_counts import flops_per_token
 
     flops = {}
-    for how in ("tiles", "ragged_dot"):
-        exp = experiment({"capacity_factor": 0.0, "grouped": how, **UNSHARED},
+    for how in ("tiles", "ragged_dot"):  # no spill tiles, which cost FLOPs routed or not
+        exp = experiment({"capacity_factor": 0.0, "grouped": how, "spill": 0, **UNSHARED},
                          model={"layers": 1})
         flops[how] = inspect_step(exp, make_mesh("data=1"))["flops_per_device"]
     model = flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len
     assert model <= flops["tiles"] <= 1.25 * model
     assert flops["ragged_dot"] > 1.8 * model
+
+
+def test_spill_tiles_cost_their_flops_whether_filled_or_not():
+    """The spill's S tiles are a static batched product: the compiled step's FLOPs grow
+    by S x tile rows x 22 d f, routed or not: an expert's SwiGLU MLP forward (6 d f a
+    row), twice that backward, and the recompute of its hidden activations in the
+    backward (4 d f; XLA drops the unused output product)."""
+    from plait.inspect import inspect_step
+    from plait.parallel.grouped import tile_rows
+
+    flops = {}
+    for spill in (0.0, 0.5):
+        exp = experiment({"capacity_factor": 0.0, "spill": spill, **UNSHARED},
+                         model={"layers": 1})
+        flops[spill] = inspect_step(exp, make_mesh("data=1"))["flops_per_device"]
+    m = exp.model
+    rows = exp.train.global_batch * m.seq_len * m.moe.top_k
+    tile = tile_rows(rows, m.moe.experts)
+    S = -(-int(0.5 * rows) // tile)
+    want = S * tile * 22 * m.d_model * (m.moe.d_ff or m.d_ff)
+    assert flops[0.5] - flops[0.0] == pytest.approx(want, rel=0.05)
 
 
 @pytest.mark.parametrize("spec", ["expert=4", "data=2,expert=2"])
@@ -375,7 +411,7 @@ def test_dropless_over_an_expert_axis_compiles_to_each_ranks_share(spec):
     from plait.inspect import inspect_step
     from plait.models.gpt_counts import flops_per_token
 
-    exp = experiment({"capacity_factor": 0.0, **UNSHARED}, model={"layers": 1})
+    exp = experiment({"capacity_factor": 0.0, "spill": 0, **UNSHARED}, model={"layers": 1})
     mesh = make_mesh(spec)
     got = inspect_step(exp, mesh)["flops_per_device"]
     model = flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len

@@ -80,7 +80,8 @@ class MoE(nnx.Module):
             if m.shared_gate:  # Qwen-MoE: sigmoid(x . g) scales the shared expert per token
                 self.shared_gate = _param(rngs, (d,), ("norm",), 0.02)
         self.top_k, self.renormalize = m.top_k, m.renormalize
-        self.capacity_factor, self.grouped, self.bulk = m.capacity_factor, m.grouped, m.bulk
+        self.capacity_factor, self.grouped = m.capacity_factor, m.grouped
+        self.bulk, self.spill = m.bulk, m.spill
         n = sparse_layers(cfg)
         self.aux_weight, self.z_weight = m.aux_weight / n, m.z_weight / n
 
@@ -109,7 +110,7 @@ class MoE(nnx.Module):
                                                self.capacity_factor)
         else:
             y, dropped = experts.dropless(x, idx, gate, weights, activation, self.grouped,
-                                          self.bulk)
+                                          self.bulk, self.spill)
         y = experts.add_aux_gradient(
             y, self.aux_weight * stats["aux_loss"] + self.z_weight * stats["z_loss"])
         if hasattr(self, "shared"):

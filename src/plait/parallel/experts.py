@@ -217,24 +217,67 @@ def with_capacity(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
     return y, jnp.sum(pos >= cap)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sorted_rows(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+    """x [N, d] -> each token's k assignments in sorted order, [N x k, d] (assignment a
+    = token a // k at sorted place inverse[a]; order: the assignment at each place).
+    Both ways a gather: the gradient sums each token's k rows, read at their places,
+    where autodiff's would scatter-add them into the tokens (slower on a GPU)."""
+    return jnp.take(x, order // k, axis=0)
+
+
+def _sorted_rows_fwd(x, order, inverse, k):
+    return _sorted_rows(x, order, inverse, k), (order, inverse)
+
+
+def _sorted_rows_bwd(k, res, ct):
+    order, inverse = res
+    return jnp.take(ct, inverse, axis=0).reshape(-1, k, ct.shape[-1]).sum(1), None, None
+
+
+_sorted_rows.defvjp(_sorted_rows_fwd, _sorted_rows_bwd)
+
+
+@jax.custom_vjp
+def _unsorted(y: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """Rows in sorted order back in assignment order: a gather both ways (the
+    gradient's by `order`), where autodiff's would scatter."""
+    return jnp.take(y, inverse, axis=0)
+
+
+def _unsorted_fwd(y, order, inverse):
+    return _unsorted(y, order, inverse), (order, inverse)
+
+
+def _unsorted_bwd(res, ct):
+    order, _ = res
+    return jnp.take(ct, order, axis=0), None, None
+
+
+_unsorted.defvjp(_unsorted_fwd, _unsorted_bwd)
+
+
 def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
-                  how: str, ranks: int = 1, bulk: float = 1.0) -> jax.Array:
+                  how: str, ranks: int = 1, bulk: float = 1.0, spill: float = 0.125
+                  ) -> jax.Array:
     """Tokens x [N, d] of one device, every assignment kept: sorted by expert, the experts
     run as grouped matmuls over their contiguous rows, then put back and weighted.
     Assignments to experts outside [0, E) (another rank's) sort last, past every group:
     the grouped matmuls leave them out and their outputs are 0. `ranks`: how many ranks
-    share the assignments (a balanced routing gives this one 1 / ranks of them); `bulk`:
-    the share of a balanced expert's rows batched (`parallel.grouped.tiles`)."""
+    share the assignments (a balanced routing gives this one 1 / ranks of them); `bulk`,
+    `spill`: how many rows `parallel.grouped.grouped_mlp` batches."""
     N, k = idx.shape
     expected = N * k // ranks
     E = next(iter(w.values())).shape[0]
     flat = idx.reshape(-1)
     flat = jnp.where((flat >= 0) & (flat < E), flat, E)
-    order = jnp.argsort(flat, stable=True)
-    rows = jnp.take(x, order // k, axis=0)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32),
+                                                  unique_indices=True)
+    rows = _sorted_rows(x, order, inverse, k)
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
     if how == "tiles":
-        out = grouped_mlp(rows, w, sizes, activation, expected, bulk)
+        out = grouped_mlp(rows, w, sizes, activation, expected, bulk, spill)
     else:
         if activation == "swiglu":
             w13 = w["w13"]
@@ -244,12 +287,13 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
         else:
             hidden = gelu(grouped_matmul(rows, w["w1"], sizes, how))
         out = grouped_matmul(hidden, w["w2"], sizes, how)
-    back = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(N, k, -1)
+    back = _unsorted(out, order, inverse).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
 
 
 def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
-             how: str = "tiles", bulk: float = 1.0) -> tuple[jax.Array, jax.Array]:
+             how: str = "tiles", bulk: float = 1.0, spill: float = 0.125
+             ) -> tuple[jax.Array, jax.Array]:
     """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], 0 dropped): each device's
     tokens through `_ragged_group`, in a shard_map over the axes that split the rows;
     over an `expert` axis, every rank's tokens through its own experts (the module's
@@ -265,10 +309,10 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
             x, gate = _gather(x, AXIS), _gather(gate, AXIS)
             idx = jax.lax.all_gather(idx, AXIS, tiled=True)
             first = jax.lax.axis_index(AXIS) * next(iter(w.values())).shape[0]
-            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X, bulk),
-                             AXIS)
+            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X, bulk,
+                                           spill), AXIS)
         else:
-            y = _ragged_group(x, idx, gate, w, activation, how, bulk=bulk)
+            y = _ragged_group(x, idx, gate, w, activation, how, bulk=bulk, spill=spill)
         return y.reshape(b, T, d)
 
     ctx = active()

@@ -60,10 +60,13 @@ def _dispatch(moe) -> str:
         return f"capacity factor {moe.capacity_factor:g}"
     if moe.grouped == "ragged_dot":
         return "dropless through jax.lax.ragged_dot"
-    if not moe.bulk:
+    if not moe.bulk and not moe.spill:
         return "dropless, every row through the loop over tiles"
-    return (f"dropless, {moe.bulk:g} x a balanced expert's rows batched, the rest through "
-            "the loop over tiles")
+    batched = [f"{moe.bulk:g} x a balanced expert's rows batched"] if moe.bulk else []
+    if moe.spill:
+        batched.append(f"tiles of {moe.spill:g} x all rows {'more ' if moe.bulk else ''}"
+                       "batched with their experts' weights gathered")
+    return f"dropless, {', '.join(batched)}, the rest through the loop over tiles"
 
 
 def start_up_lines(task) -> list[str]:
