@@ -28,9 +28,9 @@ zeros, as ragged_dot gives them. Over an `expert` axis of X ranks the rows are t
 whole group's X x N x k and a balanced rank's groups hold N x k of them; the compiled
 program's FLOPs, which count the batched parts and the loop once, price the balanced
 case. One custom VJP covers the three: JAX cannot reverse a loop of dynamic length.
-The backward keeps the bulk MLP's own residuals and otherwise only the rows: the
-spill tiles' and each loop tile's forward are recomputed there (their gathered
-weights are never held). The spill's weight gradients are added to the bulk's in
+The backward keeps the bulk MLP's own residuals, the spill's pre-activations (not
+its gathered weights, which it gathers again) and the rows: only each loop tile's
+forward is recomputed there. The spill's weight gradients are added to the bulk's in
 the weights' dtype (an expert's rows in two or three parts, each a product's
 gradient); only when the loop has tiles are they copied to float32 for its many
 small additions and back.
@@ -129,17 +129,42 @@ def _tile_at(lay: _Layout, t: jax.Array, M: int, tile: int):
     return first, (r >= lay.start[t]) & (r < lay.start[t] + lay.length[t])
 
 
+UP = {"swiglu": "w13", "gelu": "w1", None: "w"}  # the first product's weight, by activation
+
+
+def _up(wu: jax.Array, h: jax.Array, activation: str | None) -> jax.Array:
+    """The first product: h [..., E, C, d] -> pre-activations [..., E, C, (2,) f]."""
+    if activation == "swiglu":
+        return jnp.einsum("...ecd,edgf->...ecgf", h, wu)
+    return jnp.einsum("...ecd,edf->...ecf", h, wu)
+
+
+def _down(w2: jax.Array | None, pre: jax.Array, activation: str | None) -> jax.Array:
+    """The activation, then the second product (None: no activation, no product)."""
+    if activation is None:
+        return pre
+    hidden = swiglu(pre[..., 0, :], pre[..., 1, :]) if activation == "swiglu" else gelu(pre)
+    return jnp.einsum("...ecf,efd->...ecd", hidden, w2)
+
+
 def expert_mlp(w: dict[str, jax.Array], h: jax.Array, activation: str | None) -> jax.Array:
     """Every expert's MLP on its own rows: h [..., E, C, d] -> [..., E, C, d]. None: the
     one product h @ w["w"] (a grouped matmul)."""
-    if activation is None:
-        return jnp.einsum("...ecd,edf->...ecf", h, w["w"])
-    if activation == "swiglu":
-        gu = jnp.einsum("...ecd,edgf->...ecgf", h, w["w13"])
-        hidden = swiglu(gu[..., 0, :], gu[..., 1, :])
-    else:
-        hidden = gelu(jnp.einsum("...ecd,edf->...ecf", h, w["w1"]))
-    return jnp.einsum("...ecf,efd->...ecd", hidden, w["w2"])
+    return _down(w.get("w2"), _up(w[UP[activation]], h, activation), activation)
+
+
+def _spill_backward(xs: jax.Array, pre: jax.Array | None, ws: dict, dys: jax.Array,
+                    activation: str | None) -> tuple[jax.Array, dict]:
+    """The spill MLP's gradients from its rows xs, its kept pre-activations and its
+    weights gathered again: autodiff of each product, whose forward is then dead code
+    (XLA drops it), so nothing is multiplied twice."""
+    grads = {}
+    if activation is not None:
+        _, pull = jax.vjp(lambda p, w2: _down(w2, p, activation), pre, ws["w2"])
+        dys, grads["w2"] = pull(dys)
+    _, pull = jax.vjp(lambda x, wu: _up(wu, x, activation), xs, ws[UP[activation]])
+    dxs, grads[UP[activation]] = pull(dys)
+    return dxs, grads
 
 
 def _tile_mlp(xt: jax.Array, wg: dict, activation: str | None) -> jax.Array:
@@ -226,7 +251,7 @@ def _grouped_fwd(x, w, lay, activation, shape):
     G, C, S, tile = shape
     out = jax.eval_shape(functools.partial(_tile_mlp, activation=activation), x[:1],
                          _of_groups(w, jnp.zeros(1, jnp.int32)))
-    pull = None
+    pull = pre = None
     if shape.rows:
         buf = _rows(x, lay.source)
         parts = []
@@ -234,18 +259,19 @@ def _grouped_fwd(x, w, lay, activation, shape):
             yb, pull = jax.vjp(lambda xb, w: expert_mlp(w, xb, activation),
                                buf[:G * C].reshape(G, C, -1), w)
             parts.append(yb.reshape(G * C, -1))
-        if S:  # its gathered weights are not kept: the backward gathers them again
+        if S:  # keeps its pre-activations, not its gathered weights (gathered again)
             ws = _of_groups(w, lay.group[:S])
-            parts.append(expert_mlp(ws, buf[G * C:].reshape(S, tile, -1), activation
-                                    ).reshape(S * tile, -1))
+            pre = _up(ws[UP[activation]], buf[G * C:].reshape(S, tile, -1), activation)
+            parts.append(_down(ws.get("w2"), pre, activation).reshape(S * tile, -1))
+            pre = pre if activation else None
         y = _rows(jnp.concatenate(parts).astype(out.dtype), lay.slot)
     else:
         y = jnp.zeros((x.shape[0], out.shape[-1]), out.dtype)
-    return _loop_forward(x, w, lay, activation, shape, y), (x, w, lay, pull)
+    return _loop_forward(x, w, lay, activation, shape, y), (x, w, lay, pull, pre)
 
 
 def _grouped_bwd(activation, shape, res, dy):
-    x, w, lay, pull = res
+    x, w, lay, pull, pre = res
     G, C, S, tile = shape
     dw = {k: jnp.zeros_like(v) for k, v in w.items()}
     dx = jnp.zeros_like(x)
@@ -256,11 +282,10 @@ def _grouped_bwd(activation, shape, res, dy):
             dxb, dwb = pull(dbuf[:G * C].reshape(G, C, -1))
             parts.append(dxb.reshape(G * C, -1))
             dw = dwb
-        if S:  # the spill's forward again, its weights gathered again
+        if S:
             xs = _rows(x, lay.source[G * C:]).reshape(S, tile, -1)
-            ys, pull_s = jax.vjp(lambda xs, ws: expert_mlp(ws, xs, activation), xs,
-                                 _of_groups(w, lay.group[:S]))
-            dxs, dws = pull_s(dbuf[G * C:].reshape(S, tile, -1).astype(ys.dtype))
+            dxs, dws = _spill_backward(xs, pre, _of_groups(w, lay.group[:S]),
+                                       dbuf[G * C:].reshape(S, tile, -1), activation)
             parts.append(dxs.reshape(S * tile, -1))
             dw = _add_to_groups(dw, lay.group[:S], dws)
         dx = _rows(jnp.concatenate(parts), lay.slot).astype(x.dtype)
