@@ -113,14 +113,17 @@ for stage in "$@"; do
         experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-dropless.json" ;;
     moevariants)  # dropless without spill tiles (the default until 2026-11-26's second
-      # GPU run), with twice the spill, capacity 1.25, then jax.lax.ragged_dot handed to
-      # cuDNN's grouped GEMM (an XLA flag of recent versions)
-      run moe-dropless-spill0 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
-        experiments/mixtral-mini.toml --set model.moe.spill=0 --rounds 2 --steps 12 \
-        --warmup 4 --json "$OUT/moe-dropless-spill0.json"
-      run moe-dropless-spill0.25 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
-        experiments/mixtral-mini.toml --set model.moe.spill=0.25 --rounds 2 --steps 12 \
-        --warmup 4 --json "$OUT/moe-dropless-spill0.25.json"
+      # GPU run), half and twice the spill, less bulk and more spill (the same FLOPs as
+      # the default, room for more imbalance; mixtral-mini's first 4 layers at init
+      # overflow a balanced bulk by 4, 7, 8 and 13 tiles), capacity 1.25 (drops), then
+      # jax.lax.ragged_dot handed to cuDNN's grouped GEMM (an XLA flag)
+      for split in "0 1" "0.0625 1" "0.25 1" "0.375 0.75"; do
+        read -r spill bulk <<< "$split"
+        run "moe-dropless-spill$spill-bulk$bulk" 200 $MOE_MEM python3 \
+          benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml --set model.moe.spill=$spill \
+          --set model.moe.bulk=$bulk --rounds 2 --steps 12 --warmup 4 \
+          --json "$OUT/moe-dropless-spill$spill-bulk$bulk.json"
+      done
       run moe-capacity 180 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --set model.moe.capacity_factor=1.25 --rounds 2 \
         --steps 12 --warmup 4 --json "$OUT/moe-capacity.json"
@@ -128,8 +131,8 @@ for stage in "$@"; do
         run moe-dropless-cudnn 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --set 'model.moe.grouped="ragged_dot"' --rounds 2 \
         --steps 12 --warmup 4 --json "$OUT/moe-dropless-cudnn.json" ;;
-    grouped)  # the experts' grouped MLP alone (routing balanced, then skewed) and the
-      # gate/up product alone, each beside dense ones of its FLOPs (mixtral-mini's shapes)
+    grouped)  # the experts' grouped MLP alone (routing skewed, then balanced) in each
+      # split of bulk, spill and loop, beside dense ones of its FLOPs (mixtral-mini's shapes)
       for mode in "--mlp --skew 0.3" "--mlp --skew 0"; do
         name=grouped$(echo "$mode" | tr -d ' -')
         run "$name" 150 python3 benchmarks/grouped_matmul.py $mode --repeat 10 \
