@@ -163,6 +163,22 @@ def test_pipeline_trains_like_one_device(tmp_path):
     assert list((tmp_path / "one" / "tensorboard").iterdir())
 
 
+def test_dropless_in_a_pipeline_trains_like_one_device(tmp_path):
+    """Dropless experts inside pipeline stages (1F1B, and ZB-H1, whose split backward
+    replays the layer's jaxpr): losses equal the one-device run's. The replay binds the
+    sort's custom VJPs with the types it traced them with: argsort's permutation came
+    out typed as not varying over `pipeline` and the replayed backward failed its
+    varying-axes check (parallel/experts.py)."""
+    dropless = {"capacity_factor": 0.0}
+    want = losses(run(experiment(dropless, train={"microbatches": 4, "steps": 4}), "data=1",
+                      tmp_path / "one"))
+    for schedule in ("1f1b", "zb-h1"):
+        got = losses(run(experiment(dropless, pipeline={"schedule": schedule,
+                                                        "microbatches": 4},
+                                    train={"steps": 4}), "pipeline=2", tmp_path / schedule))
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=schedule)
+
+
 @pytest.mark.parametrize("spec,schedule,microbatches", [
     ("pipeline=2,tensor_row=2,tensor_col=2", "zb-h1", 2),
     ("pipeline=2,fsdp=2,tensor=2", "chimera", 2),

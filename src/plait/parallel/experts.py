@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from plait.models.activations import gelu, swiglu
 from plait.parallel.grouped import expert_mlp, grouped_matmul, grouped_mlp
-from plait.sharding import active, axes_tuple
+from plait.sharding import active, axes_tuple, varying_like
 
 AXIS = "expert"
 # Expert weights: w13 [E, d, 2, f] (SwiGLU) or w1 [E, d, f] (GELU), then w2 [E, f, d].
@@ -271,7 +271,8 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
     E = next(iter(w.values())).shape[0]
     flat = idx.reshape(-1)
     flat = jnp.where((flat >= 0) & (flat < E), flat, E)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    # argsort's permutation comes out typed as its iota is, not as the keys vary
+    order = varying_like(jnp.argsort(flat, stable=True).astype(jnp.int32), flat)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32),
                                                   unique_indices=True)
     rows = _sorted_rows(x, order, inverse, k)
