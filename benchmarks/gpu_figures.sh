@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b
 #   gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 moe moevariants grouped
-#   sweep124 sweep1p3b sweepllama)
+#   profiles sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
 #   of 540 s; a run with under 30 s left is skipped, so one device command ends in time)
 #
@@ -18,7 +18,8 @@
 #   1. moe grouped moevariants (issue 28's last item: >= 70% of the dense twin's
 #      tokens/s, dropless; 0.43 on an H100 and 0.64 on an H200 on 2026-11-26, before
 #      the spill tiles; grouped times the grouped MLP alone; <= 800 s, two commands)
-#   2. gpt1p3bunrolled, fp8, sweep1p3b, sweepllama, sweep124 (issue 29's other items;
+#   2. profiles (where the time goes in mixtral-mini, gpt2-124m and gpt2-1.3b; <= 420 s)
+#   3. gpt1p3bunrolled, fp8, sweep1p3b, sweepllama, sweep124 (issue 29's other items;
 #      nanogpt: 0.99x on an H200 on 2026-11-26, the issue asks 1.1x).
 #   llama1b (issue 26, 56% MFU on an H100 on 2026-11-26) and llama1bchunks re-measure
 #   what docs/benchmarks.md already holds.
@@ -138,6 +139,14 @@ for stage in "$@"; do
         run "$name" 150 python3 benchmarks/grouped_matmul.py $mode --repeat 10 \
           --json "$OUT/$name.json"
       done ;;
+    profiles)  # where each step's GPU time goes, by kind and by kernel, and the host round
+      # trips (benchmarks/kernel_profile.py: two profiled steps, a summary in JSON)
+      run profile-mixtral-mini 150 $MOE_MEM python3 benchmarks/kernel_profile.py \
+        experiments/mixtral-mini.toml --json "$OUT/profile-mixtral-mini.json"
+      run profile-gpt124 120 python3 benchmarks/kernel_profile.py experiments/gpt2-124m.toml \
+        --json "$OUT/profile-gpt124.json"
+      run profile-gpt1p3b 150 python3 benchmarks/kernel_profile.py experiments/gpt2-1.3b.toml \
+        --set "model.remat='none'" --set model.loss_chunks=4 --json "$OUT/profile-gpt1p3b.json" ;;
     sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on
       # the GPU, trains the top ones and fits the overheads to them
@@ -155,7 +164,7 @@ for stage in "$@"; do
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
     *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bunrolled gpt1p3bnoremat llama1b
-       llama1bchunks fp8 moe moevariants grouped sweep124 sweep1p3b sweepllama)"
+       llama1bchunks fp8 moe moevariants grouped profiles sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
 done

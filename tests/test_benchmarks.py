@@ -131,3 +131,66 @@ def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
     assert missing.returncode == 2
     assert missing.stderr.strip() == (f"gpt_vs_nanogpt.py: error: {tmp_path} has no bench.py; "
                                       "pass a nanoGPT checkout with --reference")
+
+
+# Two profiled steps of a GPU: cuBLAS and cuDNN kernels, a copy, fusions, the host
+# reading a loop's condition (device-to-host copies), and a derived "XLA Ops" line that
+# repeats the stream's time and must not be counted twice.
+_XSPACE = '''
+planes {
+  id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #14(MemcpyD2H,Compute,Memset)" timestamp_ns: 0
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 3000000000 }
+    events { metadata_id: 1 offset_ps: 3000000000 duration_ps: 3000000000 }
+    events { metadata_id: 2 offset_ps: 6000000000 duration_ps: 1000000000 }
+    events { metadata_id: 2 offset_ps: 7000000000 duration_ps: 1000000000 }
+    events { metadata_id: 3 offset_ps: 8000000000 duration_ps: 500000000 }
+    events { metadata_id: 4 offset_ps: 8500000000 duration_ps: 300000000 }
+    events { metadata_id: 5 offset_ps: 8800000000 duration_ps: 100000000 }
+    events { metadata_id: 6 offset_ps: 8900000000 duration_ps: 200000000 }
+    events { metadata_id: 7 offset_ps: 9100000000 duration_ps: 10000000 }
+    events { metadata_id: 7 offset_ps: 9200000000 duration_ps: 10000000 }
+  }
+  lines { id: 2 name: "XLA Ops" timestamp_ns: 0
+    events { metadata_id: 8 offset_ps: 0 duration_ps: 9000000000 }
+  }
+  event_metadata { key: 1 value { id: 1 name: "nvjet_sm90_tst_320x128_64x3_1x2_h_TNT" } }
+  event_metadata { key: 2 value { id: 2 name: "cudnn_generated_fort_native_sdpa_sm90_bprop" } }
+  event_metadata { key: 3 value { id: 3 name: "memcpy128" } }
+  event_metadata { key: 4 value { id: 4 name: "input_add_reduce_fusion" } }
+  event_metadata { key: 5 value { id: 5 name: "input_scatter_fusion_31" } }
+  event_metadata { key: 6 value { id: 6 name: "loop_add_fusion_48" } }
+  event_metadata { key: 7 value { id: 7 name: "MemcpyD2H" } }
+  event_metadata { key: 8 value { id: 8 name: "fusion.1" } }
+}
+'''
+
+
+def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path):
+    """kernel_profile.py (gpu_figures.sh's profiles stage): a GPU trace's kernels per
+    step by kind and by name, the host round trips counted apart; a CPU run's trace
+    (no GPU plane) is refused in one line."""
+    from jax.profiler import ProfileData
+
+    trace = tmp_path / "profile" / "plugins" / "profile" / "run"
+    trace.mkdir(parents=True)
+    (trace / "host.xplane.pb").write_bytes(
+        ProfileData.text_proto_to_serialized_xspace(_XSPACE))
+    out = tmp_path / "k.json"
+    _ok(_script("kernel_profile.py", "--trace", str(tmp_path / "profile"), "--window", "0:2",
+                "--json", str(out)))
+    got = json.loads(out.read_text())
+    assert got["device"] == "/device:GPU:0" and got["steps"] == 2
+    assert got["busy_ms_per_step"] == pytest.approx(4.55)  # 9.1 ms over 2 steps
+    assert got["host_round_trips_per_step"] == 1
+    assert got["kinds_ms_per_step"] == pytest.approx({
+        "matmul": 3.0, "attention": 1.0, "copy": 0.25, "reduction": 0.15,
+        "other fusion": 0.1, "gather/scatter": 0.05})
+    assert got["top"][0] == {"kernel": "nvjet_sm90_tst_320x128_64x3_1x2_h_TNT",
+                             "kind": "matmul", "ms_per_step": 3.0, "calls_per_step": 1.0}
+
+    proc = _script("kernel_profile.py", "experiments/quickstart.toml", "--steps", "2",
+                   "--window", "1:2")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert "no GPU plane" in line

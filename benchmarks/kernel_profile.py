@@ -1,0 +1,131 @@
+"""Where a training step's GPU time goes: `plait train --profile` over a window of
+steps, the GPU's kernels summed by name and by kind (matrix products, attention,
+copies, gathers and scatters, reductions, collectives, other fusions) per step, and
+the host round trips (device-to-host copies: a while loop's condition or a cond's
+predicate read by the host, the GPU idle until it answers). Small enough to keep
+under benchmarks/results/; the trace itself is hundreds of MB.
+
+    python benchmarks/kernel_profile.py EXPERIMENT [--set K=V ...] [--steps 8 --window 5:7]
+    python benchmarks/kernel_profile.py --trace RUN_DIR/profile   (a trace already taken)
+
+A CPU run's trace has no GPU plane: the script says so in one line (status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from report import report, run_script  # benchmarks/ is the script's directory
+
+# The first pattern a kernel's name matches gives its kind (cuBLAS's Hopper kernels are
+# nvjet_*, cuDNN's fused attention *sdpa* with its helper kernels).
+KINDS = [
+    ("attention", r"sdpa|flash|fmha|dot_do_o|convert_dq"),
+    ("matmul", r"nvjet|gemm|cutlass|xmma|cublas|wgmma"),
+    ("collective", r"nccl|all_reduce|all_gather|reduce_scatter|all_to_all|collective"),
+    ("copy", r"^memcpy|^memset|copy"),
+    ("gather/scatter", r"scatter|gather|dynamic_slice|dynamic_update_slice"),
+    ("reduction", r"reduce"),
+    ("other fusion", r""),
+]
+
+
+def kind_of(kernel: str) -> str:
+    return next(kind for kind, pattern in KINDS if re.search(pattern, kernel))
+
+
+def summarize(profile, steps: int, top: int = 25) -> dict:
+    """Per-step kernel time of the first GPU plane of a jax.profiler.ProfileData, by
+    kind and by kernel, and its device-to-host copies per step."""
+    planes = [p for p in profile.planes if re.match(r"/device:GPU:\d+$", p.name)]
+    if not planes:
+        from plait.errors import UserError
+
+        raise UserError("the trace has no GPU plane (a CPU run?): kernel times are read "
+                        "from a GPU's; open a CPU trace in TensorBoard or Perfetto")
+    plane = planes[0]
+    lines = list(plane.lines)
+    streams = [x for x in lines if x.name.startswith("Stream")] or lines
+    ns, calls = collections.Counter(), collections.Counter()
+    trips = 0
+    for line in streams:
+        for e in line.events:
+            if "D2H" in e.name:
+                trips += 1
+                continue
+            ns[e.name] += e.duration_ns
+            calls[e.name] += 1
+    kinds = collections.Counter()
+    for name, t in ns.items():
+        kinds[kind_of(name)] += t
+    ms = 1e-6 / steps
+    return {"device": plane.name, "steps": steps,
+            "busy_ms_per_step": round(sum(ns.values()) * ms, 3),
+            "host_round_trips_per_step": trips / steps,
+            "kinds_ms_per_step": {k: round(v * ms, 3) for k, v in kinds.most_common()},
+            "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": round(t * ms, 3),
+                     "calls_per_step": calls[name] / steps}
+                    for name, t in ns.most_common(top)]}
+
+
+def read_trace(directory: Path):
+    from jax.profiler import ProfileData
+
+    from plait.errors import UserError
+
+    found = sorted(directory.glob("**/*.xplane.pb"))
+    if not found:
+        raise UserError(f"no *.xplane.pb under {directory}: give the profile directory "
+                        "`plait train --profile` wrote (RUN_DIR/profile)")
+    return ProfileData.from_file(str(found[-1]))
+
+
+def window(text: str) -> tuple[int, int]:
+    try:
+        start, stop = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}': give START:STOP, e.g. 5:7") from None
+    if not 0 <= start < stop:
+        raise argparse.ArgumentTypeError(f"'{text}': need 0 <= START < STOP")
+    return start, stop
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("experiment", nargs="?")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--window", type=window, default=(5, 7),
+                    help="steps START+1..STOP are traced (default 5:7)")
+    ap.add_argument("--trace", type=Path, help="summarise this profile directory instead")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    start, stop = args.window
+    if args.trace is None:
+        if not args.experiment or args.steps < stop:
+            ap.error("give an EXPERIMENT (or --trace DIR) and --steps >= the window's STOP")
+        run_dir = Path(tempfile.mkdtemp(prefix="plait-profile-"))
+        cmd = [sys.executable, "-m", "plait", "train", args.experiment, "--run-dir",
+               str(run_dir), "--steps", str(args.steps), "--profile", f"{start}:{stop}",
+               *(x for s in args.sets for x in ("--set", s))]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            sys.stderr.write(done.stderr[-3000:])
+            return done.returncode
+        args.trace = run_dir / "profile"
+    result = summarize(read_trace(args.trace), stop - start, args.top)
+    report({"date": time.strftime("%Y-%m-%d"), "experiment": args.experiment,
+            "sets": args.sets, "window": f"{start}:{stop}", **result}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    run_script(main)
