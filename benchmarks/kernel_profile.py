@@ -2,8 +2,10 @@
 steps, the GPU's kernels summed by name and by kind (matrix products, attention,
 copies, gathers and scatters, reductions, collectives, other fusions) per step, and
 the host round trips (device-to-host copies: a while loop's condition or a cond's
-predicate read by the host, the GPU idle until it answers). Small enough to keep
-under benchmarks/results/; the trace itself is hundreds of MB.
+predicate read by the host, the GPU idle until it answers), beside the step's own
+time (the median of the steps before the traced ones, from metrics.jsonl): what the
+kernels leave of it is time the GPU waited. Small enough to keep under
+benchmarks/results/; the trace itself is hundreds of MB.
 
     python benchmarks/kernel_profile.py EXPERIMENT [--set K=V ...] [--steps 8 --window 5:7]
     python benchmarks/kernel_profile.py --trace RUN_DIR/profile   (a trace already taken)
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,6 +91,18 @@ def read_trace(directory: Path):
     return ProfileData.from_file(str(found[-1]))
 
 
+def step_ms(run_dir: Path, before: int) -> float | None:
+    """The median step time (ms) of steps 2..before in the run's metrics.jsonl: after
+    the compiling first step, before the traced ones (a trace slows its steps)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    times = [r["step_time_s"] for r in rows if 2 <= r.get("step", 0) <= before
+             and "step_time_s" in r]
+    return round(statistics.median(times) * 1e3, 3) if times else None
+
+
 def window(text: str) -> tuple[int, int]:
     try:
         start, stop = (int(v) for v in text.split(":"))
@@ -115,15 +131,18 @@ def main() -> int:
         run_dir = Path(tempfile.mkdtemp(prefix="plait-profile-"))
         cmd = [sys.executable, "-m", "plait", "train", args.experiment, "--run-dir",
                str(run_dir), "--steps", str(args.steps), "--profile", f"{start}:{stop}",
-               *(x for s in args.sets for x in ("--set", s))]
+               "--set", "log.every_steps=1", *(x for s in args.sets for x in ("--set", s))]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             sys.stderr.write(done.stderr[-3000:])
             return done.returncode
         args.trace = run_dir / "profile"
     result = summarize(read_trace(args.trace), stop - start, args.top)
+    step = step_ms(args.trace.parent, start)
+    waited = None if step is None else round(step - result["busy_ms_per_step"], 3)
     report({"date": time.strftime("%Y-%m-%d"), "experiment": args.experiment,
-            "sets": args.sets, "window": f"{start}:{stop}", **result}, args.json)
+            "sets": args.sets, "window": f"{start}:{stop}", "step_ms": step,
+            "gpu_waited_ms_per_step": waited, **result}, args.json)
     return 0
 
 

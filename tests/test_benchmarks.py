@@ -168,19 +168,27 @@ planes {
 
 def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path):
     """kernel_profile.py (gpu_figures.sh's profiles stage): a GPU trace's kernels per
-    step by kind and by name, the host round trips counted apart; a CPU run's trace
-    (no GPU plane) is refused in one line."""
+    step by kind and by name, the host round trips counted apart, and the step time of
+    the untraced steps before the window (metrics.jsonl beside the profile) less the
+    kernels' as the time the GPU waited; a CPU run's trace (no GPU plane) is refused
+    in one line."""
     from jax.profiler import ProfileData
 
     trace = tmp_path / "profile" / "plugins" / "profile" / "run"
     trace.mkdir(parents=True)
     (trace / "host.xplane.pb").write_bytes(
         ProfileData.text_proto_to_serialized_xspace(_XSPACE))
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "step_time_s": t}) + "\n"
+        for s, t in [(1, 9.0), (2, 0.0051), (3, 0.0049), (4, 0.0050), (5, 0.0080)]))
     out = tmp_path / "k.json"
-    _ok(_script("kernel_profile.py", "--trace", str(tmp_path / "profile"), "--window", "0:2",
+    _ok(_script("kernel_profile.py", "--trace", str(tmp_path / "profile"), "--window", "4:6",
                 "--json", str(out)))
     got = json.loads(out.read_text())
     assert got["device"] == "/device:GPU:0" and got["steps"] == 2
+    # steps 2-4: after the compiling step, before the traced ones
+    assert got["step_ms"] == pytest.approx(5.0)
+    assert got["gpu_waited_ms_per_step"] == pytest.approx(5.0 - 4.55)
     assert got["busy_ms_per_step"] == pytest.approx(4.55)  # 9.1 ms over 2 steps
     assert got["host_round_trips_per_step"] == 1
     assert got["kinds_ms_per_step"] == pytest.approx({
