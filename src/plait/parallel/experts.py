@@ -14,11 +14,13 @@ Two ways, chosen by `moe.capacity_factor`:
   tensor stay with GSPMD): each rank sends its rows' slices for the other ranks'
   experts and gets theirs for its own.
 - dropless (factor 0): every assignment is kept. Each device sorts its own tokens'
-  assignments by expert and runs the experts as grouped matrix products
-  (`parallel.grouped`: tiles of one expert's rows in a scan, or `jax.lax.ragged_dot`,
-  by `moe.grouped`). Without an `expert` axis the weights are gathered whole.
-  With one, the experts are split over it and the tokens are all-gathered across it
-  instead (the all-gather dispatch of Megatron-Core): each rank runs its own experts
+  assignments by expert and runs the experts as grouped MLPs (`parallel.grouped`:
+  a batched share of each expert's rows, batched tiles of the rows past it and a loop
+  over the rest; or `jax.lax.ragged_dot`, by `moe.grouped`), the sort's permutations
+  gathers both ways (`_sorted_rows`, `_unsorted`). Without an `expert` axis the
+  weights are gathered whole. With one, the experts are split over it and the
+  tokens are all-gathered across it instead (the all-gather dispatch of
+  Megatron-Core): each rank runs its own experts
   on every assignment of the group routed to them, leaving the rest out of its
   grouped matmuls, and a reduce-scatter sums each token's outputs back to the rank
   that holds it (in bf16 an all-to-all and a float32 sum: `_sum_scatter`). No sizes
