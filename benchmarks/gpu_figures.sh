@@ -119,18 +119,19 @@ for stage in "$@"; do
       run moe-dropless 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-dropless.json" ;;
-    moevariants)  # dropless without spill tiles (the default until 2026-11-26's second
-      # GPU run), half and twice the spill, less bulk and more spill (the same FLOPs as
-      # the default, room for more imbalance; mixtral-mini's first 4 layers at init
-      # overflow a balanced bulk by 4, 7, 8 and 13 tiles), capacity 1.25 (drops), then
-      # jax.lax.ragged_dot handed to cuDNN's grouped GEMM (an XLA flag). First the default
-      # with while loops and conds recorded into command buffers (CUDA graph conditional
-      # nodes; an XLA flag), which would take the loop's condition off the host
+    moevariants)  # first the default with while loops and conds recorded into command
+      # buffers (CUDA graph conditional nodes; an XLA flag), which would take the spill
+      # size's choice and the loop's condition off the host; then dropless without spill
+      # tiles (the default until 2026-11-26's second GPU run), the spill capped at 16
+      # tiles (the loop past them), less bulk, no bulk (every tile batched with gathered
+      # weights), capacity 1.25 (drops), and jax.lax.ragged_dot handed to cuDNN's grouped
+      # GEMM (an XLA flag). mixtral-mini's first 4 layers at init overflow a balanced bulk
+      # by 4, 7, 8 and 13 tiles of 512
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
         run moe-dropless-cmdbuf-while 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-dropless-cmdbuf-while.json"
-      for split in "0 1" "0.0625 1" "0.25 1" "0.375 0.75"; do
+      for split in "0 1" "0.25 1" "1.25 0.75" "1.25 0"; do
         read -r spill bulk <<< "$split"
         run "moe-dropless-spill$spill-bulk$bulk" 200 $MOE_MEM python3 \
           benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml --set model.moe.spill=$spill \

@@ -11,7 +11,7 @@ jitted forward + backward calls:
   dense           every row through expert 0: the routed rows' FLOPs, one product/MLP
   batched         [G, M/G, K] through every expert: a perfectly balanced grouped one
   tiles-bB-sS     parallel.grouped with model.moe.bulk = B and spill = S (both 0: the
-                  loop alone; b1-s0.125 is plait's default)
+                  loop alone; b1-s1.25 is plait's default)
   ragged_dot      jax.lax.ragged_dot's grouped matmuls (the backend's own)
 
 Routing: group sizes proportional to exp(skew x z), z standard normal (seed 0);
@@ -41,7 +41,7 @@ def group_sizes(rows: int, groups: int, skew: float):
     return sizes
 
 
-SPLITS = [(0.0, 0.0), (1.0, 0.0), (1.0, 0.125), (1.0, 0.25), (0.0, 1.25)]
+SPLITS = [(0.0, 0.0), (1.0, 0.0), (1.0, 0.25), (1.0, 1.25), (0.0, 1.25)]
 
 
 def split(text: str) -> tuple[float, float]:
@@ -110,7 +110,7 @@ def main() -> int:
     ap.add_argument("--skew", type=float, default=0.3)
     ap.add_argument("--split", type=split, action="append", metavar="BULK:SPILL",
                     help="model.moe.bulk and spill of a tiles variant (default: 0:0, 1:0, "
-                         "1:0.125, 1:0.25, 0:1.25)")
+                         "1:0.25, 1:1.25, 0:1.25)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)

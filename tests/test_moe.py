@@ -278,10 +278,10 @@ def test_small_capacity_drops_what_numpy_drops(spec):
 
 # (bulk, spill): how grouped_mlp splits the rows between its batched bulk, its batched
 # spill tiles and its loop over tiles (parallel/grouped.py)
-SPLITS = pytest.mark.parametrize("bulk,spill", [(1.0, 0.125), (1.0, 0.0), (0.0, 0.0),
-                                                (0.0, 2.0), (0.5, 0.25)],
-                                 ids=["bulk-spill-loop", "bulk-loop", "loop-only",
-                                      "spill-only", "all-three"])
+SPLITS = pytest.mark.parametrize("bulk,spill", [(1.0, 1.25), (1.0, 0.125), (1.0, 0.0),
+                                                (0.0, 0.0), (0.0, 2.0), (0.5, 0.25)],
+                                 ids=["bulk-spill", "bulk-spill-loop", "bulk-loop",
+                                      "loop-only", "spill-only", "all-three"])
 
 
 @SPLITS
@@ -356,13 +356,14 @@ def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, spill, activat
 
 
 @pytest.mark.parametrize("moe,says", [
-    ({"capacity_factor": 0.0}, "dropless, 1 x a balanced expert's rows batched, tiles of "
-     "0.125 x all rows more batched with their experts' weights gathered, the rest through "
-     "the loop over tiles"),
+    ({"capacity_factor": 0.0}, "dropless, 1 x a balanced expert's rows batched, the tiles "
+     "past them batched as a layer needs them (up to 1.25 x all rows) with their experts' "
+     "weights gathered, the rest through the loop over tiles"),
     ({"capacity_factor": 0.0, "spill": 0}, "dropless, 1 x a balanced expert's rows batched, "
      "the rest through the loop over tiles"),
-    ({"capacity_factor": 0.0, "bulk": 0, "spill": 1.5}, "dropless, tiles of 1.5 x all rows "
-     "batched with their experts' weights gathered, the rest through the loop over tiles"),
+    ({"capacity_factor": 0.0, "bulk": 0, "spill": 1.5}, "dropless, tiles batched as a layer "
+     "needs them (up to 1.5 x all rows) with their experts' weights gathered, the rest "
+     "through the loop over tiles"),
     ({"capacity_factor": 0.0, "bulk": 0, "spill": 0},
      "dropless, every row through the loop over tiles"),
     ({"capacity_factor": 0.0, "grouped": "ragged_dot"}, "dropless through jax.lax.ragged_dot"),
@@ -396,25 +397,19 @@ def test_dropless_tiles_compile_to_the_routed_flops():
     assert flops["ragged_dot"] > 1.8 * model
 
 
-def test_spill_tiles_cost_their_flops_whether_filled_or_not():
-    """The spill's S tiles are a static batched product: the compiled step's FLOPs grow
-    by S x tile rows x 18 d f, routed or not: an expert's SwiGLU MLP forward (6 d f a
-    row) and twice that backward, nothing recomputed (its pre-activations are kept;
-    with them recomputed it was 22 d f)."""
-    from plait.inspect import inspect_step
-    from plait.parallel.grouped import tile_rows
+def test_the_spill_takes_the_fewest_tiles_that_hold_the_overflow():
+    """The spill's sizes are 0, powers of two and its largest; a call takes the smallest
+    that holds the tiles its routing overflows (fewer than twice as many), or the
+    largest, past which the loop runs."""
+    from plait.parallel.grouped import spill_size_index, spill_sizes
 
-    flops = {}
-    for spill in (0.0, 0.5):
-        exp = experiment({"capacity_factor": 0.0, "spill": spill, **UNSHARED},
-                         model={"layers": 1})
-        flops[spill] = inspect_step(exp, make_mesh("data=1"))["flops_per_device"]
-    m = exp.model
-    rows = exp.train.global_batch * m.seq_len * m.moe.top_k
-    tile = tile_rows(rows, m.moe.experts)
-    S = -(-int(0.5 * rows) // tile)
-    want = S * tile * 18 * m.d_model * (m.moe.d_ff or m.d_ff)
-    assert flops[0.5] - flops[0.0] == pytest.approx(want, rel=0.05)
+    assert spill_sizes(0) == (0,) and spill_sizes(1) == (0, 1)
+    assert spill_sizes(8) == (0, 1, 2, 4, 8)
+    sizes = spill_sizes(72)
+    assert sizes == (0, 1, 2, 4, 8, 16, 32, 64, 72)
+    for occupied, want in [(0, 0), (1, 1), (3, 4), (5, 8), (8, 8), (9, 16), (65, 72),
+                           (72, 72), (90, 72)]:
+        assert sizes[int(spill_size_index(jnp.int32(occupied), sizes))] == want, occupied
 
 
 @pytest.mark.parametrize("spec", ["expert=4", "data=2,expert=2"])

@@ -69,11 +69,12 @@ class MoEConfig(Section):
     # or jax.lax.ragged_dot's grouped matmuls (whatever the backend makes of them).
     grouped: Literal["tiles", "ragged_dot"] = "tiles"
     # tiles: the rows batched, as a multiple of a balanced expert's share (bulk), then
-    # tiles of the rows past it batched with their experts' weights gathered, as a
-    # share of all rows (spill); the rest in a loop over tiles (small products in
-    # sequence, each waiting for the host on a GPU). Both 0: every row in the loop.
+    # tiles of the rows past it batched with their experts' weights gathered, as many
+    # as a layer needs, up to a share of all rows (spill: 1.25 holds any routing on one
+    # device); the rest in a loop over tiles (small products in sequence, each waiting
+    # for the host on a GPU). Both 0: every row in the loop.
     bulk: NonNegFloat = 1.0
-    spill: NonNegFloat = 0.125
+    spill: NonNegFloat = 1.25
     aux_weight: NonNegFloat = 0.01
     z_weight: NonNegFloat = 0.0
 

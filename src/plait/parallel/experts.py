@@ -260,7 +260,7 @@ _unsorted.defvjp(_unsorted_fwd, _unsorted_bwd)
 
 
 def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
-                  how: str, ranks: int = 1, bulk: float = 1.0, spill: float = 0.125
+                  how: str, ranks: int = 1, bulk: float = 1.0, spill: float = 1.25
                   ) -> jax.Array:
     """Tokens x [N, d] of one device, every assignment kept: sorted by expert, the experts
     run as grouped matmuls over their contiguous rows, then put back and weighted.
@@ -295,7 +295,7 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
 
 
 def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activation: str,
-             how: str = "tiles", bulk: float = 1.0, spill: float = 0.125
+             how: str = "tiles", bulk: float = 1.0, spill: float = 1.25
              ) -> tuple[jax.Array, jax.Array]:
     """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], 0 dropped): each device's
     tokens through `_ragged_group`, in a shard_map over the axes that split the rows;

@@ -5,34 +5,35 @@ its own expert's MLP (or one product), at (about) the FLOPs of the rows actually
 choice: XLA:CPU expands it into a dense product over every group's zero-padded rows,
 G times the FLOPs and an activation per group, and on an H100 / H200 it ran at a sixth
 of a dense product's speed (docs/architecture.md, "Dropless"). `grouped_mlp` gets the
-same result from plain XLA in three parts, all of static shape but the last:
+same result from plain XLA in three parts:
 
 1. bulk: each group's first C rows (`bulk` x a balanced group's share, in whole
    tiles) go to a [G, C, K] buffer and one batched MLP (`expert_mlp`, the capacity
    path's), as fast as a dense layer of those FLOPs, its hidden activations kept.
 2. spill: the rows past them are cut into tiles, windows of contiguous rows of one
-   group (the last of a group partly its own). The first S tiles (`spill` x the
-   rows of a balanced routing) go through one more batched MLP, [S, tile, K] against
-   each tile's group's weights gathered [S, ...]: the rows of experts somewhat above
-   their share, at a batched product's speed, for S tiles' FLOPs whether they are
-   filled or not.
-3. loop: the tiles past those (an expert far above its share, every tile with bulk
-   and spill 0) run one at a time in a loop whose trip count is known only when it
-   runs, reading its rows from x and writing its outputs into y in place (dynamic
-   slices and a dynamic weight index: no padded copy). On a GPU each of its
-   iterations waits for the host (a while loop's condition), so the loop is for what
-   the batched parts cannot hold; when they hold everything it runs no iteration.
+   group (the last of a group partly its own), and the first S tiles go through one
+   more batched MLP, [S, tile, K] against each tile's group's weights gathered
+   [S, ...], at a batched product's speed. S is chosen per call among a few compiled
+   sizes (0, powers of two, the largest: `spill` x the rows of a balanced routing,
+   by default every tile there can be): the smallest that holds the tiles the
+   routing overflows, by a `lax.switch`, so an expert somewhat above its share costs
+   fewer than twice its overflow's FLOPs and one far above it no loop.
+3. loop: the tiles past the largest size (every tile with bulk and spill 0) run one
+   at a time in a loop whose trip count is known only when it runs, reading its rows
+   from x and writing its outputs into y in place (dynamic slices and a dynamic
+   weight index: no padded copy). On a GPU each of its iterations waits for the host
+   (a while loop's condition), as the switch's choice does once.
 
 Rows past the groups' total (assignments to another rank's experts) come back as
 zeros, as ragged_dot gives them. Over an `expert` axis of X ranks the rows are the
 whole group's X x N x k and a balanced rank's groups hold N x k of them; the compiled
 program's FLOPs, which count the batched parts and the loop once, price the balanced
 case. One custom VJP covers the three: JAX cannot reverse a loop of dynamic length.
-The backward keeps the bulk MLP's own residuals, the spill's pre-activations (not
-its gathered weights, which it gathers again) and the rows: only each loop tile's
-forward is recomputed there. The spill's weight gradients are added to the bulk's in
-the weights' dtype (an expert's rows in two or three parts, each a product's
-gradient); only when the loop has tiles are they copied to float32 for its many
+The backward keeps the bulk MLP's own residuals and the rows, takes the same spill
+size, and recomputes the spill's forward (its gathered weights are never kept) and
+each loop tile's. The spill's weight gradients are added to the bulk's in the
+weights' dtype (an expert's rows in two or three parts, each a product's gradient);
+only the largest size, which runs the loop, copies them to float32 for its many
 small additions and back.
 """
 
@@ -64,26 +65,39 @@ def _group_of(i: jax.Array, ends: jax.Array) -> jax.Array:
 
 
 class _Shape(NamedTuple):
-    """The static sizes: G groups, C rows of each batched (bulk), S tiles of `tile`
-    rows batched (spill); the batched buffer is [G x C + S x tile] rows."""
+    """The static sizes: G groups, C rows of each batched (bulk), the spill's possible
+    sizes in tiles of `tile` rows (0 first; each call takes the smallest that holds its
+    overflow tiles, or the largest)."""
     G: int
     C: int
-    S: int
+    sizes: tuple[int, ...]
     tile: int
 
-    @property
-    def rows(self) -> int:
-        return self.G * self.C + self.S * self.tile
+
+def spill_sizes(most: int) -> tuple[int, ...]:
+    """The spill's sizes in tiles up to `most`: 0, then powers of two, then `most`. A
+    routing that overflows n tiles gets the smallest >= n: fewer than twice n tiles'
+    FLOPs, from a handful of compiled sizes."""
+    return (0, *(1 << i for i in range(max(most, 1).bit_length()) if 1 << i < most),
+            *((most,) if most else ()))
+
+
+def spill_size_index(occupied: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """Which of `sizes` holds `occupied` tiles: the smallest >= it (the last if none)."""
+    return jnp.minimum(jnp.sum(jnp.asarray(sizes) < occupied), len(sizes) - 1)
 
 
 class _Layout(NamedTuple):
-    """Where the M sorted rows go. `slot`: each row's row of the batched buffer (bulk,
-    then spill tiles; `_Shape.rows`: in neither), and `source`: each buffer row's row
-    (M: none), so that rows go in and out by gathers. Past the bulk, tiles of contiguous
-    rows of one group: tile t is rows [start[t], start[t] + length[t]) of group
-    `group[t]` (G: none); the first S are the spill's, the first `occupied` hold rows."""
+    """Where the M sorted rows go. `slot`: each row's row of the bulk [G x C] (G x C: not
+    there), `source`: each bulk row's row (M: none), so that rows go in and out by
+    gathers. Past the bulk, tiles of contiguous rows of one group: tile t is rows
+    [start[t], start[t] + length[t]) of group `group[t]` (G: none), the first `occupied`
+    hold rows; `tile_of`: each row's tile (T: none), `place`: its row among the tiles'
+    rows (t x tile + its place in t)."""
     slot: jax.Array
     source: jax.Array
+    tile_of: jax.Array
+    place: jax.Array
     start: jax.Array
     length: jax.Array
     group: jax.Array
@@ -92,8 +106,8 @@ class _Layout(NamedTuple):
 
 def _layout(M: int, sizes: jax.Array, shape: _Shape) -> _Layout:
     """Each group's first C rows to the bulk, the rest to tiles of their own group (room
-    for the worst case: ceil(M / tile) + G tiles), the first S tiles to the spill."""
-    G, C, S, tile = shape
+    for the worst case: ceil(M / tile) + G tiles)."""
+    G, C, _, tile = shape
     T = -(-M // tile) + G
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
@@ -105,20 +119,17 @@ def _layout(M: int, sizes: jax.Array, shape: _Shape) -> _Layout:
     count = -(-over // tile)
     tends = jnp.cumsum(count)
     o = jnp.maximum(rank - C, 0)  # a row's place among its group's rows past the bulk
-    ti = tends[gi] - count[gi] + o // tile  # and its tile
-    spill = G * C + ti * tile + o % tile
-    slot = jnp.where(g >= G, shape.rows, jnp.where(
-        rank < C, gi * C + rank, jnp.where(ti < S, spill, shape.rows)))
+    tile_of = jnp.where((g < G) & (rank >= C), tends[gi] - count[gi] + o // tile, T)
+    slot = jnp.where((g < G) & (rank < C), gi * C + rank, G * C)
     t = jnp.arange(T)
     group = _group_of(t, tends)
     tg = jnp.minimum(group, G - 1)
     start = ends[tg] - over[tg] + (t - tends[tg] + count[tg]) * tile
     length = jnp.where(group < G, jnp.clip(ends[tg] - start, 0, tile), 0)
-    c, r = jnp.arange(C), jnp.arange(tile)
-    source = jnp.concatenate([
-        jnp.where(c < sizes[:, None], starts[:, None] + c, M).reshape(-1),
-        jnp.where(r < length[:S, None], start[:S, None] + r, M).reshape(-1)])
-    return _Layout(slot, source, start, length, group, tends[-1].astype(jnp.int32))
+    c = jnp.arange(C)
+    source = jnp.where(c < sizes[:, None], starts[:, None] + c, M).reshape(-1)
+    return _Layout(slot, source, tile_of, tile_of * tile + o % tile, start, length, group,
+                   tends[-1].astype(jnp.int32))
 
 
 def _tile_at(lay: _Layout, t: jax.Array, M: int, tile: int):
@@ -153,20 +164,6 @@ def expert_mlp(w: dict[str, jax.Array], h: jax.Array, activation: str | None) ->
     return _down(w.get("w2"), _up(w[UP[activation]], h, activation), activation)
 
 
-def _spill_backward(xs: jax.Array, pre: jax.Array | None, ws: dict, dys: jax.Array,
-                    activation: str | None) -> tuple[jax.Array, dict]:
-    """The spill MLP's gradients from its rows xs, its kept pre-activations and its
-    weights gathered again: autodiff of each product, whose forward is then dead code
-    (XLA drops it), so nothing is multiplied twice."""
-    grads = {}
-    if activation is not None:
-        _, pull = jax.vjp(lambda p, w2: _down(w2, p, activation), pre, ws["w2"])
-        dys, grads["w2"] = pull(dys)
-    _, pull = jax.vjp(lambda x, wu: _up(wu, x, activation), xs, ws[UP[activation]])
-    dxs, grads[UP[activation]] = pull(dys)
-    return dxs, grads
-
-
 def _tile_mlp(xt: jax.Array, wg: dict, activation: str | None) -> jax.Array:
     """One group's MLP (weights wg, each [1, ...]) on one tile's rows [tile, K]."""
     return expert_mlp(wg, xt[None], activation)[0]
@@ -190,53 +187,110 @@ def _add_to_groups(dw: dict, g: jax.Array, dwg: dict) -> dict:
     return {k: dw[k].at[jnp.minimum(g, G - 1)].add(dwg[k].astype(dw[k].dtype)) for k in dw}
 
 
-def _loop_forward(x: jax.Array, w: dict, lay: _Layout, activation: str | None,
-                  shape: _Shape, y: jax.Array) -> jax.Array:
-    """y [M, N] with each loop tile's rows of x [M, K] through its group's MLP written
-    in (in place, one tile at a time)."""
+def _loop_forward(x: jax.Array, w: dict, lay: _Layout, activation: str | None, tile: int,
+                  first: int, y: jax.Array) -> jax.Array:
+    """y [M, N] with the rows of tiles [first, occupied) of x [M, K] through their
+    groups' MLPs written in (in place, one tile at a time)."""
     M, K = x.shape
-    tile = shape.tile
 
     def body(t, y):
-        first, own = _tile_at(lay, t, M, tile)
-        xt = jax.lax.dynamic_slice(x, (first, 0), (tile, K))
+        row, own = _tile_at(lay, t, M, tile)
+        xt = jax.lax.dynamic_slice(x, (row, 0), (tile, K))
         yt = _tile_mlp(xt, _of_group(w, lay.group[t]), activation).astype(y.dtype)
-        kept = jax.lax.dynamic_slice(y, (first, 0), (tile, y.shape[1]))
-        return jax.lax.dynamic_update_slice(y, jnp.where(own[:, None], yt, kept), (first, 0))
+        kept = jax.lax.dynamic_slice(y, (row, 0), (tile, y.shape[1]))
+        return jax.lax.dynamic_update_slice(y, jnp.where(own[:, None], yt, kept), (row, 0))
 
-    y = varying_like(y, x, *w.values(), lay.start)
-    return jax.lax.fori_loop(shape.S, jnp.maximum(lay.occupied, shape.S), body, y)
+    return jax.lax.fori_loop(first, jnp.maximum(lay.occupied, first), body, y)
 
 
-def _loop_backward(x: jax.Array, w: dict, lay: _Layout, activation: str | None,
-                   shape: _Shape, dy: jax.Array, dx: jax.Array, dw: dict):
+def _loop_backward(x: jax.Array, w: dict, lay: _Layout, activation: str | None, tile: int,
+                   first: int, dy: jax.Array, dx: jax.Array, dw: dict):
     """The loop's gradients over the same tiles (JAX cannot reverse a loop of dynamic
     length), each tile's forward recomputed: the tiles' rows of dx written in, their
-    weight gradients added to dw (float32)."""
+    weight gradients added to dw, in float32 for the many small additions."""
     M, K = x.shape
-    tile = shape.tile
+    G = next(iter(w.values())).shape[0]
 
     def body(t, c):
         dx, dw = c
-        first, own = _tile_at(lay, t, M, tile)
-        g = jnp.minimum(lay.group[t], next(iter(w.values())).shape[0] - 1)
-        xt = jax.lax.dynamic_slice(x, (first, 0), (tile, K))
-        dyt = jax.lax.dynamic_slice(dy, (first, 0), (tile, dy.shape[1]))
+        row, own = _tile_at(lay, t, M, tile)
+        g = jnp.minimum(lay.group[t], G - 1)
+        xt = jax.lax.dynamic_slice(x, (row, 0), (tile, K))
+        dyt = jax.lax.dynamic_slice(dy, (row, 0), (tile, dy.shape[1]))
         dyt = jnp.where(own[:, None], dyt, jnp.zeros_like(dyt))
         yt, pull = jax.vjp(lambda xt, wg: _tile_mlp(xt, wg, activation), xt, _of_group(w, g))
         dxt, dwg = pull(dyt.astype(yt.dtype))
-        kept = jax.lax.dynamic_slice(dx, (first, 0), (tile, K))
+        kept = jax.lax.dynamic_slice(dx, (row, 0), (tile, K))
         dx = jax.lax.dynamic_update_slice(
-            dx, jnp.where(own[:, None], dxt.astype(dx.dtype), kept), (first, 0))
+            dx, jnp.where(own[:, None], dxt.astype(dx.dtype), kept), (row, 0))
         return dx, {k: dw[k].at[g].add(dwg[k][0].astype(jnp.float32)) for k in dw}
 
-    return jax.lax.fori_loop(shape.S, jnp.maximum(lay.occupied, shape.S), body, (dx, dw))
+    dx, dw = jax.lax.fori_loop(first, jnp.maximum(lay.occupied, first), body,
+                               (dx, {k: v.astype(jnp.float32) for k, v in dw.items()}))
+    return dx, {k: dw[k].astype(w[k].dtype) for k in w}
 
 
 def _rows(a: jax.Array, index: jax.Array) -> jax.Array:
-    """a's rows at index (zeros where it is out of range): how rows go into the batched
-    buffer (index `source`) and come out of it (index `slot`), gathers both ways."""
+    """a's rows at index (zeros where it is out of range): how rows go into a batched
+    buffer and come out of it, gathers both ways."""
     return jnp.take(a, index, axis=0, mode="fill", fill_value=0)
+
+
+def _spill_rows(a: jax.Array, lay: _Layout, S: int, tile: int) -> jax.Array:
+    """The rows of a [M, ...] that the first S tiles hold, [S, tile, ...] (zeros past a
+    tile's own rows)."""
+    r = jnp.arange(tile)
+    index = jnp.where(r < lay.length[:S, None], lay.start[:S, None] + r, a.shape[0])
+    return _rows(a, index.reshape(-1)).reshape(S, tile, *a.shape[1:])
+
+
+def _into_rows(a: jax.Array, parts: jax.Array, lay: _Layout, S: int) -> jax.Array:
+    """a [M, N] with the rows of the first S tiles taken from parts [S x tile, N]."""
+    return jnp.where((lay.tile_of < S)[:, None],
+                     _rows(parts.astype(a.dtype), lay.place), a)
+
+
+def _loops(S: int, shape: _Shape, lay: _Layout) -> bool:
+    """Whether spill size S runs the loop over the tiles past it: the largest does,
+    unless it holds every tile there can be."""
+    largest, tiles = shape.sizes[-1], lay.group.shape[0]
+    return largest == S and tiles > S
+
+
+def _spill_forward(S: int, x, w, lay, activation, shape: _Shape, y):
+    """y with the first S tiles' rows through one batched MLP (each tile's group's
+    weights gathered) and, with the largest size, the tiles past them through the loop."""
+    if S:
+        ys = expert_mlp(_of_groups(w, lay.group[:S]), _spill_rows(x, lay, S, shape.tile),
+                        activation)
+        y = _into_rows(y, ys.reshape(S * shape.tile, -1), lay, S)
+    if _loops(S, shape, lay):
+        y = _loop_forward(x, w, lay, activation, shape.tile, S, y)
+    return y
+
+
+def _spill_backward(S: int, x, w, lay, activation, shape: _Shape, dy, dx, dw):
+    """The gradients of `_spill_forward(S, ...)`, its batched forward recomputed (its
+    gathered weights are never kept), the spill's weight gradients added per group."""
+    if S:
+        ys, pull = jax.vjp(lambda xs, ws: expert_mlp(ws, xs, activation),
+                           _spill_rows(x, lay, S, shape.tile), _of_groups(w, lay.group[:S]))
+        dxs, dws = pull(_spill_rows(dy, lay, S, shape.tile).astype(ys.dtype))
+        dx = _into_rows(dx, dxs.reshape(S * shape.tile, -1), lay, S)
+        dw = _add_to_groups(dw, lay.group[:S], dws)
+    if _loops(S, shape, lay):
+        dx, dw = _loop_backward(x, w, lay, activation, shape.tile, S, dy, dx, dw)
+    return dx, dw
+
+
+def _by_size(shape: _Shape, lay: _Layout, branch, *operands):
+    """branch(S, *operands) for the spill size that holds this call's overflow tiles: a
+    lax.switch over the sizes (on a GPU one decision on the host, as a loop's condition
+    would be), or the one size."""
+    if len(shape.sizes) == 1:
+        return branch(shape.sizes[0], *operands)
+    return jax.lax.switch(spill_size_index(lay.occupied, shape.sizes),
+                          [functools.partial(branch, S) for S in shape.sizes], *operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -248,58 +302,34 @@ def _grouped(x: jax.Array, w: dict, lay: _Layout, activation: str | None, shape:
 
 
 def _grouped_fwd(x, w, lay, activation, shape):
-    G, C, S, tile = shape
+    G, C, _, _ = shape
     out = jax.eval_shape(functools.partial(_tile_mlp, activation=activation), x[:1],
                          _of_groups(w, jnp.zeros(1, jnp.int32)))
-    pull = pre = None
-    if shape.rows:
-        buf = _rows(x, lay.source)
-        parts = []
-        if C:
-            yb, pull = jax.vjp(lambda xb, w: expert_mlp(w, xb, activation),
-                               buf[:G * C].reshape(G, C, -1), w)
-            parts.append(yb.reshape(G * C, -1))
-        if S:  # keeps its pre-activations, not its gathered weights (gathered again)
-            ws = _of_groups(w, lay.group[:S])
-            pre = _up(ws[UP[activation]], buf[G * C:].reshape(S, tile, -1), activation)
-            parts.append(_down(ws.get("w2"), pre, activation).reshape(S * tile, -1))
-            pre = pre if activation else None
-        y = _rows(jnp.concatenate(parts).astype(out.dtype), lay.slot)
+    pull = None
+    if C:
+        yb, pull = jax.vjp(lambda xb, w: expert_mlp(w, xb, activation),
+                           _rows(x, lay.source).reshape(G, C, -1), w)
+        y = _rows(yb.reshape(G * C, -1).astype(out.dtype), lay.slot)
     else:
         y = jnp.zeros((x.shape[0], out.shape[-1]), out.dtype)
-    return _loop_forward(x, w, lay, activation, shape, y), (x, w, lay, pull, pre)
+    y = varying_like(y, x, *w.values(), lay.start)
+    y = _by_size(shape, lay, lambda S, y: _spill_forward(S, x, w, lay, activation, shape, y),
+                 y)
+    return y, (x, w, lay, pull)
 
 
 def _grouped_bwd(activation, shape, res, dy):
-    x, w, lay, pull, pre = res
-    G, C, S, tile = shape
-    dw = {k: jnp.zeros_like(v) for k, v in w.items()}
-    dx = jnp.zeros_like(x)
-    if shape.rows:
-        dbuf = _rows(dy, lay.source)
-        parts = []
-        if C:
-            dxb, dwb = pull(dbuf[:G * C].reshape(G, C, -1))
-            parts.append(dxb.reshape(G * C, -1))
-            dw = dwb
-        if S:
-            xs = _rows(x, lay.source[G * C:]).reshape(S, tile, -1)
-            dxs, dws = _spill_backward(xs, pre, _of_groups(w, lay.group[:S]),
-                                       dbuf[G * C:].reshape(S, tile, -1), activation)
-            parts.append(dxs.reshape(S * tile, -1))
-            dw = _add_to_groups(dw, lay.group[:S], dws)
-        dx = _rows(jnp.concatenate(parts), lay.slot).astype(x.dtype)
-
-    def loop(dx, dw):  # its tiles' weight gradients summed in float32
-        dx, dw = _loop_backward(x, w, lay, activation, shape, dy, dx,
-                                {k: v.astype(jnp.float32) for k, v in dw.items()})
-        return dx, {k: dw[k].astype(w[k].dtype) for k in w}
-
-    # only when the loop has tiles: otherwise the weight gradients are not copied into
-    # float32 and back (a GPU decides on the host either way, as a loop's condition)
+    x, w, lay, pull = res
+    G, C, _, _ = shape
+    if C:
+        dxb, dw = pull(_rows(dy, lay.source).reshape(G, C, -1))
+        dx = _rows(dxb.reshape(G * C, -1), lay.slot).astype(x.dtype)
+    else:
+        dx, dw = jnp.zeros_like(x), {k: jnp.zeros_like(v) for k, v in w.items()}
     like = (x, *w.values(), lay.start, dy)
     dx, dw = varying_like(dx, *like), {k: varying_like(v, *like) for k, v in dw.items()}
-    dx, dw = jax.lax.cond(lay.occupied > S, loop, lambda dx, dw: (dx, dw), dx, dw)
+    dx, dw = _by_size(shape, lay, lambda S, dx, dw: _spill_backward(
+        S, x, w, lay, activation, shape, dy, dx, dw), dx, dw)
     return dx, dw, None
 
 
@@ -308,23 +338,24 @@ _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 def grouped_mlp(x: jax.Array, w: dict[str, jax.Array], sizes: jax.Array,
                 activation: str | None, expected: int | None = None, bulk: float = 1.0,
-                spill: float = 0.125) -> jax.Array:
+                spill: float = 1.25) -> jax.Array:
     """x [M, K] sorted by group, weights w (each [G, ...], as `expert_mlp` takes them),
     sizes [G] (their sum at most M) -> [M, N]: row i of group g through group g's MLP
     (`expert_mlp`; activation None: the one product x @ w["w"][g]); rows past
     sum(sizes) give zeros. `expected`: the rows a balanced routing puts in the groups
     (default M), which sizes the tiles and the batched parts. `bulk`: the first rows of
     each group, up to `bulk` x a balanced group's share (in whole tiles), go through one
-    batched MLP on [G, C, K]; `spill`: tiles of the rows past them, up to `spill` x the
-    expected rows, through another with weights gathered per tile; the rest through the
-    loop over tiles (the module's docstring). Both 0: every row through the loop."""
+    batched MLP on [G, C, K]; `spill`: tiles of the rows past them, as many as hold
+    them up to `spill` x the expected rows, through another with weights gathered per
+    tile; the rest through the loop over tiles (the module's docstring). Both 0: every
+    row through the loop."""
     M = x.shape[0]
     G = next(iter(w.values())).shape[0]
     expected = M if expected is None else max(1, min(expected, M))
     tile = min(tile_rows(expected, G), M)
     T = -(-M // tile) + G
     shape = _Shape(G, -(-int(bulk * expected / G) // tile) * tile,
-                   min(T, -(-int(spill * expected) // tile)), tile)
+                   spill_sizes(min(T, -(-int(spill * expected) // tile))), tile)
     lay = _layout(M, sizes, shape)
     # the weights vary where the rows do before the custom VJP, whose backward then
     # gives their gradients per rank: the cast's transpose sums them across them
@@ -333,7 +364,7 @@ def grouped_mlp(x: jax.Array, w: dict[str, jax.Array], sizes: jax.Array,
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, how: str,
-                   expected: int | None = None, bulk: float = 1.0, spill: float = 0.125
+                   expected: int | None = None, bulk: float = 1.0, spill: float = 1.25
                    ) -> jax.Array:
     """x [M, K] sorted by group, w [G, K, N] -> [M, N] (`grouped_mlp` of the one
     product). `how`: "tiles" (`grouped_mlp`) or "ragged_dot" (jax.lax.ragged_dot, the

@@ -64,8 +64,9 @@ def _dispatch(moe) -> str:
         return "dropless, every row through the loop over tiles"
     batched = [f"{moe.bulk:g} x a balanced expert's rows batched"] if moe.bulk else []
     if moe.spill:
-        batched.append(f"tiles of {moe.spill:g} x all rows {'more ' if moe.bulk else ''}"
-                       "batched with their experts' weights gathered")
+        batched.append(f"{'the tiles past them' if moe.bulk else 'tiles'} batched as a layer "
+                       f"needs them (up to {moe.spill:g} x all rows) with their experts' "
+                       "weights gathered")
     return f"dropless, {', '.join(batched)}, the rest through the loop over tiles"
 
 
