@@ -21,6 +21,10 @@ _DTYPE_BYTES = {
     "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }
+# A jax.named_scope for a lax.switch whose branch the data chooses among sizes of one
+# computation, smallest first (parallel.grouped's spill): its FLOPs count the first,
+# what a balanced routing takes, as a loop of unknown trip count counts one iteration.
+SIZED_BY_DATA = "plait_sized_by_data"
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
@@ -134,7 +138,8 @@ def multiplicities(mod: Module, branch_weights: dict[int, list[float]] | None = 
 
     A conditional's branches count once each per execution unless `branch_weights`
     gives, for conditionals with that many branches, how often each one runs per
-    execution (a pipeline's per-tick switch: from its schedule table).
+    execution (a pipeline's per-tick switch: from its schedule table); one made under
+    the SIZED_BY_DATA scope counts its first branch only.
     """
     weights = branch_weights or {}
     callees: dict[str, list[tuple[str, float]]] = defaultdict(list)
@@ -147,6 +152,8 @@ def multiplicities(mod: Module, branch_weights: dict[int, list[float]] | None = 
             loop, called, indexed = _callees(ins.attrs)
             callees[comp] += [(c, trip) for c in loop] + [(c, 1.0) for c in called]
             w = weights.get(len(indexed), [1.0] * len(indexed))
+            if indexed and SIZED_BY_DATA in ins.attrs:
+                w = [1.0] + [0.0] * (len(indexed) - 1)
             callees[comp] += list(zip(indexed, w, strict=True))
     mult: dict[str, float] = defaultdict(float)
 

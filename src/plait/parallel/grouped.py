@@ -27,8 +27,8 @@ same result from plain XLA in three parts:
 Rows past the groups' total (assignments to another rank's experts) come back as
 zeros, as ragged_dot gives them. Over an `expert` axis of X ranks the rows are the
 whole group's X x N x k and a balanced rank's groups hold N x k of them; the compiled
-program's FLOPs, which count the batched parts and the loop once, price the balanced
-case. One custom VJP covers the three: JAX cannot reverse a loop of dynamic length.
+program's FLOPs as plait counts them (the bulk, the spill's first size, 0 tiles, and
+the loop once) price the balanced case. One custom VJP covers the three: JAX cannot reverse a loop of dynamic length.
 The backward keeps the bulk MLP's own residuals and the rows, takes the same spill
 size, and recomputes the spill's forward (its gathered weights are never kept) and
 each loop tile's. The spill's weight gradients are added to the bulk's in the
@@ -45,6 +45,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from plait.hlo import SIZED_BY_DATA
 from plait.models.activations import gelu, swiglu
 from plait.sharding import varying_like
 
@@ -286,11 +287,13 @@ def _spill_backward(S: int, x, w, lay, activation, shape: _Shape, dy, dx, dw):
 def _by_size(shape: _Shape, lay: _Layout, branch, *operands):
     """branch(S, *operands) for the spill size that holds this call's overflow tiles: a
     lax.switch over the sizes (on a GPU one decision on the host, as a loop's condition
-    would be), or the one size."""
+    would be), or the one size. Its scope makes the compiled program's FLOPs count the
+    first size, 0 tiles, as a balanced routing runs (`hlo.SIZED_BY_DATA`)."""
     if len(shape.sizes) == 1:
         return branch(shape.sizes[0], *operands)
-    return jax.lax.switch(spill_size_index(lay.occupied, shape.sizes),
-                          [functools.partial(branch, S) for S in shape.sizes], *operands)
+    with jax.named_scope(SIZED_BY_DATA):
+        return jax.lax.switch(spill_size_index(lay.occupied, shape.sizes),
+                              [functools.partial(branch, S) for S in shape.sizes], *operands)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
