@@ -28,7 +28,8 @@ Rows past the groups' total (assignments to another rank's experts) come back as
 zeros, as ragged_dot gives them. Over an `expert` axis of X ranks the rows are the
 whole group's X x N x k and a balanced rank's groups hold N x k of them; the compiled
 program's FLOPs as plait counts them (the bulk, the spill's first size, 0 tiles, and
-the loop once) price the balanced case. One custom VJP covers the three: JAX cannot reverse a loop of dynamic length.
+the loop once) price the balanced case. One custom VJP covers the three: JAX cannot
+reverse a loop of dynamic length.
 The backward keeps the bulk MLP's own residuals and the rows, takes the same spill
 size, and recomputes the spill's forward (its gathered weights are never kept) and
 each loop tile's. The spill's weight gradients are added to the bulk's in the
