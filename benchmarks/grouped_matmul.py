@@ -56,10 +56,7 @@ def split(text: str) -> tuple[float, float]:
 def variants(sizes, splits: list[tuple[float, float]], mlp: bool) -> dict:
     """name -> f(x, w) -> [M, N] for every variant; w: {"w": [G, K, N]}, or with `mlp`
     SwiGLU's {"w13": [G, K, 2, F], "w2": [G, F, K]}."""
-    import jax
-
-    from plait.models.activations import swiglu
-    from plait.parallel.grouped import expert_mlp, grouped_mlp
+    from plait.parallel.grouped import expert_mlp, grouped_mlp, ragged_mlp
 
     act = "swiglu" if mlp else None
 
@@ -68,11 +65,7 @@ def variants(sizes, splits: list[tuple[float, float]], mlp: bool) -> dict:
         return expert_mlp(w, x.reshape(G, -1, x.shape[1]), act).reshape(x.shape[0], -1)
 
     def ragged(x, w):
-        if not mlp:
-            return jax.lax.ragged_dot(x, w["w"], sizes)
-        G, K, _, F = w["w13"].shape
-        gu = jax.lax.ragged_dot(x, w["w13"].reshape(G, K, -1), sizes).reshape(-1, 2, F)
-        return jax.lax.ragged_dot(swiglu(gu[:, 0], gu[:, 1]), w["w2"], sizes)
+        return ragged_mlp(x, w, sizes, act)
 
     M = int(sizes.sum())
     out = {"dense": lambda x, w: expert_mlp({k: v[:1] for k, v in w.items()}, x[None],

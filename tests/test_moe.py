@@ -294,15 +294,16 @@ def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk, spill):
     rows past the groups (another rank's, zeros) included; whether the routed rows fit
     the batched parts (sized by `expected`, the rows of a balanced routing) or spill
     past them into the loop."""
-    from plait.parallel.grouped import grouped_matmul
+    from plait.parallel.grouped import grouped_mlp
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((100, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, 16, 24)), jnp.float32)
     s = jnp.asarray(sizes, jnp.int32)
 
-    def f(x, w, how):
-        y = grouped_matmul(x, w, s, how, expected, bulk, spill)
+    def f(x, w, how):  # activation None: the one product
+        y = (grouped_mlp(x, {"w": w}, s, None, expected, bulk, spill) if how == "tiles"
+             else jax.lax.ragged_dot(x, w, s))
         return jnp.sum(jnp.sin(y)), y
 
     (_, got), got_g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(x, w, "tiles")

@@ -45,8 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from plait.models.activations import gelu, swiglu
-from plait.parallel.grouped import expert_mlp, grouped_matmul, grouped_mlp
+from plait.parallel.grouped import expert_mlp, grouped_mlp, ragged_mlp
 from plait.sharding import active, axes_tuple, varying_like
 
 AXIS = "expert"
@@ -279,17 +278,8 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
                                                   unique_indices=True)
     rows = _sorted_rows(x, order, inverse, k)
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
-    if how == "tiles":
-        out = grouped_mlp(rows, w, sizes, activation, expected, bulk, spill)
-    else:
-        if activation == "swiglu":
-            w13 = w["w13"]
-            gu = grouped_matmul(rows, w13.reshape(E, w13.shape[1], -1), sizes, how)
-            gu = gu.reshape(gu.shape[0], 2, -1)
-            hidden = swiglu(gu[:, 0], gu[:, 1])
-        else:
-            hidden = gelu(grouped_matmul(rows, w["w1"], sizes, how))
-        out = grouped_matmul(hidden, w["w2"], sizes, how)
+    out = (grouped_mlp(rows, w, sizes, activation, expected, bulk, spill) if how == "tiles"
+           else ragged_mlp(rows, w, sizes, activation))
     back = _unsorted(out, order, inverse).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
 

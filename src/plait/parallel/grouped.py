@@ -152,12 +152,17 @@ def _up(wu: jax.Array, h: jax.Array, activation: str | None) -> jax.Array:
     return jnp.einsum("...ecd,edf->...ecf", h, wu)
 
 
+def activate(pre: jax.Array, activation: str) -> jax.Array:
+    """The hidden activations from the first product's output ([..., 2, f] for SwiGLU's
+    gate and up halves, [..., f] for GELU)."""
+    return swiglu(pre[..., 0, :], pre[..., 1, :]) if activation == "swiglu" else gelu(pre)
+
+
 def _down(w2: jax.Array | None, pre: jax.Array, activation: str | None) -> jax.Array:
     """The activation, then the second product (None: no activation, no product)."""
     if activation is None:
         return pre
-    hidden = swiglu(pre[..., 0, :], pre[..., 1, :]) if activation == "swiglu" else gelu(pre)
-    return jnp.einsum("...ecf,efd->...ecd", hidden, w2)
+    return jnp.einsum("...ecf,efd->...ecd", activate(pre, activation), w2)
 
 
 def expert_mlp(w: dict[str, jax.Array], h: jax.Array, activation: str | None) -> jax.Array:
@@ -169,12 +174,6 @@ def expert_mlp(w: dict[str, jax.Array], h: jax.Array, activation: str | None) ->
 def _tile_mlp(xt: jax.Array, wg: dict, activation: str | None) -> jax.Array:
     """One group's MLP (weights wg, each [1, ...]) on one tile's rows [tile, K]."""
     return expert_mlp(wg, xt[None], activation)[0]
-
-
-def _of_group(w: dict, g: jax.Array) -> dict:
-    """The weights of one group g (a scalar), each [1, ...]."""
-    G = next(iter(w.values())).shape[0]
-    return {k: v[jnp.minimum(g, G - 1)][None] for k, v in w.items()}
 
 
 def _of_groups(w: dict, g: jax.Array) -> dict:
@@ -198,7 +197,7 @@ def _loop_forward(x: jax.Array, w: dict, lay: _Layout, activation: str | None, t
     def body(t, y):
         row, own = _tile_at(lay, t, M, tile)
         xt = jax.lax.dynamic_slice(x, (row, 0), (tile, K))
-        yt = _tile_mlp(xt, _of_group(w, lay.group[t]), activation).astype(y.dtype)
+        yt = _tile_mlp(xt, _of_groups(w, lay.group[t][None]), activation).astype(y.dtype)
         kept = jax.lax.dynamic_slice(y, (row, 0), (tile, y.shape[1]))
         return jax.lax.dynamic_update_slice(y, jnp.where(own[:, None], yt, kept), (row, 0))
 
@@ -211,21 +210,20 @@ def _loop_backward(x: jax.Array, w: dict, lay: _Layout, activation: str | None, 
     length), each tile's forward recomputed: the tiles' rows of dx written in, their
     weight gradients added to dw, in float32 for the many small additions."""
     M, K = x.shape
-    G = next(iter(w.values())).shape[0]
 
     def body(t, c):
         dx, dw = c
         row, own = _tile_at(lay, t, M, tile)
-        g = jnp.minimum(lay.group[t], G - 1)
+        g = lay.group[t][None]
         xt = jax.lax.dynamic_slice(x, (row, 0), (tile, K))
         dyt = jax.lax.dynamic_slice(dy, (row, 0), (tile, dy.shape[1]))
         dyt = jnp.where(own[:, None], dyt, jnp.zeros_like(dyt))
-        yt, pull = jax.vjp(lambda xt, wg: _tile_mlp(xt, wg, activation), xt, _of_group(w, g))
+        yt, pull = jax.vjp(lambda xt, wg: _tile_mlp(xt, wg, activation), xt, _of_groups(w, g))
         dxt, dwg = pull(dyt.astype(yt.dtype))
         kept = jax.lax.dynamic_slice(dx, (row, 0), (tile, K))
         dx = jax.lax.dynamic_update_slice(
             dx, jnp.where(own[:, None], dxt.astype(dx.dtype), kept), (row, 0))
-        return dx, {k: dw[k].at[g].add(dwg[k][0].astype(jnp.float32)) for k in dw}
+        return dx, _add_to_groups(dw, g, dwg)
 
     dx, dw = jax.lax.fori_loop(first, jnp.maximum(lay.occupied, first), body,
                                (dx, {k: v.astype(jnp.float32) for k, v in dw.items()}))
@@ -367,12 +365,14 @@ def grouped_mlp(x: jax.Array, w: dict[str, jax.Array], sizes: jax.Array,
     return _grouped(x, w, lay, activation, shape)
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, how: str,
-                   expected: int | None = None, bulk: float = 1.0, spill: float = 1.25
-                   ) -> jax.Array:
-    """x [M, K] sorted by group, w [G, K, N] -> [M, N] (`grouped_mlp` of the one
-    product). `how`: "tiles" (`grouped_mlp`) or "ragged_dot" (jax.lax.ragged_dot, the
-    backend's own)."""
-    if how == "ragged_dot":
-        return jax.lax.ragged_dot(x, w, sizes)
-    return grouped_mlp(x, {"w": w}, sizes, None, expected, bulk, spill)
+def ragged_mlp(x: jax.Array, w: dict[str, jax.Array], sizes: jax.Array,
+               activation: str | None) -> jax.Array:
+    """`grouped_mlp`'s result from jax.lax.ragged_dot's grouped products (the backend's
+    own; `moe.grouped = "ragged_dot"`)."""
+    wu = w[UP[activation]]
+    G, K = wu.shape[:2]
+    pre = jax.lax.ragged_dot(x, wu.reshape(G, K, -1), sizes).reshape(x.shape[0],
+                                                                    *wu.shape[2:])
+    if activation is None:
+        return pre
+    return jax.lax.ragged_dot(activate(pre, activation), w["w2"], sizes)
