@@ -2,18 +2,22 @@
 
     python benchmarks/gpt_vs_nanogpt.py --reference PATH/TO/nanoGPT \
         [--torch-python PYTHON] [--batch 32] [--seq 1024] [--rounds 3] [--steps 30] \
-        [--set model.attention=cudnn ...] [--json out.json]
+        [--set model.attention=cudnn ...] [--no-matched] [--json out.json]
 
 nanoGPT's `bench.py` (a checkout the user passes; not part of plait) trains
 GPT-2 124M (12 layers, 12 heads, d_model 768, vocabulary 50304, no biases) on
 fixed random tokens (`--real_data=False`) with torch.compile, fused AdamW and
 bf16 autocast, and prints its time per iteration over 20 steps after 10 of
 burn-in. plait runs `benchmarks/throughput.py` on `experiments/gpt2-124m.toml`
-at the same batch, sequence length and vocabulary (plait keeps its biases and
-padded-vocabulary masking): the training loop as `plait train` runs it, data
-included, compile excluded. The two alternate for `--rounds` rounds so machine
-noise hits both; printed: tokens/s of each per round, the medians and the
-median of the per-round ratios (plait / nanoGPT).
+at the same batch, sequence length and vocabulary twice a round: as shipped
+(GPT-2's biases in every linear layer and norm) and with nanoGPT's architecture
+(`model.bias=false`, what bench.py trains: the same matrix products, no bias adds
+and no bias gradients); `--no-matched` runs only the first. Either is the training
+loop as `plait train` runs it: tokens made each step, gradient clipping, metrics
+logged, compile excluded (bench.py reuses one batch and does not clip). The runs
+alternate for `--rounds` rounds so machine noise hits all; printed: tokens/s of
+each per round, the medians and the median of the per-round ratios (plait /
+nanoGPT).
 
 bench.py calls torch.cuda.synchronize(), so it needs a CUDA build of torch and
 a GPU.
@@ -33,6 +37,8 @@ from pathlib import Path
 from report import report, run_script  # benchmarks/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
+# bench.py's GPTConfig(bias=False): no bias in any linear layer or LayerNorm
+MATCHED = "model.bias=false"
 
 
 def nanogpt_tokens_per_s(ref: Path, python: str, batch: int, seq: int) -> float:
@@ -72,6 +78,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="plait steps per round")
     ap.add_argument("--set", dest="sets", action="append", default=[],
                     help="extra plait --set overrides, e.g. model.scan_layers=false")
+    ap.add_argument("--no-matched", dest="matched", action="store_false",
+                    help="skip the run with nanoGPT's architecture (model.bias=false)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     ref = Path(args.reference)
@@ -83,18 +91,31 @@ def main() -> int:
     for i in range(args.rounds):
         ref_tps = nanogpt_tokens_per_s(ref, args.torch_python, args.batch, args.seq)
         mine = plait_tokens_per_s(args.batch, args.seq, args.steps, args.sets)
-        rounds.append({"nanogpt_tokens_per_s": ref_tps, "plait_tokens_per_s":
-                       mine["tokens_per_s"], "plait_mfu": mine["mfu"],
-                       "plait_peak_device_memory_gib": mine.get("peak_device_memory_gib"),
-                       "ratio": mine["tokens_per_s"] / ref_tps})
-        print(f"round {i + 1}: nanoGPT {ref_tps:,.0f} tokens/s, plait "
-              f"{mine['tokens_per_s']:,.0f} tokens/s, ratio {rounds[-1]['ratio']:.3f}",
-              flush=True)
+        row = {"nanogpt_tokens_per_s": ref_tps, "plait_tokens_per_s": mine["tokens_per_s"],
+               "plait_mfu": mine["mfu"],
+               "plait_peak_device_memory_gib": mine.get("peak_device_memory_gib"),
+               "ratio": mine["tokens_per_s"] / ref_tps}
+        line = (f"round {i + 1}: nanoGPT {ref_tps:,.0f} tokens/s, plait "
+                f"{mine['tokens_per_s']:,.0f} tokens/s ({row['ratio']:.3f})")
+        if args.matched:
+            same = plait_tokens_per_s(args.batch, args.seq, args.steps,
+                                      [*args.sets, MATCHED])
+            row.update(plait_nobias_tokens_per_s=same["tokens_per_s"],
+                       plait_nobias_mfu=same["mfu"],
+                       ratio_nobias=same["tokens_per_s"] / ref_tps)
+            line += (f", plait with nanoGPT's architecture (no biases) "
+                     f"{same['tokens_per_s']:,.0f} tokens/s ({row['ratio_nobias']:.3f})")
+        rounds.append(row)
+        print(line, flush=True)
     result = {"device": mine["device"], "date": mine["date"], "batch": args.batch,
-              "seq": args.seq, "plait_sets": args.sets, "rounds": rounds,
-              "nanogpt_median": statistics.median(r["nanogpt_tokens_per_s"] for r in rounds),
-              "plait_median": statistics.median(r["plait_tokens_per_s"] for r in rounds),
-              "ratio_median": statistics.median(r["ratio"] for r in rounds)}
+              "seq": args.seq, "plait_sets": args.sets, "rounds": rounds}
+    if args.matched:
+        result["plait_nobias_sets"] = [*args.sets, MATCHED]
+    for key in ("nanogpt_tokens_per_s", "plait_tokens_per_s", "ratio",
+                "plait_nobias_tokens_per_s", "ratio_nobias"):
+        if key in rounds[0]:
+            name = key.removesuffix("_tokens_per_s")
+            result[f"{name}_median"] = statistics.median(r[key] for r in rounds)
     report(result, args.json)
     return 0
 

@@ -106,7 +106,8 @@ def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
     """gpu_figures.sh's nanogpt stage (issue 29's headline ratio) with a stand-in for
     nanoGPT's bench.py, which needs CUDA: the arguments it is given, the line it prints
     read back, plait's side at the same batch and sequence (a small GPT-2 through
-    --set), rounds alternating, the ratio. Without bench.py: one line, status 2."""
+    --set) as shipped and without biases (bench.py's architecture), the ratios.
+    Without bench.py: one line, status 2."""
     ref = tmp_path / "nanoGPT"
     ref.mkdir()
     (ref / "bench.py").write_text(
@@ -119,12 +120,15 @@ def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
     small = ["--set", "model.layers=1", "--set", "model.d_model=64", "--set", "model.heads=2",
              "--set", "model.d_ff=128", "--set", "precision.compute='float32'"]
     _ok(_script("gpt_vs_nanogpt.py", "--reference", str(ref), "--batch", "2", "--seq", "32",
-                "--rounds", "2", "--steps", "3", *small, "--json", str(out)))
+                "--rounds", "1", "--steps", "3", *small, "--json", str(out)))
     got = json.loads(out.read_text())
-    assert [r["nanogpt_tokens_per_s"] for r in got["rounds"]] == [2 * 32 / 0.082] * 2
-    for r in got["rounds"]:
-        assert r["ratio"] == pytest.approx(r["plait_tokens_per_s"] / r["nanogpt_tokens_per_s"])
-        assert r["plait_mfu"] is None and r["plait_peak_device_memory_gib"] is None
+    [r] = got["rounds"]
+    assert r["nanogpt_tokens_per_s"] == got["nanogpt_median"] == 2 * 32 / 0.082
+    assert r["ratio"] == pytest.approx(r["plait_tokens_per_s"] / r["nanogpt_tokens_per_s"])
+    assert r["ratio_nobias"] == got["ratio_nobias_median"] == pytest.approx(
+        r["plait_nobias_tokens_per_s"] / r["nanogpt_tokens_per_s"])
+    assert r["plait_mfu"] is None and r["plait_peak_device_memory_gib"] is None
+    assert got["plait_nobias_sets"] == [*small[1::2], "model.bias=false"]
     assert (got["batch"], got["seq"], got["device"]) == (2, 32, "cpu")
 
     missing = _script("gpt_vs_nanogpt.py", "--reference", str(tmp_path))
