@@ -332,10 +332,17 @@ class GPT(nnx.Module):
             return x
         # packed documents (data.document_mask): each from position 0
         pos = document_positions()
-        pos = sequence_positions(tokens.shape[1]) if pos is None else pos
-        table = self.pos_embed[...]
-        rows = table[: tokens.shape[1]] if pos is None else table[jnp.asarray(pos)]
-        return constrain(x + rows, BATCH_SEQ_EMBED)
+        if pos is None:  # in the stored order under a context axis, else 0, 1, ...
+            order = sequence_positions(tokens.shape[1])
+            pos = jnp.arange(tokens.shape[1], dtype=jnp.int32) if order is None else order
+        # One row per token, gathered, not [seq, embed] rows broadcast over the batch:
+        # the broadcast's gradient, a sum over the batch, made XLA:GPU lay the whole
+        # residual stream out batch-minor, and every matmul then transposed its input
+        # (docs/architecture.md, "Position rows by gather"). Gathered from float32 so
+        # that the gradient's scatter-add sums the batch's rows in float32.
+        pos = jnp.broadcast_to(jnp.asarray(pos), tokens.shape)
+        rows = jnp.take(self.pos_embed[...].astype(jnp.float32), pos, axis=0, mode="clip")
+        return constrain(x + rows.astype(x.dtype), BATCH_SEQ_EMBED)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """The residual stream after the last block -> logits [batch, seq, padded_vocab]."""
