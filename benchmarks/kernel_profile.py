@@ -36,6 +36,7 @@ KINDS = [
     ("collective", r"nccl|all_reduce|all_gather|reduce_scatter|all_to_all|collective"),
     ("copy", r"^memcpy|^memset|copy"),
     ("gather/scatter", r"scatter|gather|dynamic_slice|dynamic_update_slice"),
+    ("transpose", r"transpose"),
     ("reduction", r"reduce"),
     ("other fusion", r""),
 ]

@@ -206,3 +206,54 @@ def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.strip().splitlines()
     assert "no GPU plane" in line
+
+
+# A scanned step in miniature, as XLA:GPU writes it: a loop of 8 whose body runs a
+# cuBLAS product and stacks its result in place, then one slice of the stack read back
+# and a reduction (its adder applied, never launched).
+_GPU_HLO = (ROOT / "tests" / "data" / "gpu_loop.hlo").read_text()
+
+
+def test_hlo_census_counts_a_gpu_programs_kernels_bytes_and_flops(monkeypatch):
+    """gpu_census.py's accounting (benchmarks/hlo_census.py) on a loop in miniature: the
+    loop body's kernels count its trip count, a product's FLOPs come from cuBLAS's
+    contracting dimensions, a stack updated in place counts the update (not the stack),
+    a slice read back counts the slice; fused and applied computations launch nothing;
+    each kernel's time is the larger of its FLOPs and its bytes at their rates."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import hlo_census
+
+    found = {k.name: k for k in hlo_census.kernels(_GPU_HLO)}
+    assert set(found) == {"custom-call.1", "loop_dynamic_update_slice_fusion",
+                          "loop_dynamic_slice_fusion", "reduce.1"}
+    mm, stack, read = (found[n] for n in ("custom-call.1", "loop_dynamic_update_slice_fusion",
+                                          "loop_dynamic_slice_fusion"))
+    assert (mm.kind, mm.launches, mm.flops) == ("matmul", 8, 2 * 64 * 32 * 128)
+    assert mm.bytes == 2 * (64 * 128 + 128 * 32 + 64 * 32)  # the workspace not counted
+    assert (stack.kind, stack.launches) == ("gather/scatter", 8)
+    assert stack.bytes == 2 * 64 * 32 + 4 + 2 * 64 * 32  # product + index in, update out
+    assert (read.launches, read.bytes) == (1, 2 * 64 * 32 + 4 + 2 * 64 * 32)
+    assert (found["reduce.1"].kind, found["reduce.1"].bytes) == ("reduction", 4096 + 4 + 4)
+    total = hlo_census.estimate(list(found.values()), peak_flops=1e9, bandwidth=1e9,
+                                matmul_efficiency=0.5, memory_efficiency=1.0)
+    assert mm.seconds == pytest.approx(8 * max(mm.flops / 0.5e9, mm.bytes / 1e9))
+    assert mm.seconds == pytest.approx(8 * mm.flops / 0.5e9)  # compute-bound at 1 GFLOP/s
+    assert stack.seconds == pytest.approx(8 * stack.bytes / 1e9)
+    assert total == pytest.approx(sum(k.seconds for k in found.values()))
+    groups = {g["group"]: g for g in hlo_census.by_group(list(found.values()), top=10)}
+    assert groups["loop_dynamic_update_slice_fusion"]["launches"] == 8
+    assert hlo_census.by_kind(list(found.values()))["matmul"]["launches"] == 8
+
+
+def test_gpu_census_needs_jax_cuda_plugin_without_a_gpu(monkeypatch):
+    """Without JAX's CUDA plugin, gpu_census.py says how to get it in one line."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_census
+
+    if gpu_census.cuda_plugin():
+        pytest.skip("the CUDA plugin is installed here")
+    proc = _script("gpu_census.py", "experiments/quickstart.toml")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ('gpu_census.py: error: JAX\'s CUDA plugin is not '
+                                   'installed: pip install "jax[cuda13]" (no GPU needed) to '
+                                   'compile for a GPU here')

@@ -113,14 +113,18 @@ def dot_flops(mod: hlo.Module, mult: dict[str, float] | None = None) -> float:
     for comp, instrs in mod.computations.items():
         times = mult.get(comp, 0.0)
         for ins in instrs:
-            if ins.opcode != "dot" or not times:
-                continue
-            out = math.prod(hlo._dims(ins.shape))
-            lhs = hlo._dims(mod.shapes.get(ins.operands[0], ""))
-            m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
-            k = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m else 1
-            total += 2.0 * out * k * times
+            if ins.opcode == "dot" and times:
+                total += one_dot_flops(mod, ins) * times
     return total
+
+
+def one_dot_flops(mod: hlo.Module, ins: hlo.Instr) -> float:
+    """2 x output elements x contracted size of one dot instruction."""
+    out = math.prod(hlo._dims(ins.shape))
+    lhs = hlo._dims(mod.shapes.get(ins.operands[0], ""))
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+    k = math.prod(lhs[int(i)] for i in m.group(1).split(",") if i) if m else 1
+    return 2.0 * out * k
 
 
 # Instructions that run as work of their own (a kernel, a library call, a collective)

@@ -1,0 +1,114 @@
+"""Compile plait's train step for an NVIDIA GPU that is not there, and say where its time
+would go.
+
+    python benchmarks/gpu_census.py EXPERIMENT [--set key=value ...] [--gpu h100|h200]
+        [--top 25] [--hlo FILE] [--json FILE]
+
+With JAX's CUDA plugin installed (`pip install "jax[cuda13]"`; no GPU, driver or CUDA
+toolkit needed), JAX compiles ahead of time for a GPU described by an XLA target
+configuration (`jax.experimental.topologies`; `benchmarks/gpu_targets/*.txtpb`): XLA:GPU's
+own layouts, fusions, library calls and schedule, without autotuning. The step compiled
+is `plait train`'s for one device, with plait's XLA flags (plait/xla_flags.py). Printed:
+the compile time, the memory XLA plans for it (arguments + temporaries, against JAX's
+default 75% of the GPU), and its kernels (`hlo_census`) by kind and by fusion group,
+each with a roofline time -- an estimate to compare two programs by, not a measurement
+(docs/benchmarks.md, "Compiling for a GPU without one", sets it beside measured steps).
+A lent GPU's 15 minutes buy a few measurements; this is how a change is weighed
+before them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+from report import report, run_script  # benchmarks/ is the script's directory
+
+TARGETS = Path(__file__).resolve().parent / "gpu_targets"
+# dense bf16 peak FLOP/s and memory bandwidth (bytes/s) of each target
+GPUS = {"h100": (989.4e12, 3.35e12), "h200": (989.4e12, 4.8e12)}
+JAX_DEFAULT_FRACTION = 0.75
+
+
+def cuda_plugin() -> bool:
+    """Whether JAX's CUDA plugin (any CUDA major version) is installed."""
+    for version in (13, 12):
+        try:
+            if importlib.util.find_spec(f"jax_plugins.xla_cuda{version}"):
+                return True
+        except ModuleNotFoundError:  # no jax_plugins package at all
+            return False
+    return False
+
+
+def compile_for_gpu(exp, gpu: str):
+    """The jax Compiled step of `exp` on one `gpu` (a key of GPUS), compiled here."""
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import AxisType, Mesh
+
+    from plait.tasks import make_task
+
+    config = (TARGETS / f"{gpu}.txtpb").read_text()
+    topology = topologies.get_topology_desc("plait", "cuda", target_config=config,
+                                            topology="1x1x1")
+    mesh = Mesh(np.array(topology.devices[:1]), ("data",), axis_types=(AxisType.Auto,))
+    return make_task(exp, mesh).compile()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("experiment")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    ap.add_argument("--top", type=int, default=25, help="fusion groups printed")
+    ap.add_argument("--hlo", help="write the optimized HLO here")
+    ap.add_argument("--json", help="write the results here too")
+    args = ap.parse_args()
+    from plait.errors import UserError
+
+    if not cuda_plugin():
+        raise UserError("JAX's CUDA plugin is not installed: pip install \"jax[cuda13]\" "
+                        "(no GPU needed) to compile for a GPU here")
+    # No GPU, so no CUDA libraries to check the versions of; plait's XLA flags, as
+    # `plait train` sets them, before the backend starts.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from plait import xla_flags
+
+    xla_flags.apply_defaults()
+    import hlo_census
+
+    from plait.config_files import load_experiment
+
+    exp = load_experiment(args.experiment, args.sets)
+    t0 = time.perf_counter()
+    compiled = compile_for_gpu(exp, args.gpu)
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    if args.hlo:
+        Path(args.hlo).write_text(text)
+    memory = compiled.memory_analysis()
+    peak, bandwidth = GPUS[args.gpu]
+    found = hlo_census.kernels(text)
+    total = hlo_census.estimate(found, peak, bandwidth)
+    planned = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+               + memory.output_size_in_bytes - memory.alias_size_in_bytes) / 2**30
+    size = float(next(line.split(":")[1] for line in (TARGETS / f"{args.gpu}.txtpb")
+                      .read_text().splitlines() if "device_memory_size" in line)) / 2**30
+    report({"experiment": exp.name, "sets": args.sets, "gpu": args.gpu,
+            "compile_s": round(compile_s, 1), "planned_memory_gib": round(planned, 2),
+            "fits_jax_default": planned <= JAX_DEFAULT_FRACTION * size,
+            "kernels_per_step": round(sum(k.launches for k in found)),
+            "estimated_step_ms": round(total * 1e3, 2),
+            "kinds": hlo_census.by_kind(found),
+            "groups": hlo_census.by_group(found, args.top)}, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    run_script(main)

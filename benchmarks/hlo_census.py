@@ -1,0 +1,188 @@
+"""The kernels of a compiled GPU program, read from its optimized HLO text, with the
+time a roofline gives each: what `gpu_census.py` prints for a step compiled for a GPU
+that is not there.
+
+Every instruction of an executed computation (the entry, loop bodies, conditional
+branches) that launches work -- a fusion, a library call (cuBLAS, cuDNN), a copy -- is
+one kernel per execution; loop bodies count their trip count, a conditional's branches
+as `plait.hlo.multiplicities` counts them. A kernel's bytes are what it reads and
+writes: its operands and its result, except that an operand read only through
+(dynamic-)slices counts the slices, and a buffer updated in place
+(dynamic-update-slice) counts the update, not the buffer. Its FLOPs: a matrix
+product's 2 x output x contracted size; cuDNN's causal attention 2 x batch x heads x
+seq^2 x head_dim forward and 2.5 x that backward. Its time: the larger of FLOPs at
+`matmul_efficiency` x peak and bytes at `memory_efficiency` x bandwidth -- no launch
+gaps, no overlap, one efficiency for every product: an estimate to compare programs
+by, calibrated against measured steps in docs/benchmarks.md, not a measurement.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass
+
+from kernel_profile import kind_of  # benchmarks/ is the script's directory
+
+from plait import hlo
+from plait.analysis import one_dot_flops
+
+# Work no kernel does: naming, tuples, control (its body's kernels are counted).
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
+         "partition-id", "replica-id", "opt-barrier", "add-dependency", "while",
+         "conditional", "call", "async-start", "async-done", "async-update"}
+# Computations applied element by element inside another instruction, never launched.
+_APPLIES = ("reduce", "sort", "map", "reduce-window", "scatter", "select-and-scatter",
+            "all-reduce", "reduce-scatter")
+
+
+@dataclass
+class Kernel:
+    name: str
+    kind: str
+    launches: float  # per step
+    bytes: float  # per launch
+    flops: float  # per launch
+    seconds: float = 0.0  # per step, once estimated
+    shape: str = ""
+
+
+def _called(ins: hlo.Instr) -> str | None:
+    m = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+    return m.group(1) if m else None
+
+
+def _dims(shape: str) -> list[int]:
+    m = hlo._ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _matmul_flops(mod: hlo.Module, ins: hlo.Instr) -> float:
+    out = _dims(ins.shape)  # the first array of a (result, workspace) tuple
+    lhs = _dims(mod.shapes.get(ins.operands[0], ""))
+    m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+    k = 1
+    for d in (m.group(1).replace('"', "").split(",") if m else []):
+        if d.strip():
+            k *= lhs[int(d)]
+    n = 1
+    for d in out:
+        n *= d
+    return 2.0 * n * k
+
+
+def _attention_flops(mod: hlo.Module, ins: hlo.Instr, target: str) -> float:
+    """Causal flash attention: q [batch, seq, heads, head_dim] in either middle order
+    (the longer middle dimension is taken for the sequence)."""
+    q = _dims(mod.shapes.get(ins.operands[0], ""))
+    if len(q) != 4:
+        return 0.0
+    b, x, y, d = q
+    seq, heads = max(x, y), min(x, y)
+    forward = 2.0 * b * heads * seq * seq * d
+    return forward * (2.5 if "Backward" in target else 1.0)
+
+
+def _read_bytes(mod: hlo.Module, ins: hlo.Instr) -> float:
+    body = mod.computations.get(_called(ins) or "", []) if ins.opcode == "fusion" else []
+    params = {int(j.operands[0]): j.name for j in body
+              if j.opcode == "parameter" and j.operands and j.operands[0].isdigit()}
+    total = 0.0
+    for i, operand in enumerate(ins.operands):
+        size = hlo.shape_bytes(mod.shapes.get(operand, ""))
+        name = params.get(i)
+        users = [j for j in body if name in j.operands] if name else []
+        if users and all(j.opcode in ("dynamic-slice", "slice") and j.operands[0] == name
+                         for j in users):
+            size = min(size, sum(hlo.shape_bytes(j.shape) for j in users))
+        elif users and all(j.opcode == "dynamic-update-slice" and j.operands[0] == name
+                           for j in users):
+            size = 0.0  # the buffer updated in place is not read
+        total += size
+    return total
+
+
+def _written_bytes(mod: hlo.Module, ins: hlo.Instr) -> float:
+    body = mod.computations.get(_called(ins) or "", []) if ins.opcode == "fusion" else []
+    updates = [j for j in body if j.opcode == "dynamic-update-slice"]
+    if updates:
+        return sum(hlo.shape_bytes(mod.shapes.get(j.operands[1], "")) for j in updates)
+    first = hlo._ARRAY.search(ins.shape)
+    if "$matmul" in ins.attrs and first:  # cuBLAS's (result, workspace): the result
+        return hlo.shape_bytes(first.group(0))
+    return hlo.shape_bytes(ins.shape)
+
+
+def kernels(text: str) -> list[Kernel]:
+    """Every kernel the optimized HLO `text` launches per step."""
+    mod = hlo.parse_hlo(text)
+    times = hlo.multiplicities(mod)
+    inside: set[str] = set()
+    for instrs in mod.computations.values():
+        for ins in instrs:
+            if ins.opcode == "fusion" and _called(ins):
+                inside.add(_called(ins))
+            if ins.opcode in _APPLIES:
+                inside.update(re.findall(r"to_apply=%?([\w.\-]+)", ins.attrs))
+    out = []
+    for comp, instrs in mod.computations.items():
+        if comp in inside or not times.get(comp):
+            continue
+        for ins in instrs:
+            if ins.opcode in _FREE:
+                continue
+            flops, name = 0.0, ins.name
+            if ins.opcode == "dot":
+                flops = one_dot_flops(mod, ins)
+            elif ins.opcode == "fusion":  # a Triton GEMM, a dot XLA fused
+                flops = sum(one_dot_flops(mod, j) for j in
+                            mod.computations.get(_called(ins) or "", []) if j.opcode == "dot")
+            elif ins.opcode == "custom-call":
+                target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+                name = target.group(1) if target else ins.name
+                if "matmul" in name or "gemm" in name:
+                    flops = _matmul_flops(mod, ins)
+                elif "fmha" in name:
+                    flops = _attention_flops(mod, ins, name)
+            out.append(Kernel(name=ins.name, kind=kind_of(name), launches=times[comp],
+                              bytes=_read_bytes(mod, ins) + _written_bytes(mod, ins),
+                              flops=flops, shape=ins.shape[:90]))
+    return out
+
+
+def estimate(found: list[Kernel], peak_flops: float, bandwidth: float,
+             matmul_efficiency: float = 0.75, memory_efficiency: float = 0.85) -> float:
+    """Fill each kernel's seconds per step; returns their sum."""
+    for k in found:
+        k.seconds = k.launches * max(k.flops / (peak_flops * matmul_efficiency),
+                                     k.bytes / (bandwidth * memory_efficiency))
+    return sum(k.seconds for k in found)
+
+
+def by_group(found: list[Kernel], top: int) -> list[dict]:
+    """Kernels summed by name with XLA's numbering and clone suffixes taken off (one row
+    per kind of fusion, per library call), largest time first."""
+    groups: dict[str, list] = collections.defaultdict(lambda: [0.0, 0.0, 0.0, "", ""])
+    for k in found:
+        base = re.sub(r"\.(remat\d*|double_buffer_clone)", "", k.name)
+        key = re.sub(r"(\.\d+)+$", "", base)
+        g = groups[key]
+        g[0] += k.launches
+        g[1] += k.bytes * k.launches
+        g[2] += k.seconds
+        g[3], g[4] = k.kind, k.shape
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"group": key, "kind": g[3], "launches": round(g[0]), "gb": round(g[1] / 1e9, 3),
+             "ms": round(g[2] * 1e3, 3), "shape": g[4]} for key, g in rows]
+
+
+def by_kind(found: list[Kernel]) -> dict[str, dict]:
+    kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+    for k in found:
+        v = kinds[k.kind]
+        v[0] += k.launches
+        v[1] += k.seconds
+        v[2] += k.bytes * k.launches
+    return {kind: {"launches": round(v[0]), "ms": round(v[1] * 1e3, 3),
+                   "gb": round(v[2] / 1e9, 3)}
+            for kind, v in sorted(kinds.items(), key=lambda kv: -kv[1][1])}
