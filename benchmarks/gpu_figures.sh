@@ -83,18 +83,18 @@ for stage in "$@"; do
         --layers 64 --rounds 1 --set train.global_batch=16 --json "$OUT/gpt1p3b-start.json"
       run gpt1p3b 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --json "$OUT/gpt1p3b.json" ;;
-    gpt1p3bunrolled)  # 64 layers unrolled, not scanned: a profile of the scanned step
-      # (H200, 2026-11-26) spent 32 ms of 358 in copies inside the layer loop's command
-      # buffers (fusions named *.double_buffer_clone: XLA's while-loop double buffering),
-      # and no remat ran only 7% faster than full remat. Then scanned without that
-      # unrolling of the loop (an XLA flag; a run XLA refuses costs only its start)
+    gpt1p3bunrolled)  # the 64 layers unrolled, not scanned: compiled for an H200 without
+      # one (benchmarks/gpu_census.py, docs/benchmarks.md "Compiling for a GPU without
+      # one") the scanned step spent ~60 ms of 297 stacking and reading back the layers'
+      # residuals; unrolled estimated 236 ms. Then unrolled with save_attention, the
+      # H100's candidate should no remat not fit its 59.4 GiB (58.6 GiB planned)
       run gpt1p3b-unrolled 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --set "model.remat='none'" --set model.loss_chunks=4 \
         --set model.scan_layers=false --json "$OUT/gpt1p3b-unrolled.json"
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_NO_UNROLL" \
-        run gpt1p3b-scan-noloopunroll 200 python3 benchmarks/throughput.py \
-        experiments/gpt2-1.3b.toml --steps 16 --warmup 4 --set "model.remat='none'" \
-        --set model.loss_chunks=4 --json "$OUT/gpt1p3b-scan-noloopunroll.json" ;;
+      run gpt1p3b-unrolled-saveattn 330 python3 benchmarks/throughput.py \
+        experiments/gpt2-1.3b.toml --steps 16 --warmup 4 --set "model.remat='save_attention'" \
+        --set model.loss_chunks=4 --set model.scan_layers=false \
+        --json "$OUT/gpt1p3b-unrolled-saveattn.json" ;;
     gpt1p3bnoremat)  # without remat (4/3 of the FLOPs less), now that norms and
       # activations keep only their inputs (40 GiB of activations in 4 loss pieces;
       # docs/architecture.md "What a layer keeps for the backward")
