@@ -9,7 +9,7 @@ as `plait.hlo.multiplicities` counts them. A kernel's bytes are what it reads an
 writes: its operands and its result, except that an operand read only through
 (dynamic-)slices counts the slices, and a buffer updated in place
 (dynamic-update-slice) counts the update, not the buffer. Its FLOPs: a matrix
-product's 2 x output x contracted size; cuDNN's causal attention 2 x batch x heads x
+product's 2 x output x contracted size (an FP8 one at twice the bf16 peak); cuDNN's causal attention 2 x batch x heads x
 seq^2 x head_dim forward and 2.5 x that backward. Its time: the larger of FLOPs at
 `matmul_efficiency` x peak and bytes at `memory_efficiency` x bandwidth -- no launch
 gaps, no overlap, one efficiency for every product: an estimate to compare programs
@@ -45,6 +45,7 @@ class Kernel:
     flops: float  # per launch
     seconds: float = 0.0  # per step, once estimated
     shape: str = ""
+    fp8: bool = False  # an FP8 product: twice the bf16 peak
 
 
 def _called(ins: hlo.Instr) -> str | None:
@@ -146,15 +147,17 @@ def kernels(text: str) -> list[Kernel]:
                     flops = _attention_flops(mod, ins, name)
             out.append(Kernel(name=ins.name, kind=kind_of(name), launches=times[comp],
                               bytes=_read_bytes(mod, ins) + _written_bytes(mod, ins),
-                              flops=flops, shape=ins.shape[:90]))
+                              flops=flops, shape=ins.shape[:90], fp8="$f8" in name))
     return out
 
 
 def estimate(found: list[Kernel], peak_flops: float, bandwidth: float,
              matmul_efficiency: float = 0.75, memory_efficiency: float = 0.85) -> float:
-    """Fill each kernel's seconds per step; returns their sum."""
+    """Fill each kernel's seconds per step; returns their sum. `peak_flops` is bf16's
+    (FP8 products get twice it)."""
     for k in found:
-        k.seconds = k.launches * max(k.flops / (peak_flops * matmul_efficiency),
+        peak = peak_flops * (2 if k.fp8 else 1)
+        k.seconds = k.launches * max(k.flops / (peak * matmul_efficiency),
                                      k.bytes / (bandwidth * memory_efficiency))
     return sum(k.seconds for k in found)
 

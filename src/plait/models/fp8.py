@@ -35,6 +35,16 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 EMULATE_ENV = "PLAIT_FP8_EMULATE"
 
 
+def apart(h: jax.Array, scaling: Scaling | None) -> jax.Array:
+    """h, the output of an FP8 matmul (`scaling` not None), kept from fusing into the
+    matmul's epilogue with what follows. XLA:GPU folds a tanh GELU that follows a matmul
+    into cuBLAS's epilogue, with the pre-activation as an auxiliary output for the
+    backward; for an FP8 matmul its compiler then fails (`RET_CHECK ... !has_aux_output`,
+    thunk_emitter.cc: jaxlib 0.10.2's, compiling gpt2-124m for an H100 without one,
+    docs/benchmarks.md). The GELU runs as its own fusion instead (one more pass over h)."""
+    return h if scaling is None else jax.lax.optimization_barrier(h)
+
+
 class Fp8Meta(nnx.Variable):
     """Scaling state of one FP8 matmul: kept in float32 whatever precision.compute."""
 
