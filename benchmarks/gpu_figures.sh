@@ -111,9 +111,14 @@ for stage in "$@"; do
       run llama1b-b8-chunks8 200 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
         --steps 16 --warmup 4 --set train.global_batch=8 --set model.loss_chunks=8 \
         --json "$OUT/llama1b-b8-chunks8.json" ;;
-    fp8)  # throughput of both precisions (20 steps); then the 300-step curves on 124M
+    fp8)  # throughput of both precisions (20 steps), as shipped and unrolled without remat
+      # (estimated 1.21x and 1.28x compiled for a GPU without one; GPT-2's FP8 did not
+      # compile before models.fp8.apart); then the 300-step curves on 124M
       run fp8-1p3b 420 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-1.3b.toml \
         --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b.json"
+      run fp8-1p3b-unrolled 420 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-1.3b.toml \
+        --set "model.remat='none'" --set model.loss_chunks=4 --set model.scan_layers=false \
+        --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b-unrolled.json"
       run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
         --steps 300 --json "$OUT/fp8-124m-curve.json" ;;
     moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s,
