@@ -9,11 +9,12 @@ as `plait.hlo.multiplicities` counts them. A kernel's bytes are what it reads an
 writes: its operands and its result, except that an operand read only through
 (dynamic-)slices counts the slices, and a buffer updated in place
 (dynamic-update-slice) counts the update, not the buffer. Its FLOPs: a matrix
-product's 2 x output x contracted size (an FP8 one at twice the bf16 peak); cuDNN's causal attention 2 x batch x heads x
+product's 2 x output x contracted size; cuDNN's causal attention 2 x batch x heads x
 seq^2 x head_dim forward and 2.5 x that backward. Its time: the larger of FLOPs at
-`matmul_efficiency` x peak and bytes at `memory_efficiency` x bandwidth -- no launch
-gaps, no overlap, one efficiency for every product: an estimate to compare programs
-by, calibrated against measured steps in docs/benchmarks.md, not a measurement.
+`matmul_efficiency` x peak (an FP8 product's peak twice bf16's) and bytes at
+`memory_efficiency` x bandwidth -- no launch gaps, no overlap, one efficiency for
+every product: an estimate to compare programs by, calibrated against measured steps
+in docs/benchmarks.md, not a measurement.
 """
 
 from __future__ import annotations
