@@ -66,6 +66,9 @@ def main() -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     ap.add_argument("--top", type=int, default=25, help="fusion groups printed")
+    ap.add_argument("--sized-branch", type=int, default=0,
+                    help="price a switch among data-chosen sizes (dropless experts' spill "
+                         "tiles) at this size's index, not the first (0 tiles)")
     ap.add_argument("--hlo", help="write the optimized HLO here")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
@@ -93,13 +96,14 @@ def main() -> int:
         Path(args.hlo).write_text(text)
     memory = compiled.memory_analysis()
     peak, bandwidth = GPUS[args.gpu]
-    found = hlo_census.kernels(text)
+    found = hlo_census.kernels(text, args.sized_branch)
     total = hlo_census.estimate(found, peak, bandwidth)
     planned = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
                + memory.output_size_in_bytes - memory.alias_size_in_bytes) / 2**30
     size = float(next(line.split(":")[1] for line in (TARGETS / f"{args.gpu}.txtpb")
                       .read_text().splitlines() if "device_memory_size" in line)) / 2**30
     report({"experiment": exp.name, "sets": args.sets, "gpu": args.gpu,
+            "sized_branch": args.sized_branch,
             "compile_s": round(compile_s, 1), "planned_memory_gib": round(planned, 2),
             "fits_jax_default": planned <= JAX_DEFAULT_FRACTION * size,
             "kernels_per_step": round(sum(k.launches for k in found)),

@@ -115,10 +115,12 @@ def _written_bytes(mod: hlo.Module, ins: hlo.Instr) -> float:
     return hlo.shape_bytes(ins.shape)
 
 
-def kernels(text: str) -> list[Kernel]:
-    """Every kernel the optimized HLO `text` launches per step."""
+def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
+    """Every kernel the optimized HLO `text` launches per step; a switch among sizes the
+    data chooses (plait.hlo.SIZED_BY_DATA: dropless experts' spill) at its
+    `sized_branch`-th size (0: the first, the smallest)."""
     mod = hlo.parse_hlo(text)
-    times = hlo.multiplicities(mod)
+    times = hlo.multiplicities(mod, sized_branch=sized_branch)
     inside: set[str] = set()
     for instrs in mod.computations.values():
         for ins in instrs:

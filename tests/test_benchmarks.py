@@ -257,3 +257,15 @@ def test_gpu_census_needs_jax_cuda_plugin_without_a_gpu(monkeypatch):
     assert proc.stderr.strip() == ('gpu_census.py: error: JAX\'s CUDA plugin is not '
                                    'installed: pip install "jax[cuda13]" (no GPU needed) to '
                                    'compile for a GPU here')
+
+
+def test_hlo_census_prices_a_data_sized_switch_at_the_size_asked(monkeypatch):
+    """A switch among sizes the data chooses (dropless experts' spill, under
+    hlo.SIZED_BY_DATA) counts one branch: the first (0 tiles) by default, or the one
+    `sized_branch` names (the last past the end) -- gpu_census.py --sized-branch."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import hlo_census
+
+    text = (ROOT / "tests" / "data" / "gpu_sized.hlo").read_text()
+    launched = {b: sorted(k.name for k in hlo_census.kernels(text, b)) for b in (0, 1, 2, 9)}
+    assert launched == {0: ["c0"], 1: ["n1"], 2: ["e2", "n2"], 9: ["e2", "n2"]}

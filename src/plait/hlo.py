@@ -132,14 +132,15 @@ def _dims(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def multiplicities(mod: Module, branch_weights: dict[int, list[float]] | None = None
-                   ) -> dict[str, float]:
+def multiplicities(mod: Module, branch_weights: dict[int, list[float]] | None = None,
+                   sized_branch: int = 0) -> dict[str, float]:
     """How many times each computation runs per step (loops weighted by trip count).
 
     A conditional's branches count once each per execution unless `branch_weights`
     gives, for conditionals with that many branches, how often each one runs per
     execution (a pipeline's per-tick switch: from its schedule table); one made under
-    the SIZED_BY_DATA scope counts its first branch only.
+    the SIZED_BY_DATA scope counts one branch only: its first (a balanced routing's),
+    or the `sized_branch`-th (the last if there are fewer) to price a larger size.
     """
     weights = branch_weights or {}
     callees: dict[str, list[tuple[str, float]]] = defaultdict(list)
@@ -153,7 +154,8 @@ def multiplicities(mod: Module, branch_weights: dict[int, list[float]] | None = 
             callees[comp] += [(c, trip) for c in loop] + [(c, 1.0) for c in called]
             w = weights.get(len(indexed), [1.0] * len(indexed))
             if indexed and SIZED_BY_DATA in ins.attrs:
-                w = [1.0] + [0.0] * (len(indexed) - 1)
+                w = [0.0] * len(indexed)
+                w[min(sized_branch, len(indexed) - 1)] = 1.0
             callees[comp] += list(zip(indexed, w, strict=True))
     mult: dict[str, float] = defaultdict(float)
 
