@@ -31,9 +31,11 @@ program's FLOPs as plait counts them (the bulk, the spill's first size, 0 tiles,
 the loop once) price the balanced case. One custom VJP covers the three: JAX cannot
 reverse a loop of dynamic length.
 The backward keeps the bulk MLP's own residuals and the rows, takes the same spill
-size, and recomputes the spill's forward (its gathered weights are never kept) and
-each loop tile's. The spill's weight gradients are added to the bulk's in the
-weights' dtype (an expert's rows in two or three parts, each a product's gradient);
+size -- the bulk's backward inside that size's branch, so its gradients are made there
+rather than copied through the switch -- and recomputes the spill's forward (its
+gathered weights are never kept) and each loop tile's. The spill's weight gradients
+are added to the bulk's in the weights' dtype (an expert's rows in two or three
+parts, each a product's gradient);
 only the largest size, which runs the loop, copies them to float32 for its many
 small additions and back.
 """
@@ -323,15 +325,21 @@ def _grouped_fwd(x, w, lay, activation, shape):
 def _grouped_bwd(activation, shape, res, dy):
     x, w, lay, pull = res
     G, C, _, _ = shape
-    if C:
-        dxb, dw = pull(_rows(dy, lay.source).reshape(G, C, -1))
-        dx = _rows(dxb.reshape(G * C, -1), lay.slot).astype(x.dtype)
-    else:
-        dx, dw = jnp.zeros_like(x), {k: jnp.zeros_like(v) for k, v in w.items()}
     like = (x, *w.values(), lay.start, dy)
-    dx, dw = varying_like(dx, *like), {k: varying_like(v, *like) for k, v in dw.items()}
-    dx, dw = _by_size(shape, lay, lambda S, dx, dw: _spill_backward(
-        S, x, w, lay, activation, shape, dy, dx, dw), dx, dw)
+
+    def bulk():
+        if C:
+            dxb, dw = pull(_rows(dy, lay.source).reshape(G, C, -1))
+            dx = _rows(dxb.reshape(G * C, -1), lay.slot).astype(x.dtype)
+        else:
+            dx, dw = jnp.zeros_like(x), {k: jnp.zeros_like(v) for k, v in w.items()}
+        return varying_like(dx, *like), {k: varying_like(v, *like) for k, v in dw.items()}
+
+    # The bulk's backward runs inside each size's branch, so its gradients are made
+    # there: handed into the switch and out, they were copied (a conditional's result
+    # cannot be its operand), 240 MB a layer on mixtral-mini.
+    dx, dw = _by_size(shape, lay, lambda S: _spill_backward(
+        S, x, w, lay, activation, shape, dy, *bulk()))
     return dx, dw, None
 
 
