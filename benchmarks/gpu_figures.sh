@@ -15,7 +15,7 @@
 #
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close:
-#   1. env moe nanogpt gpt1p3bunrolled (one command, ~6 minutes): issue 28's last item
+#   1. env moe nanogpt gpt1p3bunrolled (one command, ~7 minutes, DEADLINE_S=520): issue 28's last item
 #      (dropless >= 70% of the dense twin's tokens/s; 0.64 on an H200 on 2026-11-26,
 #      before the spill tiles), issue 29's nanoGPT ratio (0.99x on an H200, as shipped;
 #      now also with nanoGPT's architecture, no biases) and gpt2-1.3b without the layer
