@@ -4,8 +4,9 @@ that is not there.
 
 Every instruction of an executed computation (the entry, loop bodies, conditional
 branches) that launches work -- a fusion, a library call (cuBLAS, cuDNN), a copy -- is
-one kernel per execution; loop bodies count their trip count, a conditional's branches
-as `plait.hlo.multiplicities` counts them. A kernel's bytes are what it reads and
+one kernel per execution (`plait.analysis.launched`, what `plait inspect` counts);
+loop bodies count their trip count, a conditional's branches as
+`plait.hlo.multiplicities` counts them. A kernel's bytes are what it reads and
 writes: its operands and its result, except that an operand read only through
 (dynamic-)slices counts the slices, and a buffer updated in place
 (dynamic-update-slice) counts the update, not the buffer. Its FLOPs: a matrix
@@ -26,15 +27,7 @@ from dataclasses import dataclass
 from kernel_profile import kind_of  # benchmarks/ is the script's directory
 
 from plait import hlo
-from plait.analysis import one_dot_flops
-
-# Work no kernel does: naming, tuples, control (its body's kernels are counted).
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
-         "partition-id", "replica-id", "opt-barrier", "add-dependency", "while",
-         "conditional", "call", "async-start", "async-done", "async-update"}
-# Computations applied element by element inside another instruction, never launched.
-_APPLIES = ("reduce", "sort", "map", "reduce-window", "scatter", "select-and-scatter",
-            "all-reduce", "reduce-scatter")
+from plait.analysis import launched, one_dot_flops
 
 
 @dataclass
@@ -54,14 +47,9 @@ def _called(ins: hlo.Instr) -> str | None:
     return m.group(1) if m else None
 
 
-def _dims(shape: str) -> list[int]:
-    m = hlo._ARRAY.search(shape)
-    return [int(d) for d in m.group(2).split(",") if d] if m else []
-
-
 def _matmul_flops(mod: hlo.Module, ins: hlo.Instr) -> float:
-    out = _dims(ins.shape)  # the first array of a (result, workspace) tuple
-    lhs = _dims(mod.shapes.get(ins.operands[0], ""))
+    out = hlo._dims(ins.shape)  # the first array of a (result, workspace) tuple
+    lhs = hlo._dims(mod.shapes.get(ins.operands[0], ""))
     m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
     k = 1
     for d in (m.group(1).replace('"', "").split(",") if m else []):
@@ -76,7 +64,7 @@ def _matmul_flops(mod: hlo.Module, ins: hlo.Instr) -> float:
 def _attention_flops(mod: hlo.Module, ins: hlo.Instr, target: str) -> float:
     """Causal flash attention: q [batch, seq, heads, head_dim] in either middle order
     (the longer middle dimension is taken for the sequence)."""
-    q = _dims(mod.shapes.get(ins.operands[0], ""))
+    q = hlo._dims(mod.shapes.get(ins.operands[0], ""))
     if len(q) != 4:
         return 0.0
     b, x, y, d = q
@@ -120,37 +108,24 @@ def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
     data chooses (plait.hlo.SIZED_BY_DATA: dropless experts' spill) at its
     `sized_branch`-th size (0: the first, the smallest)."""
     mod = hlo.parse_hlo(text)
-    times = hlo.multiplicities(mod, sized_branch=sized_branch)
-    inside: set[str] = set()
-    for instrs in mod.computations.values():
-        for ins in instrs:
-            if ins.opcode == "fusion" and _called(ins):
-                inside.add(_called(ins))
-            if ins.opcode in _APPLIES:
-                inside.update(re.findall(r"to_apply=%?([\w.\-]+)", ins.attrs))
     out = []
-    for comp, instrs in mod.computations.items():
-        if comp in inside or not times.get(comp):
-            continue
-        for ins in instrs:
-            if ins.opcode in _FREE:
-                continue
-            flops, name = 0.0, ins.name
-            if ins.opcode == "dot":
-                flops = one_dot_flops(mod, ins)
-            elif ins.opcode == "fusion":  # a Triton GEMM, a dot XLA fused
-                flops = sum(one_dot_flops(mod, j) for j in
-                            mod.computations.get(_called(ins) or "", []) if j.opcode == "dot")
-            elif ins.opcode == "custom-call":
-                target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
-                name = target.group(1) if target else ins.name
-                if "matmul" in name or "gemm" in name:
-                    flops = _matmul_flops(mod, ins)
-                elif "fmha" in name:
-                    flops = _attention_flops(mod, ins, name)
-            out.append(Kernel(name=ins.name, kind=kind_of(name), launches=times[comp],
-                              bytes=_read_bytes(mod, ins) + _written_bytes(mod, ins),
-                              flops=flops, shape=ins.shape[:90], fp8="$f8" in name))
+    for ins, times in launched(mod, hlo.multiplicities(mod, sized_branch=sized_branch)):
+        flops, name = 0.0, ins.name
+        if ins.opcode == "dot":
+            flops = one_dot_flops(mod, ins)
+        elif ins.opcode == "fusion":  # a Triton GEMM, a dot XLA fused
+            flops = sum(one_dot_flops(mod, j) for j in
+                        mod.computations.get(_called(ins) or "", []) if j.opcode == "dot")
+        elif ins.opcode == "custom-call":
+            target = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+            name = target.group(1) if target else ins.name
+            if "matmul" in name or "gemm" in name:
+                flops = _matmul_flops(mod, ins)
+            elif "fmha" in name:
+                flops = _attention_flops(mod, ins, name)
+        out.append(Kernel(name=ins.name, kind=kind_of(name), launches=times,
+                          bytes=_read_bytes(mod, ins) + _written_bytes(mod, ins),
+                          flops=flops, shape=ins.shape[:90], fp8="$f8" in name))
     return out
 
 

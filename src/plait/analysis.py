@@ -134,22 +134,25 @@ _BOOKKEEPING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"
                 "opt-barrier", "add-dependency"}
 
 
-def kernel_count(mod: hlo.Module, mult: dict[str, float] | None = None) -> float:
-    """Kernels one step launches (loops counted): the instructions of every computation
-    that is not a fusion's body, bookkeeping left out. Each costs a launch and a
-    synchronisation however small it is: what FLOPs and bytes miss on small models."""
+def launched(mod: hlo.Module, mult: dict[str, float] | None = None
+             ) -> list[tuple[hlo.Instr, float]]:
+    """Each instruction that runs as work of its own, with how many times a step (loops
+    counted): those of every computation that is not a fusion's body or a reducer's,
+    bookkeeping left out."""
     mult = hlo.multiplicities(mod) if mult is None else mult
     fused = {c for instrs in mod.computations.values() for ins in instrs
              if ins.opcode == "fusion" for c in re.findall(r"\bcalls=%?([\w.\-]+)", ins.attrs)}
     reducers = {c for instrs in mod.computations.values() for ins in instrs
                 for c in re.findall(r"\bto_apply=%?([\w.\-]+)", ins.attrs)}
-    total = 0.0
-    for comp, instrs in mod.computations.items():
-        if comp in fused or comp in reducers:
-            continue
-        n = sum(1 for ins in instrs if ins.opcode not in _BOOKKEEPING)
-        total += n * mult.get(comp, 0.0)
-    return total
+    return [(ins, mult[comp]) for comp, instrs in mod.computations.items()
+            if comp not in fused and comp not in reducers and mult.get(comp)
+            for ins in instrs if ins.opcode not in _BOOKKEEPING]
+
+
+def kernel_count(mod: hlo.Module, mult: dict[str, float] | None = None) -> float:
+    """Kernels one step launches (`launched`). Each costs a launch and a synchronisation
+    however small it is: what FLOPs and bytes miss on small models."""
+    return sum(times for _, times in launched(mod, mult))
 
 
 def memory_of(compiled) -> dict[str, int]:
