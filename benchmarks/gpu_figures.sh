@@ -2,8 +2,8 @@
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
 #   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b
-#   gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 moe moevariants grouped
-#   profiles sweep124 sweep1p3b sweepllama)
+#   gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8shipped fp8unrolled fp8curve
+#   moe moevariants grouped profiles sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
 #   of 540 s; a run with under 30 s left is skipped, so one device command ends in time)
 #
@@ -88,7 +88,9 @@ for stage in "$@"; do
       # one") the scanned step spent ~60 ms of 297 stacking and reading back the layers'
       # residuals; unrolled estimated 236 ms. Then unrolled with save_attention, the
       # H100's candidate should no remat not fit its 59.4 GiB (58.6 GiB planned)
-      run gpt1p3b-unrolled 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
+      # no remat plans 58.6 GiB of JAX's default 59.4 on an H100: it may take 92%, and its
+      # log's peak says whether it would have fitted the default
+      run gpt1p3b-unrolled 330 $MOE_MEM python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --set "model.remat='none'" --set model.loss_chunks=4 \
         --set model.scan_layers=false --json "$OUT/gpt1p3b-unrolled.json"
       run gpt1p3b-unrolled-saveattn 330 python3 benchmarks/throughput.py \
@@ -113,16 +115,24 @@ for stage in "$@"; do
       run llama1b-b8-chunks8 200 python3 benchmarks/throughput.py experiments/llama3.2-1b.toml \
         --steps 16 --warmup 4 --set train.global_batch=8 --set model.loss_chunks=8 \
         --json "$OUT/llama1b-b8-chunks8.json" ;;
-    fp8)  # throughput of both precisions (20 steps), as shipped and unrolled without remat
-      # (estimated 1.21x and 1.28x compiled for a GPU without one; GPT-2's FP8 did not
-      # compile before models.fp8.apart); then the 300-step curves on 124M
-      run fp8-1p3b 420 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-1.3b.toml \
-        --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b.json"
-      run fp8-1p3b-unrolled 420 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-1.3b.toml \
-        --set "model.remat='none'" --set model.loss_chunks=4 --set model.scan_layers=false \
-        --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b-unrolled.json"
-      run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
-        --steps 300 --json "$OUT/fp8-124m-curve.json" ;;
+    fp8|fp8shipped|fp8unrolled|fp8curve)  # throughput of both precisions (20 steps), as
+      # shipped and unrolled without remat (estimated 1.21x and 1.28x compiled for a GPU
+      # without one; GPT-2's FP8 did not compile before models.fp8.apart); then the
+      # 300-step curves on 124M. fp8 runs all three; the others one each
+      if [ "$stage" = fp8 ] || [ "$stage" = fp8shipped ]; then
+        run fp8-1p3b 420 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-1.3b.toml \
+          --steps 20 --warmup 5 --from-step 20 --window 1 --json "$OUT/fp8-1p3b.json"
+      fi
+      if [ "$stage" = fp8 ] || [ "$stage" = fp8unrolled ]; then
+        run fp8-1p3b-unrolled 420 python3 benchmarks/fp8_vs_bf16.py \
+          experiments/gpt2-1.3b.toml --set "model.remat='none'" --set model.loss_chunks=4 \
+          --set model.scan_layers=false --steps 20 --warmup 5 --from-step 20 --window 1 \
+          --json "$OUT/fp8-1p3b-unrolled.json"
+      fi
+      if [ "$stage" = fp8 ] || [ "$stage" = fp8curve ]; then
+        run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
+          --steps 300 --json "$OUT/fp8-124m-curve.json"
+      fi ;;
     moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s,
       # dropless with plait's grouped MLPs (the default: a balanced share batched)
       run moe-dropless 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
@@ -186,7 +196,7 @@ for stage in "$@"; do
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
     *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bunrolled gpt1p3bnoremat llama1b
-       llama1bchunks fp8 moe moevariants grouped profiles sweep124 sweep1p3b sweepllama)"
+       llama1bchunks fp8 fp8shipped fp8unrolled fp8curve moe moevariants grouped profiles sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
 done
