@@ -2,7 +2,7 @@
 would go.
 
     python benchmarks/gpu_census.py EXPERIMENT [--set key=value ...] [--gpu h100|h200]
-        [--top 25] [--hlo FILE] [--json FILE]
+        [--top 25] [--program step|init] [--hlo FILE] [--json FILE]
 
 With JAX's CUDA plugin installed (`pip install "jax[cuda13]"`; no GPU, driver or CUDA
 toolkit needed), JAX compiles ahead of time for a GPU described by an XLA target
@@ -45,19 +45,24 @@ def cuda_plugin() -> bool:
     return False
 
 
-def compile_for_gpu(exp, gpu: str):
-    """The jax Compiled step of `exp` on one `gpu` (a key of GPUS), compiled here."""
+def compile_for_gpu(exp, gpu: str, program: str = "step"):
+    """The jax Compiled `program` of `exp` on one `gpu` (a key of GPUS), compiled here:
+    the train step, or "init", the program that makes a fresh run's state."""
     import numpy as np
     from jax.experimental import topologies
     from jax.sharding import AxisType, Mesh
 
     from plait.tasks import make_task
+    from plait.train.state import init_program
 
     config = (TARGETS / f"{gpu}.txtpb").read_text()
     topology = topologies.get_topology_desc("plait", "cuda", target_config=config,
                                             topology="1x1x1")
     mesh = Mesh(np.array(topology.devices[:1]), ("data",), axis_types=(AxisType.Auto,))
-    return make_task(exp, mesh).compile()
+    task = make_task(exp, mesh)
+    if program == "init":
+        return init_program(task._laid_out, task.tx, task.layout).lower(None).compile()
+    return task.compile()
 
 
 def main() -> int:
@@ -69,6 +74,9 @@ def main() -> int:
     ap.add_argument("--sized-branch", type=int, default=0,
                     help="price a switch among data-chosen sizes (dropless experts' spill "
                          "tiles) at this size's index, not the first (0 tiles)")
+    ap.add_argument("--program", choices=("step", "init"), default="step",
+                    help="the train step, or the program that makes a fresh run's state "
+                         "(its compile time is part of a run's start)")
     ap.add_argument("--hlo", help="write the optimized HLO here")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
@@ -89,7 +97,7 @@ def main() -> int:
 
     exp = load_experiment(args.experiment, args.sets)
     t0 = time.perf_counter()
-    compiled = compile_for_gpu(exp, args.gpu)
+    compiled = compile_for_gpu(exp, args.gpu, args.program)
     compile_s = time.perf_counter() - t0
     text = compiled.as_text()
     if args.hlo:
@@ -103,7 +111,7 @@ def main() -> int:
     size = float(next(line.split(":")[1] for line in (TARGETS / f"{args.gpu}.txtpb")
                       .read_text().splitlines() if "device_memory_size" in line)) / 2**30
     report({"experiment": exp.name, "sets": args.sets, "gpu": args.gpu,
-            "sized_branch": args.sized_branch,
+            "program": args.program, "sized_branch": args.sized_branch,
             "compile_s": round(compile_s, 1), "planned_memory_gib": round(planned, 2),
             "fits_jax_default": planned <= JAX_DEFAULT_FRACTION * size,
             "kernels_per_step": round(sum(k.launches for k in found)),

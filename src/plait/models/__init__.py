@@ -170,6 +170,10 @@ def layer_list(make: Callable[[ParamKeys, Any], nnx.Module], keys: ParamKeys,
             continue
         values = _vmapped_values(lambda k, kind=kind: make(k, kind), keys.key,
                                  jnp.asarray([starts[i] for i in at], jnp.int32))
+        # Each parameter's stack made before any layer's slice of it: XLA:GPU otherwise
+        # fuses the random program into one kernel with every layer's slice (gpt2-1.3b's
+        # unrolled init compiled in 4 minutes on an H100; docs/architecture.md).
+        values = [jax.lax.optimization_barrier(v) for v in values]
         for j, i in enumerate(at):
             flat = [(path, var.replace(value[j])) for (path, var), value
                     in zip(nnx.to_flat_state(abstract), values, strict=True)]

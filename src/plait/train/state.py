@@ -143,9 +143,15 @@ def init_state(init_params: Callable[..., dict], tx: optax.GradientTransformatio
     """A fresh state, created directly in its shards (never whole on one device). With
     `given` (parameters from elsewhere: imported weights), `init_params(given)` lays them
     out and the optimizer state starts fresh."""
+    return init_program(init_params, tx, lay)(given)
+
+
+def init_program(init_params: Callable[..., dict], tx: optax.GradientTransformation,
+                 lay: StateLayout):
+    """The jitted program of `init_state` (given -> state), for compiling ahead of time."""
 
     def init(given):
         params = init_params() if given is None else init_params(given)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
-    return jax.jit(init, out_shardings=lay.shardings)(given)
+    return jax.jit(init, out_shardings=lay.shardings)
