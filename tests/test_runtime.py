@@ -30,7 +30,7 @@ def test_auto_attention_per_platform(platform, kind, compute, heads, want):
 
 
 @pytest.mark.parametrize("platform,layers,want", [
-    ("gpu", 12, False), ("gpu", UNROLL_MAX_LAYERS, False), ("gpu", 64, True),
+    ("gpu", 12, False), ("gpu", UNROLL_MAX_LAYERS, False), ("gpu", UNROLL_MAX_LAYERS + 1, True),
     ("cpu", 12, True), ("tpu", 12, True),
 ])
 def test_auto_scan_per_platform_and_depth(platform, layers, want):

@@ -138,7 +138,7 @@ class GPTConfig(ModelSection):
     loss_chunks: PosInt = 1
     # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
     # parameters, same results): compile time no longer grows with the number of
-    # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 24 layers).
+    # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 64 layers).
     scan_layers: bool | Literal["auto"] = False
     # A mixture of experts in place of the MLP (of every `moe.every`-th layer).
     moe: MoEConfig | None = None

@@ -32,17 +32,20 @@ def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str,
     return "cudnn", "auto: fused flash attention on an NVIDIA GPU"
 
 
-# Up to this depth `scan_layers = "auto"` unrolls the blocks on a GPU.
-UNROLL_MAX_LAYERS = 24
+# Up to this depth `scan_layers = "auto"` unrolls the blocks on a GPU: gpt2-1.3b's 64
+# unrolled ran at 47.0% MFU on an H100 where the scanned step spent a fifth of its time
+# stacking residuals (docs/benchmarks.md, "A third GPU session").
+UNROLL_MAX_LAYERS = 64
 
 
 def scan_for(cfg: GPTConfig, platform: str) -> tuple[bool, str]:
     """(scan?, why) for `model.scan_layers`. "auto" unrolls on a GPU up to
     UNROLL_MAX_LAYERS blocks: there XLA schedules and fuses across blocks, and the
     unrolled GPT-2 124M ran 20-30% faster than the scanned one on an H100
-    (docs/benchmarks.md, "GPU facts"), while the unrolled step's compile time, which grows with
-    depth, stays short. Deeper models, CPUs (no speed gap measured, compile several
-    times faster) and TPUs (where scanning is the norm, as in MaxText) scan."""
+    (docs/benchmarks.md, "GPU facts"); the unrolled step's compile time grows with
+    depth (52 s for 64 layers on an H100). Deeper models, CPUs (no speed gap measured,
+    compile several times faster) and TPUs (where scanning is the norm, as in MaxText)
+    scan."""
     if cfg.scan_layers != "auto":
         return bool(cfg.scan_layers), "model.scan_layers"
     if cfg.moe is not None and cfg.moe.every > 1:
