@@ -1,6 +1,11 @@
 """The same experiment gives the same losses on every mesh (float32, 12 steps)."""
 
+import collections
+import contextlib
+
 import jax
+import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import losses, run, tiny
@@ -117,3 +122,49 @@ def test_vocabulary_padding_leaves_losses_unchanged(tied, tmp_path):
     exact = losses(run(tiny(model={**model, "vocab_multiple": 1}), "data=1", tmp_path / "a"))
     padded = losses(run(tiny(model={**model, "vocab_multiple": 128}), "data=1", tmp_path / "b"))
     np.testing.assert_allclose(padded, exact, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec,products", [(None, 3), ("data=2,fsdp=2", 3), ("tensor=2", 1)])
+def test_fused_projection_parts_equal_the_fused_products_slices(spec, products):
+    """parallel.ops.dense_parts (a fused q/k/v projection as one product per part, so
+    that a GPU copies no slice of it) computes the fused product's slices, values and
+    gradients; where the heads are split across devices (1-D tensor) it is the fused
+    product itself (three products' input gradients were three all-reduces)."""
+    from flax import nnx
+    from helpers import make_mesh
+
+    from plait import sharding
+    from plait.parallel.ops import dense, dense_parts
+    from plait.tasks.gpt import GPTTask
+
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (4, 8, 16))
+    value = jax.random.normal(kw, (16, 3, 4, 8))
+    cot = jax.random.normal(kg, (3, 4, 8, 4, 8))
+    mesh = make_mesh(spec) if spec else None
+    rules = GPTTask(tiny(), mesh).rules if mesh else None
+
+    def weighted(parts_of):
+        def f(x, value):
+            with sharding.use(mesh, rules) if mesh else contextlib.nullcontext():
+                w = nnx.Param(value, logical_axes=("embed", "qkv", "heads", "head_dim"),
+                              fan_in=("embed",))
+                return sum(jnp.sum(p * c) for p, c in zip(parts_of(x, w), cot, strict=True))
+        return f
+
+    parts = weighted(lambda x, w: dense_parts(x, w, "qkv"))
+    sliced = weighted(lambda x, w: [dense(x, w)[:, :, i] for i in range(3)])
+    got, want = (jax.jit(jax.value_and_grad(f, (0, 1)))(x, value) for f in (parts, sliced))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
+    counts = _primitives(jax.make_jaxpr(parts)(x, value).jaxpr)
+    assert counts["dot_general"] == products, counts
+
+
+def _primitives(jaxpr, counts=None) -> collections.Counter:
+    """How many times each primitive occurs in a jaxpr, its sub-jaxprs included."""
+    counts = collections.Counter() if counts is None else counts
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _primitives(sub, counts)
+    return counts

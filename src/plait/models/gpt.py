@@ -41,6 +41,7 @@ from plait.models.rope import rope_of, rotate
 from plait.parallel.ops import (
     attend,
     dense,
+    dense_parts,
     dense_value,
     gathered_weight,
     lookup,
@@ -115,8 +116,10 @@ class Attention(nnx.Module):
         """x [batch, T, d] at positions [T] -> q [batch, T, heads, head], k, v [batch, T,
         kv_heads, head], rotated when the model has rotary positions."""
         if self.fused:
-            qkv = dense(x, self.wqkv, _scaling(self, "wqkv")) + _bias(self, "bqkv")
-            q, k, v = (qkv[:, :, i] for i in range(3))
+            q, k, v = dense_parts(x, self.wqkv, "qkv", _scaling(self, "wqkv"))
+            if hasattr(self, "bqkv"):
+                b = self.bqkv[...]
+                q, k, v = q + b[0], k + b[1], v + b[2]
         else:
             q = dense(x, self.wq, _scaling(self, "wq")) + _bias(self, "bq")
             kv = dense(x, self.wkv, _scaling(self, "wkv")) + _bias(self, "bkv")
