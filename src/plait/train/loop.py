@@ -28,6 +28,7 @@ from plait.train.failures import step_failed
 from plait.train.memory import check_step_fits
 from plait.train.metrics import (
     MetricsLog,
+    StepEnds,
     StepTimer,
     Throughput,
     evaluation_keys,
@@ -61,6 +62,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     rate = Throughput(task, run.mesh, exp.precision.compute)
     timer, step_times = StepTimer(), []
     prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="plait-data")
+    ends = StepEnds()  # a step's time: from one logged step's end to the next's
     # The first step runs alone on the device: its batch is ready before it starts and
     # the next one is made after it ends (a transfer during the first execution broke
     # cuDNN's graph capture on an H100: docs/benchmarks.md, "GPU facts").
@@ -69,13 +71,15 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     guard = NonFiniteGuard(run.mesh, exp.train.on_nonfinite, exp.train.max_skipped)
     eval_every = exp.data.eval_every_steps
 
-    def emit(at: int, metrics: dict, with_eval: bool) -> None:
-        """Write the record of step `at` (a sync on its metrics)."""
+    def emit(at: int, metrics: dict, with_eval: bool, done=None) -> None:
+        """Write the record of step `at` (a sync on its metrics; `done`: the future of
+        when they were ready, StepEnds')."""
         try:
             metrics = _local_values(metrics)
+            end = done.result() if done is not None else None
         except jax.errors.JaxRuntimeError as e:
             raise step_failed(run, at - 1, e) from None
-        dt = timer.lap(at)
+        dt = timer.lap(at, end)
         record = {"step": at, "loss": float(metrics["loss"]),
                   "lr": float(metrics["lr"]), "grad_norm": float(metrics["grad_norm"])}
         # A task's own figures of the step (a mixture of experts' router metrics).
@@ -98,12 +102,13 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     # left idle while the host formats and writes it (a short step, e.g. dlrm-bench's
     # 1.4 ms on an H100, lost 15% to that); evaluations, saves, signals and the last step
     # write it at once.
-    pending: tuple[int, dict] | None = None
+    pending: tuple[int, dict, object] | None = None
 
     def flush() -> None:
         nonlocal pending
         if pending is not None:
-            emit(*pending, with_eval=False)
+            at, metrics, done = pending
+            emit(at, metrics, False, done)
             pending = None
     try:
         timer.lap(step)
@@ -128,9 +133,9 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
                 with_eval = evaluate is not None and (not eval_every or step % eval_every == 0
                                                       or step == total)
                 if with_eval or step == total:
-                    emit(step, metrics, with_eval)
+                    emit(step, metrics, with_eval, ends.submit(metrics))
                 else:
-                    pending = (step, metrics)
+                    pending = (step, metrics, ends.submit(metrics))
             saving = ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled
             if saving or stop.signal is not None or step == total:
                 flush()
@@ -142,6 +147,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     finally:
         profiler.close()
         prefetch.shutdown(wait=True, cancel_futures=True)
+        ends.close()
     return state, step, step_times
 
 

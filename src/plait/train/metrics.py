@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -163,13 +164,54 @@ class StepTimer:
         self.last_time = time.perf_counter()
         self.last_step: int | None = None
 
-    def lap(self, step: int) -> float | None:
-        now = time.perf_counter()
+    def lap(self, step: int, now: float | None = None) -> float | None:
+        """Seconds per step since the last lap, with step `step` ended at `now` (a
+        perf_counter time; default: now)."""
+        now = time.perf_counter() if now is None else now
         out = None
         if self.last_step is not None and step > self.last_step:
             out = (now - self.last_time) / (step - self.last_step)
         self.last_time, self.last_step = now, step
         return out
+
+
+class StepEnds:
+    """When each step submitted ends, seen by a thread that waits for its outputs.
+
+    The loop's own sync on a step comes after it has dispatched the next step, and a
+    dispatch may hold the main thread past the step's end: on a GPU the last of 16
+    steps of gpt2-1.3b read 242 ms against a median of 316 ms (61% MFU where the
+    others read 47%), as the step before it was read late by about the time the last
+    one took to dispatch. A daemon thread, so that a step that never ends (a lost
+    peer) does not hold the process at exit.
+    """
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="plait-step-ends", daemon=True).start()
+
+    def _run(self) -> None:
+        import jax
+
+        while (item := self._queue.get()) is not None:
+            outputs, ended = item
+            try:
+                jax.block_until_ready(outputs)
+                ended.set_result(time.perf_counter())
+            except Exception as e:  # the loop's own sync raises it too, in its words
+                ended.set_exception(e)
+
+    def submit(self, outputs) -> Future:
+        """A future of the perf_counter time when `outputs` (a step's) are ready."""
+        ended: Future = Future()
+        self._queue.put((outputs, ended))
+        return ended
+
+    def close(self) -> None:
+        self._queue.put(None)
 
 
 def auc(labels, scores) -> float:
