@@ -99,3 +99,21 @@ def test_pieces_compile_to_the_same_flops_and_bytes_in_less_memory():
     logits = 16 * 32 // 4 * 4096 // 2 * 4
     assert pieces["memory"]["temp_bytes"] < whole["memory"]["temp_bytes"] - logits, \
         (pieces["memory"], whole["memory"])
+
+
+def test_one_pass_logsumexp_equals_jax_and_keeps_padding_out():
+    """The loss's log-sum-exp in one reduction (running max, sum rescaled to it: one read
+    of the logits where jax.nn.logsumexp makes two) against jax's, with large spreads,
+    the vocabulary's padding at -inf, and rows of padding only (-inf, not nan)."""
+    from plait.models.loss import _logsumexp_one_pass
+
+    x = 30.0 * jax.random.normal(jax.random.key(0), (6, 1000))
+    x = x.at[:, 900:].set(-jnp.inf).at[5].set(-jnp.inf)
+    got, want = jax.jit(_logsumexp_one_pass)(x), jax.nn.logsumexp(x, axis=-1)
+    np.testing.assert_allclose(got[:5], want[:5], rtol=1e-6)
+    assert np.isneginf(got[5])
+    # and under a vocabulary split over devices (GSPMD gathers each shard's pair)
+    mesh = make_mesh("tensor=8")
+    split = jax.device_put(x[:5], jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(None, "tensor")))
+    np.testing.assert_allclose(jax.jit(_logsumexp_one_pass)(split), want[:5], rtol=1e-6)

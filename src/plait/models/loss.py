@@ -44,9 +44,25 @@ def _per_token(logits: jax.Array, targets: jax.Array, vocab: int | None):
     a vocabulary sharded over devices costs one small all-reduce, not a gather of the
     logits."""
     masked, ids = _masked(logits, vocab)
-    lse = jax.nn.logsumexp(masked, axis=-1)
+    lse = _logsumexp_one_pass(masked)
     hit = ids == targets[..., None]
     return lse - jnp.sum(jnp.where(hit, masked, 0.0), axis=-1), masked, lse, hit
+
+
+def _combine(a, b):
+    """Two (max, sum of exp(x - max)) pairs as one: one exponential per combination."""
+    (m1, s1), (m2, s2) = a, b
+    m = jnp.maximum(m1, m2)
+    d = jnp.exp(-jnp.abs(jnp.where(m1 == m2, 0.0, m1 - m2)))
+    return m, jnp.where(m1 >= m2, s1 + s2 * d, s1 * d + s2)
+
+
+def _logsumexp_one_pass(x: jax.Array) -> jax.Array:
+    """log sum exp over the last axis, reading x once (the running max and the sum
+    rescaled to it, in one reduction), where jax.nn.logsumexp reads it twice."""
+    m, s = jax.lax.reduce((x, jnp.ones_like(x)), (jnp.float32(-jnp.inf), jnp.float32(0)),
+                          _combine, (x.ndim - 1,))
+    return m + jnp.log(s)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
