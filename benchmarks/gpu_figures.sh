@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 gpt124scan nanogpt gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env dlrm gpt124 ab124 gpt124scan nanogpt gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -20,7 +20,9 @@
 #      gpt2-1.3b as shipped (47.0% MFU; asks 50%), both now with the q/k/v parts (-2.4% /
 #      -2.7% estimated); the init compiles in seconds now, not 4 minutes. Then
 #      fp8unrolled alone (~6 minutes): FP8 on gpt2-1.3b over 300 steps, the speed-up
-#      (1.28x estimated; asks 1.3x) and the curve
+#      (1.16x estimated on an H100; asks 1.3x) and the curve. ab124 (with
+#      .refs/plait-before holding commit 5a3df19's src and benchmarks) measures what
+#      the q/k/v parts and the one-pass log-sum-exp did, side by side
 #   2. moe moebatch16 profilemoe, then moevariants: issue 28 (0.579 of the dense twin on
 #      an H100; asks 0.70): as shipped, at 16 x 2048 (the optimizer's cost spread over
 #      twice the tokens: 0.68 -> 0.77 in the census), where its time goes, the variants
@@ -75,6 +77,18 @@ for stage in "$@"; do
         --steps 30 --json "$OUT/gpt124-auto.json"
       run gpt124-chunks4 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
         --steps 30 --set model.loss_chunks=4 --json "$OUT/gpt124-chunks4.json" ;;
+    ab124)  # gpt2-124m as shipped, this tree against an earlier plait's, alternating two
+      # rounds on the same GPU (a change's own effect, not the session's noise). The
+      # earlier tree's src/ and benchmarks/ under .refs/plait-before (ignored by git;
+      # carried): git archive COMMIT src benchmarks | tar -x -C .refs/plait-before
+      [ -d .refs/plait-before/src ] || { echo "== ab124: no .refs/plait-before/src"; continue; }
+      for round in 1 2; do
+        run "gpt124-now-$round" 150 python3 benchmarks/throughput.py \
+          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-now-$round.json"
+        run "gpt124-before-$round" 150 env PYTHONPATH="$PWD/.refs/plait-before/src:/tmp/site" \
+          python3 .refs/plait-before/benchmarks/throughput.py experiments/gpt2-124m.toml \
+          --steps 30 --json "$OUT/gpt124-before-$round.json"
+      done ;;
     gpt124scan)
       run gpt124-scan 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
         --steps 30 --set model.scan_layers=true --json "$OUT/gpt124-scan.json" ;;
@@ -202,7 +216,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env dlrm gpt124 gpt124scan nanogpt gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env dlrm gpt124 ab124 gpt124scan nanogpt gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
