@@ -244,6 +244,13 @@ def use(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def splits(logical: str) -> bool:
+    """Whether the active rules split the activation dimension `logical` across devices
+    (False outside `use`)."""
+    active = _ACTIVE.get()
+    return active is not None and spec([logical], active[1], active[0])[0] is not None
+
+
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     """Pin an activation's layout by logical names; a no-op outside `use`."""
     active = _ACTIVE.get()

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from plait.loss_mask import kept_scale, token_ids
-from plait.sharding import varying_like
+from plait.sharding import splits, varying_like
 
 
 def _masked(logits: jax.Array, vocab: int | None) -> tuple[jax.Array, jax.Array]:
@@ -44,7 +44,7 @@ def _per_token(logits: jax.Array, targets: jax.Array, vocab: int | None):
     a vocabulary sharded over devices costs one small all-reduce, not a gather of the
     logits."""
     masked, ids = _masked(logits, vocab)
-    lse = _logsumexp_one_pass(masked)
+    lse = _logsumexp(masked)
     hit = ids == targets[..., None]
     return lse - jnp.sum(jnp.where(hit, masked, 0.0), axis=-1), masked, lse, hit
 
@@ -57,12 +57,30 @@ def _combine(a, b):
     return m, jnp.where(m1 >= m2, s1 + s2 * d, s1 * d + s2)
 
 
+def _logsumexp(x: jax.Array) -> jax.Array:
+    """log sum exp of float32 x over its last axis (the vocabulary). In one reduction
+    where the vocabulary is whole on each device; where it is split, jax's (a max and a
+    sum, each one all-reduce of a number per token, as Megatron's)."""
+    if splits("act_vocab"):
+        return jax.nn.logsumexp(x, axis=-1)
+    return _logsumexp_one_pass(x)
+
+
+@jax.custom_jvp
 def _logsumexp_one_pass(x: jax.Array) -> jax.Array:
     """log sum exp over the last axis, reading x once (the running max and the sum
-    rescaled to it, in one reduction), where jax.nn.logsumexp reads it twice."""
+    rescaled to it, in one reduction), where jax.nn.logsumexp reads it twice. Its
+    derivative is the softmax (a reduction with its own combiner has no JVP rule)."""
     m, s = jax.lax.reduce((x, jnp.ones_like(x)), (jnp.float32(-jnp.inf), jnp.float32(0)),
                           _combine, (x.ndim - 1,))
     return m + jnp.log(s)
+
+
+@_logsumexp_one_pass.defjvp
+def _logsumexp_one_pass_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    lse = _logsumexp_one_pass(x)
+    return lse, jnp.sum(jnp.exp(x - lse[..., None]) * dx, axis=-1)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
