@@ -191,8 +191,8 @@ class MLP(nnx.Module):
             gu = dense(x, self.w13, _scaling(self, "w13"))
             h = swiglu(gu[:, :, 0], gu[:, :, 1])
         else:
-            h = gelu(fp8.apart(dense(x, self.w1, _scaling(self, "w1")) + _bias(self, "b1"),
-                               _scaling(self, "w1")))
+            s1 = _scaling(self, "w1")
+            h = gelu(fp8.apart(dense(x, self.w1, s1) + _bias(self, "b1"), s1))
         h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
         y = dense(h, self.w2, _scaling(self, "w2")) + _bias(self, "b2")
         return constrain(y, BATCH_SEQ_EMBED)

@@ -73,9 +73,9 @@ def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = 
     if axis in fan_in:
         raise ValueError(f"dense_parts splits an output dimension; {axis!r} is contracted")
     ctx = active()
-    split_outputs = ctx is not None and any(
-        axes_tuple(a) and any(ctx[0].shape.get(m, 1) > 1 for m in axes_tuple(a))
-        for n, a in zip(logical, _gathered_axes(w, ctx[1]), strict=True) if n not in fan_in)
+    w_spec = axes_spec(_gathered_axes(w, ctx[1]), ctx[0]) if ctx is not None else None
+    split_outputs = w_spec is not None and any(
+        w_spec[i] is not None for i, n in enumerate(logical) if n not in fan_in)
     if fp8 is not None or split_outputs or (ctx is not None
                                             and ctx[1].mode not in (None, "1d")):
         out = dense(x, w, fp8)

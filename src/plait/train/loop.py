@@ -12,7 +12,7 @@ import re
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -71,12 +71,12 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     guard = NonFiniteGuard(run.mesh, exp.train.on_nonfinite, exp.train.max_skipped)
     eval_every = exp.data.eval_every_steps
 
-    def emit(at: int, metrics: dict, with_eval: bool, done=None) -> None:
+    def emit(at: int, metrics: dict, with_eval: bool, done: Future) -> None:
         """Write the record of step `at` (a sync on its metrics; `done`: the future of
         when they were ready, StepEnds')."""
         try:
             metrics = _local_values(metrics)
-            end = done.result() if done is not None else None
+            end = done.result()
         except jax.errors.JaxRuntimeError as e:
             raise step_failed(run, at - 1, e) from None
         dt = timer.lap(at, end)
@@ -102,7 +102,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
     # left idle while the host formats and writes it (a short step, e.g. dlrm-bench's
     # 1.4 ms on an H100, lost 15% to that); evaluations, saves, signals and the last step
     # write it at once.
-    pending: tuple[int, dict, object] | None = None
+    pending: tuple[int, dict, Future] | None = None
 
     def flush() -> None:
         nonlocal pending
