@@ -82,13 +82,40 @@ def _read_bytes(mod: hlo.Module, ins: hlo.Instr) -> float:
         size = hlo.shape_bytes(mod.shapes.get(operand, ""))
         name = params.get(i)
         users = [j for j in body if name in j.operands] if name else []
-        if users and all(j.opcode in ("dynamic-slice", "slice") and j.operands[0] == name
-                         for j in users):
-            size = min(size, sum(hlo.shape_bytes(j.shape) for j in users))
+        sliced = _sliced_bytes(body, name) if name else None
+        if sliced is not None:
+            size = min(size, sliced)
         elif users and all(j.opcode == "dynamic-update-slice" and j.operands[0] == name
                            for j in users):
             size = 0.0  # the buffer updated in place is not read
         total += size
+    return total
+
+
+_RELAYOUT = ("bitcast", "convert", "reshape", "copy")
+
+
+def _sliced_bytes(body: list, name: str, scale: float = 1.0) -> float | None:
+    """The bytes of `name` a fusion reads when it reads it only through (dynamic-)
+    slices, possibly after bitcasts and converts (a row's first value, cast to float32:
+    the slices' elements at the operand's width); None when it reads it otherwise."""
+    users = [j for j in body if name in j.operands]
+    if not users:
+        return None
+    total = 0.0
+    for j in users:
+        if j.opcode in ("dynamic-slice", "slice") and j.operands[0] == name:
+            total += hlo.shape_bytes(j.shape) * scale
+        elif j.opcode in _RELAYOUT:
+            size = hlo.shape_bytes(j.shape)
+            source = next((k.shape for k in body if k.name == name), "")
+            ratio = hlo.shape_bytes(source) / size if size and source else 1.0
+            inner = _sliced_bytes(body, j.name, scale * ratio)
+            if inner is None:
+                return None
+            total += inner
+        else:
+            return None
     return total
 
 

@@ -245,6 +245,34 @@ def test_hlo_census_counts_a_gpu_programs_kernels_bytes_and_flops(monkeypatch):
     assert hlo_census.by_kind(list(found.values()))["matmul"]["launches"] == 8
 
 
+_FIRST_COLUMN_HLO = """HloModule first, is_scheduled=true
+
+%fused_first (param_0: bf16[64,32]) -> f32[64,1] {
+  %param_0 = bf16[64,32]{1,0} parameter(0)
+  %bitcast.1 = bf16[2,32,32]{2,1,0} bitcast(%param_0)
+  %convert.1 = f32[2,32,32]{2,1,0} convert(%bitcast.1)
+  %slice.1 = f32[2,32,1]{2,1,0} slice(%convert.1), slice={[0:2], [0:32], [0:1]}
+  ROOT %bitcast.2 = f32[64,1]{1,0} bitcast(%slice.1)
+}
+
+ENTRY %main (x: bf16[64,32]) -> f32[64,1] {
+  %x = bf16[64,32]{1,0} parameter(0)
+  ROOT %loop_slice_fusion = f32[64,1]{1,0} fusion(%x), kind=kLoop, calls=%fused_first
+}
+"""
+
+
+def test_hlo_census_counts_a_slice_read_through_a_cast_as_the_slice(monkeypatch):
+    """A fusion that reads its operand only through a slice after a bitcast and a cast
+    (LayerNorm's shift: each row's first value in float32) reads the slice's elements
+    at the operand's width, not the operand."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import hlo_census
+
+    (k,) = hlo_census.kernels(_FIRST_COLUMN_HLO)
+    assert k.bytes == 64 * 2 + 64 * 4  # 64 bf16 values read, 64 float32 written
+
+
 def test_gpu_census_needs_jax_cuda_plugin_without_a_gpu(monkeypatch):
     """Without JAX's CUDA plugin, gpu_census.py says how to get it in one line."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

@@ -160,6 +160,25 @@ def test_fused_projection_parts_equal_the_fused_products_slices(spec, products):
     assert counts["dot_general"] == products, counts
 
 
+@pytest.mark.parametrize("bias_shape", [(8,), (4, 8), (2, 4, 8)])
+def test_a_bias_of_several_dimensions_is_added_as_one_vector(bias_shape):
+    """parallel.ops.add_bias adds a [heads, head] (or [2, kv_heads, head]) bias over the
+    output's trailing dimensions flattened, so that XLA:GPU fuses it into the product
+    (cuBLASLt's BIAS epilogue) rather than writing its broadcast out: the same values,
+    bit for bit, and a broadcast of a vector."""
+    from plait.parallel.ops import add_bias
+
+    y = jax.random.normal(jax.random.key(0), (3, 5, *bias_shape))
+    b = jax.random.normal(jax.random.key(1), bias_shape)
+    np.testing.assert_array_equal(add_bias(y, b), y + b)
+    jaxpr = jax.make_jaxpr(add_bias)(y, b).jaxpr
+    broadcast = [e for e in jaxpr.eqns if e.primitive.name == "broadcast_in_dim"]
+    assert [e.invars[0].aval.ndim for e in broadcast] == [1], jaxpr
+    g = jax.random.normal(jax.random.key(2), y.shape)
+    got, want = (jax.vjp(f, y, b)[1](g) for f in (add_bias, jnp.add))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def _primitives(jaxpr, counts=None) -> collections.Counter:
     """How many times each primitive occurs in a jaxpr, its sub-jaxprs included."""
     counts = collections.Counter() if counts is None else counts

@@ -5,6 +5,8 @@ log-sum-exp a token; their gradients those of plain autodiff."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +65,52 @@ def test_norms_keep_only_per_token_statistics_and_match_autodiff():
     kept = _kept(lambda x: ln(x).astype(jnp.float32).sum(), x)
     assert [k for k in kept if len(k[1]) == 3] == [("bfloat16", (B, S, D))] + [
         ("float32", (B, S, 1))] * 3, kept  # the input; mean, variance, reciprocal root
+
+
+def _row_reductions(f, *args) -> int:
+    """Reductions over the last axis in f's program as XLA:CPU compiles it (the
+    remat's dead recomputations removed)."""
+    text = jax.jit(f).lower(*args).compile().as_text()
+    return len(re.findall(r" reduce\(.*dimensions=\{2\}", text))
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4])
+def test_layer_norm_moments_in_one_pass_equal_the_two_pass_formula(offset):
+    """LayerNorm's statistics from one reduction of x (shifted by each row's first
+    value) and their backward from two: value and gradients equal the two-pass formula
+    computed in float64, also where the mean is 1e4 times the spread, which the unshifted
+    mean(x^2) - mean(x)^2 gets wrong in float32; five row reductions before (the
+    variance's read the mean's, the backward's three), four now."""
+    k = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(k[0], (B, S, D)) + offset
+    scale, bias = (jax.random.normal(k[i], (D,)) for i in (1, 2))
+    g = jax.random.normal(k[3], (B, S, D))
+    from plait.models.norms import _KEEP_STATS, _layer_norm
+
+    def reference(x, scale, bias):
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
+
+    def ours(x, scale, bias):  # as LayerNorm runs it
+        return jax.checkpoint(_layer_norm, policy=_KEEP_STATS, static_argnums=(3,))(
+            x, scale, bias, 1e-5)
+
+    with jax.enable_x64():
+        args64 = [np.asarray(a, np.float64) for a in (x, scale, bias)]
+        want, pull = jax.vjp(reference, *args64)
+        want_grads = pull(np.asarray(g, np.float64))
+    got, pull = jax.vjp(ours, x, scale, bias)
+    tol = 2e-4 + 2e-7 * offset  # float32's rounding of a mean that far out: 1e-3 at 1e4
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    for a, b in zip(pull(g), want_grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=10 * tol, atol=10 * tol)
+    naive = jax.lax.rsqrt(jnp.maximum(jnp.square(x).mean(-1) - jnp.square(x.mean(-1)), 0)
+                          + 1e-5)
+    exact = jax.lax.rsqrt(jnp.asarray(np.asarray(x, np.float64).var(-1) + 1e-5))
+    assert offset == 0 or not np.allclose(naive, exact, rtol=0.1)  # the shift's reason
+    for f, n in ((ours, 4), (reference, 5)):
+        assert _row_reductions(lambda *a, f=f: jax.vjp(f, *a)[1](g), x, scale, bias) == n
 
 
 def test_activations_keep_their_input_and_output_and_match_autodiff():

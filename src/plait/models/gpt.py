@@ -39,6 +39,7 @@ from plait.models.norms import norm, rms
 from plait.models.params import param as _param
 from plait.models.rope import rope_of, rotate
 from plait.parallel.ops import (
+    add_bias,
     attend,
     dense,
     dense_parts,
@@ -119,10 +120,10 @@ class Attention(nnx.Module):
             q, k, v = dense_parts(x, self.wqkv, "qkv", _scaling(self, "wqkv"))
             if hasattr(self, "bqkv"):
                 b = self.bqkv[...]
-                q, k, v = q + b[0], k + b[1], v + b[2]
+                q, k, v = add_bias(q, b[0]), add_bias(k, b[1]), add_bias(v, b[2])
         else:
-            q = dense(x, self.wq, _scaling(self, "wq")) + _bias(self, "bq")
-            kv = dense(x, self.wkv, _scaling(self, "wkv")) + _bias(self, "bkv")
+            q = add_bias(dense(x, self.wq, _scaling(self, "wq")), _bias(self, "bq"))
+            kv = add_bias(dense(x, self.wkv, _scaling(self, "wkv")), _bias(self, "bkv"))
             # split by kv head, not by the k/v pair: the slices' transposes (pads) must
             # not cross devices (ZB-H1's input-gradient pass, left to itself, split the
             # pair over tensor, and the pads became collective permutes inside the tick's

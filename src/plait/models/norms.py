@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from plait.config import GPTConfig
 from plait.models.keys import ParamKeys
 from plait.models.params import param as _param
+from plait.sharding import splits
 
 # A norm keeps for the backward its input and its per-token statistics (two or three
 # float32 numbers a token, named here), and recomputes the float32 copies, the
@@ -43,13 +44,47 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: flo
                 ) -> jax.Array:
     dtype = x.dtype
     x = x.astype(jnp.float32)
-    mean = checkpoint_name(x.mean(-1, keepdims=True), STATS)
-    var = checkpoint_name(jnp.square(x - mean).mean(-1, keepdims=True) + eps, STATS)
+    if splits("act_embed"):
+        # split across devices: jax's two passes (the variance's sum needs the mean's)
+        mean = checkpoint_name(x.mean(-1, keepdims=True), STATS)
+        var = checkpoint_name(jnp.square(x - mean).mean(-1, keepdims=True) + eps, STATS)
+    else:
+        mean, var = _moments_one_pass(x, eps)
     r = checkpoint_name(jax.lax.rsqrt(var), STATS)
     y = (x - mean) * r * scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(dtype)
+
+
+def _moments_one_pass(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """(mean, variance + eps) of x over its last axis from one reduction of x (the
+    two-pass form read x again for the variance and its backward a third time:
+    gpt2-1.3b compiled for an H100, 257 row reductions a step forward, not 129)."""
+    mean, var = _moments(x)
+    return mean, checkpoint_name(var + eps, STATS)
+
+
+@jax.custom_jvp
+def _moments(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(mean, variance) over the last axis, keepdims, in one reduction: the sums of d = x
+    - c and of d^2, c the row's first value, variance = mean(d^2) - mean(d)^2. The shift
+    keeps the subtraction exact where mean(x^2) - mean(x)^2 is not (a mean 1e4 times the
+    spread: tests/test_residuals.py). Its derivative, the moments' own, reads x and the
+    mean only: autodiff of the shifted sums would keep the shift too, or sum again."""
+    d = x - x[..., :1]
+    shift = d.mean(-1, keepdims=True)
+    var = jnp.maximum(jnp.square(d).mean(-1, keepdims=True) - jnp.square(shift), 0.0)
+    return x[..., :1] + shift, var
+
+
+@_moments.defjvp
+def _moments_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    mean, var = _moments(x)
+    mean = checkpoint_name(mean, STATS)  # the value the tangents read, kept
+    return (mean, var), (dx.mean(-1, keepdims=True),
+                         2 * ((x - mean) * dx).mean(-1, keepdims=True))
 
 
 class LayerNorm(nnx.Module):
