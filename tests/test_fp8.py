@@ -21,23 +21,36 @@ def emulate(monkeypatch):
 
 
 def _state(history: dict[str, np.ndarray]) -> fp8.Scaling:
-    """A Scaling whose amax histories are `history` and scales still 1 (a state that
-    has seen those steps but not yet taken a scale from them)."""
+    """A Scaling whose amax histories are `history` and whose scales are those the
+    histories give (the state `put` leaves after those steps)."""
     s = fp8.Scaling(len(history["x"]))
     for k, h in history.items():
         getattr(s, f"{k}_amax")[...] = jnp.asarray(h, jnp.float32)
+        getattr(s, f"{k}_scale")[...] = jnp.asarray([_np_scale(h, _MAX[k])], jnp.float32)
     return s
+
+
+_MAX = {"x": 448.0, "w": 448.0, "g": 57344.0}
+
+
+def _np_scale(history: np.ndarray, fmt_max: float) -> np.float32:
+    """The scale from a history's largest amax (1 while it is empty)."""
+    amax = np.max(history)
+    return np.float32(amax / fmt_max) if amax > 0 else np.float32(1.0)
+
+
+STEP = 5  # steps done before the one the emulation checks
 
 
 def _np_qdq(x: np.ndarray, history: np.ndarray, fmt, fmt_max: float):
     """NumPy delayed scaling: the scale from the history's largest amax (1 while it is
     empty), x / scale clipped and rounded to the format, times the scale; and the next
-    history (newest first, the oldest of the window dropped)."""
-    amax = history.max()
-    scale = np.float32(amax / fmt_max) if amax > 0 else np.float32(1.0)
+    history (this step's amax in the place of the window's oldest, STEP mod its
+    length)."""
+    scale = _np_scale(history, fmt_max)
     q = np.clip(x / scale, -fmt_max, fmt_max).astype(fmt).astype(np.float32) * scale
-    nxt = np.roll(history, -1)
-    nxt[0] = np.abs(x).max()
+    nxt = history.copy()
+    nxt[STEP % len(history)] = np.abs(x).max()
     return q, scale, nxt
 
 
@@ -73,12 +86,19 @@ def test_the_quantised_matmul_and_its_gradients_equal_a_numpy_emulation(empty):
     np.testing.assert_allclose(dw, np.einsum("bti,bto->io", qx, qg), rtol=2e-6, atol=1e-9)
     if not empty:  # the rounding did something: the emulation is not the plain matmul
         assert np.abs(np.asarray(y) - x @ w).max() > 1e-4
-    # The state's "gradient" is its next value: the scale used, the history with this
-    # step's amax in it.
+    # The matmul reports each amax as its scale's "gradient"; the step's `put` makes
+    # the next state from them: the history with this step's amax in it, and the
+    # scale that history gives the next step.
     got = nnx.to_pure_dict(dstate)
-    for k, (scale, nxt) in {"x": (sx, hx), "w": (sw, hw), "g": (sg, hg)}.items():
-        np.testing.assert_allclose(got[f"{k}_scale"], [scale], rtol=1e-6)
-        np.testing.assert_allclose(got[f"{k}_amax"], nxt, rtol=1e-6)
+    for k, a in {"x": x, "w": w, "g": ct}.items():
+        np.testing.assert_allclose(got[f"{k}_scale"], [np.abs(a).max()], rtol=1e-6)
+    before = {"fp8": {"m": nnx.to_pure_dict(state)}}
+    after = fp8.put({"fp8": {"m": None}}, {"fp8": {"m": got}}, before,
+                    jnp.int32(STEP))["fp8"]["m"]
+    for k, nxt in {"x": hx, "w": hw, "g": hg}.items():
+        np.testing.assert_allclose(after[f"{k}_amax"], nxt, rtol=1e-6)
+        np.testing.assert_allclose(after[f"{k}_scale"], [_np_scale(nxt, _MAX[k])], rtol=1e-6)
+    del sx, sw, sg  # the scales used: the state's, which the emulation recomputed
 
 
 def _fp8(**train) -> dict:
@@ -111,7 +131,7 @@ def test_microbatches_and_meshes_keep_one_scaling_state(emulate):
     plain, _ = _steps(tiny(model=ONE_LAYER, train={"global_batch": 8, "steps": 3}), "data=1",
                       3)
     s1, s2, s3 = _scalings(p1), _scalings(p2), _scalings(p3)
-    # History after 3 steps of 4: [step 3, unseen, step 1, step 2]. Steps 1 and 2 ran
+    # History after 3 steps of 4: [step 1, step 2, step 3, unseen]. Steps 1 and 2 ran
     # on the same weights everywhere (the first step's learning rate is 0 in warmup):
     # two microbatches see the batch's amax by their maximum, a mesh sees it whole.
     # Step 3's weights differ by a rounding: the amax there only nearly agrees (fp8
@@ -119,21 +139,21 @@ def test_microbatches_and_meshes_keep_one_scaling_state(emulate):
     # update of the learning rate's size).
     for name in s1:
         for w, s in s1[name].items():
-            assert np.all(s["x_amax"][[0, 2, 3]] > 0) and s["x_amax"][1] == 0
+            assert np.all(s["x_amax"][:3] > 0) and s["x_amax"][3] == 0
             for other in (s2, s3):
                 for k in ("x_amax", "w_amax"):
-                    np.testing.assert_allclose(other[name][w][k][2:], s[k][2:], rtol=1e-5)
+                    np.testing.assert_allclose(other[name][w][k][:2], s[k][:2], rtol=1e-5)
                     np.testing.assert_allclose(other[name][w][k], s[k], rtol=5e-2)
-            np.testing.assert_allclose(s3[name][w]["g_amax"][2:], s["g_amax"][2:], rtol=1e-4)
+            np.testing.assert_allclose(s3[name][w]["g_amax"][:2], s["g_amax"][:2], rtol=1e-4)
             if (name, w) == ("mlp", "w2"):
                 # Each microbatch's loss is a mean over half the rows: gradients twice as
                 # big (below the last matmul the first step's unscaled e5m2 rounding,
                 # where doubling moves subnormals, blurs this by a few per cent).
-                np.testing.assert_allclose(s2[name][w]["g_amax"][2:], 2 * s["g_amax"][2:],
+                np.testing.assert_allclose(s2[name][w]["g_amax"][:2], 2 * s["g_amax"][:2],
                                            rtol=1e-4)
-            # The scale of step 3 came from steps 1-2's amax (delayed scaling).
-            assert s["x_scale"][0] == pytest.approx(s["x_amax"][1:].max() / E4M3_MAX,
-                                                   rel=1e-6)
+            # The state holds the scale step 4 would use: from steps 1-3's amax
+            # (delayed scaling: step 3 used the one from steps 1-2).
+            assert s["x_scale"][0] == pytest.approx(s["x_amax"].max() / E4M3_MAX, rel=1e-6)
     np.testing.assert_allclose(two, one, rtol=1e-3)
     np.testing.assert_allclose(sharded, one, rtol=1e-3)
     # Quantised, the curve stays near the unquantised one.
@@ -231,3 +251,28 @@ def test_the_gelu_of_an_fp8_matmul_stays_out_of_its_epilogue(emulate):
     # the step has barriers of its own (remat of the norms and activations); FP8 with
     # a GELU adds its own, FP8 with SwiGLU and GELU without FP8 none
     assert barriers(True) > barriers(False) == barriers(True, mlp="swiglu", bias=False)
+
+
+def test_the_optimizer_leaves_the_scaling_states_moments_as_they_were():
+    """fp8.kept_moments: the optimizer's moments of the scaling state (of a zero
+    gradient: zeros) are taken from the state before the update, so the step neither
+    computes nor writes them; every other leaf keeps its update."""
+    from plait.train.state import optimizer
+
+    tx = optimizer(tiny(**_fp8()))[0]
+    params = {"w": jnp.ones((4, 4)), "fp8": {"wo": {"x_scale": jnp.ones((1,)),
+                                                   "x_amax": jnp.zeros((4,))}}}
+    old = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    _, new = tx.update(grads, old, params)
+    kept = fp8.kept_moments(tx, new, old, params)
+    for got, before, after, path in zip(jax.tree.leaves(kept), jax.tree.leaves(old),
+                                        jax.tree.leaves(new),
+                                        jax.tree_util.tree_flatten_with_path(kept)[0],
+                                        strict=True):
+        names = jax.tree_util.keystr(path[0])
+        if "fp8" in names:
+            np.testing.assert_array_equal(got, before)
+            assert not np.array_equal(after, before)  # the update would have moved it
+        else:
+            np.testing.assert_array_equal(got, after)

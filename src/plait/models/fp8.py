@@ -1,27 +1,37 @@
 """FP8 matrix multiplies with delayed scaling (precision.matmul = "fp8").
 
 Each dense matmul of the decoder quantises its input and its weight to float8
-e4m3 and the gradient of its output to e5m2 (flax.linen.fp8_ops' quantize-
-dequantize ops, the pattern XLA rewrites into FP8 GEMMs on GPUs of compute
+e4m3 and the gradient of its output to e5m2 (the quantize-dequantize pattern of
+flax.linen.fp8_ops, which XLA rewrites into FP8 GEMMs on GPUs of compute
 capability 8.9+). Each of the three is divided by a scale, amax / the format's
 largest value, where amax is the largest magnitude seen over the last
 `fp8_history` steps: the scale of a step comes from earlier steps (delayed
 scaling), so quantising needs no reduction before the matmul.
 
 The state lives with the parameters (one `Scaling` per weight, under a key
-"fp8", so it is checkpointed and resharded like them) but is not trained: the
-quantize ops return its next value as its "gradient" (flax's overwrite-with-
-gradient convention), the train step takes it out of the gradients before the
-optimizer and writes it into the parameters after (`take`, `put`), and
-microbatches combine it by maximum, not by mean (`accumulate`, `mean`).
+"fp8", so it is checkpointed and resharded like them) but is not trained. A
+matmul only reads its scales and reports the amax of what it quantised, as its
+scales' "gradient"; the train step takes the state out of the gradients before
+the optimizer (`take`) and after it makes the next state from those amaxes in one
+place (`put`: each history shifted, the amax written in, the next step's scale
+from the history's largest), over whole stacks of layers at once. flax's
+`fp8_ops.in_qdq` did that bookkeeping inside every matmul, each its own handful
+of tiny GPU kernels: about 1,500 more kernels a step on gpt2-124m, which an
+H100 ran 11% slower than the census of its kernels (docs/benchmarks.md). The
+values are flax's: a step quantises with the scale flax would have computed at
+its start (the state holds the scale the next step uses). Microbatches combine
+their amaxes by maximum (`accumulate`, `mean`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from flax.linen import fp8_ops
 
@@ -76,16 +86,60 @@ def scalings(names: tuple[str, ...], history: int) -> Scalings | None:
 
 def quantized_inputs(x: jax.Array, w: jax.Array, s: Scaling) -> tuple[jax.Array, jax.Array]:
     """x and w quantised to e4m3 (and back, for XLA to fuse into the GEMM) by their
-    delayed scales, in w's dtype (the compute dtype)."""
+    scales, in w's dtype (the compute dtype)."""
     dtype = w.dtype
-    qx = fp8_ops.in_qdq(dtype, E4M3, x.astype(dtype), s.x_scale[...], s.x_amax[...])
-    qw = fp8_ops.in_qdq(dtype, E4M3, w, s.w_scale[...], s.w_amax[...])
+    qx = _in_qdq(dtype, E4M3, x.astype(dtype), s.x_scale[...], s.x_amax[...])
+    qw = _in_qdq(dtype, E4M3, w, s.w_scale[...], s.w_amax[...])
     return qx, qw
 
 
 def quantized_gradient(y: jax.Array, s: Scaling) -> jax.Array:
     """y, whose gradient is quantised to e5m2 on the way back."""
-    return fp8_ops.out_qdq(y.dtype, E5M2, y, s.g_scale[...], s.g_amax[...])
+    return _out_qdq(E5M2, y, s.g_scale[...], s.g_amax[...])
+
+
+def _amax(x: jax.Array, like: jax.Array) -> jax.Array:
+    """The largest magnitude of x, as float32 of the scale's shape (one element)."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32).reshape(like.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _in_qdq(dtype, q_dtype, x, scale, history):
+    """x quantised to q_dtype by `scale` and back; the gradient passes through, and
+    the scale's is x's amax (the history's: zeros, `put` makes it)."""
+    return fp8_ops.qdq(x, q_dtype, scale, dtype)
+
+
+def _in_qdq_fwd(dtype, q_dtype, x, scale, history):
+    return fp8_ops.qdq(x, q_dtype, scale, dtype), (_amax(x, scale), history)
+
+
+def _in_qdq_bwd(dtype, q_dtype, res, g):
+    amax, history = res
+    return g, amax, jnp.zeros_like(history)
+
+
+_in_qdq.defvjp(_in_qdq_fwd, _in_qdq_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _out_qdq(q_dtype, y, scale, history):
+    """y as it is; its gradient quantised to q_dtype by `scale` and back, the scale's
+    gradient that gradient's amax."""
+    return y
+
+
+def _out_qdq_fwd(q_dtype, y, scale, history):
+    return y, (scale, history)
+
+
+def _out_qdq_bwd(q_dtype, res, g):
+    scale, history = res
+    return (fp8_ops.qdq(g, q_dtype, scale, g.dtype), _amax(g, scale),
+            jnp.zeros_like(history))
+
+
+_out_qdq.defvjp(_out_qdq_fwd, _out_qdq_bwd)
 
 
 def _is_state(path) -> bool:
@@ -99,11 +153,53 @@ def take(grads: dict) -> dict:
         lambda p, g: jnp.zeros_like(g) if _is_state(p) else g, grads)
 
 
-def put(params: dict, grads: dict) -> dict:
-    """The parameters with the scaling state replaced by its next value, which the
-    quantize ops returned as its gradient."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, w, g: g if _is_state(p) else w, params, grads)
+def put(params: dict, grads: dict, before: dict, step: jax.Array) -> dict:
+    """`params` (the optimizer's) with each scaling state replaced by the next of its
+    state in `before` (the step's parameters, `step` steps done): this step's amax (the
+    scale's "gradient") written into the history at step mod its length, a window of
+    the last `fp8_history` steps' amaxes as flax's shifted history is, and the scale
+    the next step uses from the window's largest, as flax computes it at a step's
+    start (its amax / the format's largest value; 1 while the window is empty)."""
+    if not isinstance(params, dict):
+        return params
+    out = {k: v if k == KEY else put(v, grads[k], before[k], step)
+           for k, v in params.items()}
+    if KEY in params:
+        out[KEY] = {name: _next_state(state, grads[KEY][name], step)
+                    for name, state in before[KEY].items()}
+    return out
+
+
+_FORMATS = {"x": E4M3, "w": E4M3, "g": E5M2}
+
+
+def _next_state(state: dict, grads: dict, step: jax.Array) -> dict:
+    """One matmul's next scaling state: per quantity the history written in place at
+    one position and its largest value (a reduction that also gives the scale)."""
+    out = {}
+    for q, fmt in _FORMATS.items():
+        history, scale = state[f"{q}_amax"], state[f"{q}_scale"]
+        at = (step % history.shape[-1]).astype(jnp.int32)
+        history = jax.lax.dynamic_update_slice_in_dim(
+            history, grads[f"{q}_scale"][..., :1].astype(history.dtype), at, axis=-1)
+        top = jnp.max(history, axis=-1, keepdims=True)
+        fresh = top / fp8_ops.get_fp8_max(fmt, jnp.float32)
+        out[f"{q}_amax"] = history
+        out[f"{q}_scale"] = jnp.where((top > 0) & jnp.isfinite(top), fresh, scale
+                                      ).astype(scale.dtype)
+    return out
+
+
+def kept_moments(tx, new: Any, old: Any, params: dict) -> Any:
+    """The optimizer state `new` with the scaling state's entries (moments of a zero
+    gradient: zeros) as they were in `old`: no update computed for them, none written
+    (each was a few tiny kernels a step per layer's matmul: 3,072 on gpt2-1.3b)."""
+    mask = jax.tree_util.tree_map_with_path(lambda p, _: _is_state(p), params)
+    if not any(jax.tree.leaves(mask)):
+        return new
+    marked = optax.tree_map_params(tx, lambda _, m: m, new, mask,
+                                   transform_non_params=lambda _: False)
+    return jax.tree.map(lambda n, o, m: o if m else n, new, old, marked)
 
 
 def accumulate(total: dict, grads: dict) -> dict:

@@ -141,7 +141,8 @@ def make_train_step(mesh: Mesh, lay: StateLayout, batch_sharding, tx: optax.Grad
         norm = grad_norm(weight_grads)
         params, opt_state = dense_update(tx, params, state["opt_state"], weight_grads, norm,
                                          grad_clip)
-        params = fp8.put(params, grads)
+        opt_state = fp8.kept_moments(tx, opt_state, state["opt_state"], params)
+        params = fp8.put(params, grads, state["params"], state["step"])
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         return new_state, {"loss": loss, "grad_norm": norm, "lr": lr_schedule(state["step"]),
                            **{k: extra[k] for k in extra_metrics}}
