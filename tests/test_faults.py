@@ -23,7 +23,7 @@ def _strict(path):
 def test_divergence_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     ckpt = {"enabled": True, "every_steps": 1, "keep": 2, "async_save": True}
     exp = write_experiment(tmp_path / "t.toml", tiny(
-        optimizer={"lr": 1e6, "warmup_steps": 0}, checkpoint=ckpt, log={"console": "line"}))
+        optimizer={"lr": 1e5, "warmup_steps": 0}, checkpoint=ckpt, log={"console": "line"}))
     run_dir = tmp_path / "r"
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
@@ -32,10 +32,10 @@ def test_divergence_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp_pat
         in err[0] and "the checkpoint at step 2 is intact" in err[0]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["1", "2"]
     records = _strict(run_dir / "metrics.jsonl")
-    assert records[-1]["step"] == 3 and records[-1]["nonfinite"] == ["grad_norm"]
-    assert records[-1]["grad_norm"] is None
+    assert records[-1]["step"] == 3 and "grad_norm" in records[-1]["nonfinite"]
+    assert all(records[-1][k] is None for k in records[-1]["nonfinite"])  # named, not NaN
     # Rerunning resumes from step 2 and stops again at the same step, losing nothing
-    # (the step-2 state is finite but already diverged: 1e6 is beyond rescue).
+    # (the step-2 state is finite but already diverged: 1e5 is beyond rescue).
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 1
     captured = capsys.readouterr()
     assert "resumed from the checkpoint at step 2" in captured.out
@@ -359,7 +359,7 @@ def test_skip_policy_leaves_the_state_as_it_was_and_stops_after_max_skipped(tmp_
 
     ckpt = {"enabled": True, "every_steps": 1, "keep": 10, "async_save": False}
     exp = write_experiment(tmp_path / "t.toml", tiny(
-        optimizer={"lr": 1e6, "warmup_steps": 0}, checkpoint=ckpt, log={"console": "line"},
+        optimizer={"lr": 1e5, "warmup_steps": 0}, checkpoint=ckpt, log={"console": "line"},
         train={"on_nonfinite": "skip", "max_skipped": 3}))
     run_dir = tmp_path / "r"
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]) == 1

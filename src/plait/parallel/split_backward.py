@@ -131,13 +131,17 @@ def _cheap_for_w(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int]) -> li
     that Bx made by cheap steps (`_CHEAP`) from residuals (which W may read itself) and
     from Bx's other values (the leaves, handed over instead) is made again in W when the
     leaves are smaller than it (none: a norm's normalised input, from the norm's input
-    and statistics; one of half its size: a float32 gradient cast from bf16)."""
+    and statistics; one of half its size: a float32 gradient cast from bf16). A leaf W
+    reads from Bx anyway costs nothing more (a gradient that W reads both flattened and
+    in heads: add_bias's reshapes)."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     cotangent = jaxpr.invars[-1]
     in_b = set(b_eqns)
     chosen: set[int] = set()
+    handed = {a for i in w_eqns for a in jaxpr.eqns[i].invars
+              if _is_var(a) and producer.get(a) in in_b}
 
-    def walk(v, acc: set[int], leaves: dict) -> None:
+    def walk(v, acc: set[int], leaves: dict, root) -> None:
         """v's cheap Bx equations into acc, the Bx values they start from into leaves."""
         i = producer.get(v)
         if i is None:  # an input: a residual (W reads it itself) or the cotangent
@@ -146,21 +150,21 @@ def _cheap_for_w(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int]) -> li
             return
         if i not in in_b or i in acc or i in chosen:
             return  # made in W already, or on this walk or an earlier one
-        if jaxpr.eqns[i].primitive.name not in _CHEAP:
+        if jaxpr.eqns[i].primitive.name not in _CHEAP or (v in handed and v is not root):
             leaves[v] = None
             return
         acc.add(i)
         for a in jaxpr.eqns[i].invars:
             if _is_var(a):
-                walk(a, acc, leaves)
+                walk(a, acc, leaves, root)
 
     for i in w_eqns:
         for a in jaxpr.eqns[i].invars:
             if _is_var(a) and producer.get(a) in in_b:
                 acc: set[int] = set()
                 leaves: dict = {}
-                walk(a, acc, leaves)
-                if acc and sum(_nbytes(x) for x in leaves) < _nbytes(a):
+                walk(a, acc, leaves, a)
+                if acc and sum(_nbytes(x) for x in leaves if x not in handed) < _nbytes(a):
                     chosen |= acc
     return sorted(chosen)
 
