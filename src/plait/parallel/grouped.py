@@ -50,6 +50,7 @@ import jax.numpy as jnp
 
 from plait.hlo import SIZED_BY_DATA
 from plait.models.activations import gelu, swiglu
+from plait.parallel.products import weight_product
 from plait.sharding import varying_like
 
 MAX_TILE = 512
@@ -150,8 +151,8 @@ UP = {"swiglu": "w13", "gelu": "w1", None: "w"}  # the first product's weight, b
 def _up(wu: jax.Array, h: jax.Array, activation: str | None) -> jax.Array:
     """The first product: h [..., E, C, d] -> pre-activations [..., E, C, (2,) f]."""
     if activation == "swiglu":
-        return jnp.einsum("...ecd,edgf->...ecgf", h, wu)
-    return jnp.einsum("...ecd,edf->...ecf", h, wu)
+        return weight_product("...ecd,edgf->...ecgf", h, wu)
+    return weight_product("...ecd,edf->...ecf", h, wu)
 
 
 def activate(pre: jax.Array, activation: str) -> jax.Array:
@@ -164,7 +165,7 @@ def _down(w2: jax.Array | None, pre: jax.Array, activation: str | None) -> jax.A
     """The activation, then the second product (None: no activation, no product)."""
     if activation is None:
         return pre
-    return jnp.einsum("...ecf,efd->...ecd", activate(pre, activation), w2)
+    return weight_product("...ecf,efd->...ecd", activate(pre, activation), w2)
 
 
 def expert_mlp(w: dict[str, jax.Array], h: jax.Array, activation: str | None) -> jax.Array:
