@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import functools
 
 import jax
 import jax.extend
@@ -177,6 +178,46 @@ def test_a_bias_of_several_dimensions_is_added_as_one_vector(bias_shape):
     g = jax.random.normal(jax.random.key(2), y.shape)
     got, want = (jax.vjp(f, y, b)[1](g) for f in (add_bias, jnp.add))
     jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.parametrize("eq", ["...ecd,edgf->...ecgf", "ecf,efd->ecd"])
+def test_a_weight_product_gives_autodiffs_gradients_in_the_weights_order(eq):
+    """parallel.products.weight_product: the value and both gradients of jnp.einsum's
+    autodiff, the weight's from one dot_general whose output is already in the
+    weight's order (autodiff's ends in a transpose, which XLA:GPU made the gradient's
+    layout: AdamW then read the experts' gate-up gradient through a transpose)."""
+    from plait.parallel.products import weight_product
+
+    ins, _ = eq.split("->")
+    sizes = {"e": 2, "c": 3, "d": 4, "g": 2, "f": 5, ".": 0}
+    xs, ws = (s.replace("...", "") for s in ins.split(","))
+    lead = (3,) if "..." in eq else ()
+    x = jax.random.normal(jax.random.key(0), lead + tuple(sizes[c] for c in xs))
+    w = jax.random.normal(jax.random.key(1), tuple(sizes[c] for c in ws))
+    g = jax.random.normal(jax.random.key(2), jax.eval_shape(
+        lambda x, w: jnp.einsum(eq, x, w), x, w).shape)
+    got, want = (jax.vjp(f, x, w) for f in (functools.partial(weight_product, eq),
+                                            functools.partial(jnp.einsum, eq)))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for a, b in zip(got[1](g), want[1](g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for f, last in ((functools.partial(weight_product, eq), "dot_general"),
+                    (functools.partial(jnp.einsum, eq), "transpose")):
+        jaxpr = jax.make_jaxpr(lambda x, w, f=f: jax.vjp(f, x, w)[1](g)[1])(x, w).jaxpr
+        assert _made_by(jaxpr, jaxpr.outvars[0]) == last, jaxpr
+
+
+def _made_by(jaxpr, v) -> str:
+    """The primitive that made v, looking through casts and into calls."""
+    for eqn in jaxpr.eqns:
+        if v in eqn.outvars:
+            if eqn.primitive.name == "convert_element_type":
+                return _made_by(jaxpr, eqn.invars[0])
+            subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+            if subs and len(subs[0].outvars) == len(eqn.outvars):
+                return _made_by(subs[0], subs[0].outvars[eqn.outvars.index(v)])
+            return eqn.primitive.name
+    return "input"
 
 
 def _primitives(jaxpr, counts=None) -> collections.Counter:
