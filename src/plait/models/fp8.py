@@ -12,15 +12,16 @@ The state lives with the parameters (one `Scaling` per weight, under a key
 "fp8", so it is checkpointed and resharded like them) but is not trained. A
 matmul only reads its scales and reports the amax of what it quantised, as its
 scales' "gradient"; the train step takes the state out of the gradients before
-the optimizer (`take`) and after it makes the next state from those amaxes in one
-place (`put`: each history shifted, the amax written in, the next step's scale
-from the history's largest), over whole stacks of layers at once. flax's
-`fp8_ops.in_qdq` did that bookkeeping inside every matmul, each its own handful
-of tiny GPU kernels: about 1,500 more kernels a step on gpt2-124m, which an
-H100 ran 11% slower than the census of its kernels (docs/benchmarks.md). The
-values are flax's: a step quantises with the scale flax would have computed at
-its start (the state holds the scale the next step uses). Microbatches combine
-their amaxes by maximum (`accumulate`, `mean`).
+the optimizer (`take`), leaves its optimizer moments as they were
+(`kept_moments`), and after the update makes the next state from those amaxes
+(`put`: each amax written into its history, a ring of the last `fp8_history`
+steps, and the next step's scale from the ring's largest). flax's `fp8_ops.in_qdq`
+shifted the history and computed the scale inside every matmul, and the optimizer
+updated the state's moments: tiny GPU kernels, about 1,500 more a step on
+gpt2-124m, which an H100 ran 11% slower than the census of its kernels estimated
+(docs/benchmarks.md). The values are flax's: a step quantises with the scale flax
+would have computed at its start (the state holds the scale the next step uses).
+Microbatches combine their amaxes by maximum (`accumulate`, `mean`).
 """
 
 from __future__ import annotations
