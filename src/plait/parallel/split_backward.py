@@ -126,6 +126,13 @@ def _nbytes(v) -> int:
     return int(v.aval.size) * v.aval.dtype.itemsize
 
 
+def _handed(jaxpr: jcore.Jaxpr, w_eqns: list[int], producer: dict, in_b: set[int]) -> set:
+    """The values of Bx that W reads as they are: handed over whatever else W recomputes,
+    so recomputing from them costs the frontier nothing."""
+    return {a for i in w_eqns for a in jaxpr.eqns[i].invars
+            if _is_var(a) and producer.get(a) in in_b}
+
+
 def _cheap_for_w(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int]) -> list[int]:
     """Equations of Bx to run again in W, where that hands W fewer bytes: a value W reads
     that Bx made by cheap steps (`_CHEAP`) from residuals (which W may read itself) and
@@ -138,8 +145,7 @@ def _cheap_for_w(jaxpr: jcore.Jaxpr, w_eqns: list[int], b_eqns: list[int]) -> li
     cotangent = jaxpr.invars[-1]
     in_b = set(b_eqns)
     chosen: set[int] = set()
-    handed = {a for i in w_eqns for a in jaxpr.eqns[i].invars
-              if _is_var(a) and producer.get(a) in in_b}
+    handed = _handed(jaxpr, w_eqns, producer, in_b)
 
     def walk(v, acc: set[int], leaves: dict, root) -> None:
         """v's cheap Bx equations into acc, the Bx values they start from into leaves."""
