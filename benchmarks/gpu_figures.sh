@@ -205,7 +205,7 @@ for stage in "$@"; do
       # the GPU, trains the top ones and fits the overheads to them
       run sweep-124m 560 python3 -m plait sweep experiments/gpt2-124m.toml --devices 1 \
         --hardware h100-node --vary model.remat=none,save_attention,full \
-        --vary model.loss_chunks=1,4 --run --out "$OUT/sweep-124m" ;;
+        --vary model.loss_chunks=1,4 --run --top 3 --out "$OUT/sweep-124m" ;;
     sweep1p3b)  # the same, and issue 29's remat policy chosen by measurement; no remat
       # at all may fit since norms and activations keep only their inputs (40 GiB of
       # activations at 16 x 1024 in 4 loss pieces, was 106: docs/architecture.md)
