@@ -10,9 +10,11 @@ configuration (`jax.experimental.topologies`; `benchmarks/gpu_targets/*.txtpb`):
 own layouts, fusions, library calls and schedule, without autotuning. The step compiled
 is `plait train`'s for one device, with plait's XLA flags (plait/xla_flags.py). Printed:
 the compile time, the memory XLA plans for it (arguments + temporaries, against JAX's
-default 75% of the GPU), and its kernels (`hlo_census`) by kind and by fusion group,
-each with a roofline time -- an estimate to compare two programs by, not a measurement
-(docs/benchmarks.md, "Compiling for a GPU without one", sets it beside measured steps).
+default 75% of the GPU), and its kernels (`hlo_census`) by kind, by fusion group and
+by the JAX operation that made them, each with a roofline time -- an estimate to
+compare two programs by, not a measurement (docs/benchmarks.md, "Compiling for a GPU
+without one", sets it beside measured steps) -- and how many are tiny (under a
+megabyte, no product: free at the roofline, a few microseconds each on a GPU).
 A lent GPU's 15 minutes buy a few measurements; this is how a change is weighed
 before them.
 """
@@ -115,9 +117,11 @@ def main() -> int:
             "compile_s": round(compile_s, 1), "planned_memory_gib": round(planned, 2),
             "fits_jax_default": planned <= JAX_DEFAULT_FRACTION * size,
             "kernels_per_step": round(sum(k.launches for k in found)),
+            "tiny_kernels_per_step": hlo_census.tiny_launches(found),
             "estimated_step_ms": round(total * 1e3, 2),
             "kinds": hlo_census.by_kind(found),
-            "groups": hlo_census.by_group(found, args.top)}, args.json)
+            "groups": hlo_census.by_group(found, args.top),
+            "ops": hlo_census.by_op(found, args.top)}, args.json)
     return 0
 
 

@@ -40,6 +40,7 @@ class Kernel:
     seconds: float = 0.0  # per step, once estimated
     shape: str = ""
     fp8: bool = False  # an FP8 product: twice the bf16 peak
+    op: str = ""  # the JAX operation that made it (its op_name, less the jit's)
 
 
 def _called(ins: hlo.Instr) -> str | None:
@@ -150,9 +151,11 @@ def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
                 flops = _matmul_flops(mod, ins)
             elif "fmha" in name:
                 flops = _attention_flops(mod, ins, name)
+        op = re.search(r'op_name="([^"]*)"', ins.attrs)
         out.append(Kernel(name=ins.name, kind=kind_of(name), launches=times,
                           bytes=_read_bytes(mod, ins) + _written_bytes(mod, ins),
-                          flops=flops, shape=ins.shape[:90], fp8="$f8" in name))
+                          flops=flops, shape=ins.shape[:90], fp8="$f8" in name,
+                          op=re.sub(r"jit\([^)]*\)/", "", op.group(1))[:100] if op else ""))
     return out
 
 
@@ -182,6 +185,30 @@ def by_group(found: list[Kernel], top: int) -> list[dict]:
     rows = sorted(groups.items(), key=lambda kv: -kv[1][2])[:top]
     return [{"group": key, "kind": g[3], "launches": round(g[0]), "gb": round(g[1] / 1e9, 3),
              "ms": round(g[2] * 1e3, 3), "shape": g[4]} for key, g in rows]
+
+
+def by_op(found: list[Kernel], top: int) -> list[dict]:
+    """Kernels summed by the JAX operation that made them (autodiff's transpose of a
+    product, a norm's reduction, the optimizer's update), largest time first: which
+    line of the model a group of kernels comes from."""
+    groups: dict[tuple, list] = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+    for k in found:
+        g = groups[(k.kind, k.op or "(none)")]
+        g[0] += k.launches
+        g[1] += k.bytes * k.launches
+        g[2] += k.seconds
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"op": op, "kind": kind, "launches": round(g[0]), "gb": round(g[1] / 1e9, 3),
+             "ms": round(g[2] * 1e3, 3)} for (kind, op), g in rows]
+
+
+TINY_BYTES = 1e6
+
+
+def tiny_launches(found: list[Kernel]) -> int:
+    """Launches a step of kernels that move under a megabyte and multiply nothing: the
+    roofline prices them at about nothing, a GPU at a few microseconds each."""
+    return round(sum(k.launches for k in found if k.bytes < TINY_BYTES and not k.flops))
 
 
 def by_kind(found: list[Kernel]) -> dict[str, dict]:

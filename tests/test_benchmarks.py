@@ -259,7 +259,8 @@ ENTRY %main (x: bf16[64,32]) -> f32[64,1] {
   %x = bf16[64,32]{1,0} parameter(0)
   ROOT %loop_slice_fusion = f32[64,1]{1,0} fusion(%x), kind=kLoop, calls=%fused_first
 }
-"""
+""".replace("calls=%fused_first\n",
+            'calls=%fused_first, metadata={op_name="jit(step)/jvp()/slice"}\n')
 
 
 def test_hlo_census_counts_a_slice_read_through_a_cast_as_the_slice(monkeypatch):
@@ -271,6 +272,12 @@ def test_hlo_census_counts_a_slice_read_through_a_cast_as_the_slice(monkeypatch)
 
     (k,) = hlo_census.kernels(_FIRST_COLUMN_HLO)
     assert k.bytes == 64 * 2 + 64 * 4  # 64 bf16 values read, 64 float32 written
+    # grouped by the JAX operation that made it; tiny: no product, under a megabyte
+    hlo_census.estimate([k], peak_flops=1e9, bandwidth=1e9)
+    assert hlo_census.by_op([k], top=5) == [{
+        "op": "jvp()/slice", "kind": k.kind, "launches": 1, "gb": 0.0,
+        "ms": round(k.seconds * 1e3, 3)}]
+    assert hlo_census.tiny_launches([k]) == 1
 
 
 def test_gpu_census_needs_jax_cuda_plugin_without_a_gpu(monkeypatch):
