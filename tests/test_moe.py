@@ -11,6 +11,7 @@ import functools
 import json
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -312,6 +313,20 @@ def test_tiled_grouped_matmul_equals_ragged_dot(sizes, expected, bulk, spill):
     assert not np.asarray(got[sum(sizes):]).any()
     for a, b in zip(got_g, want_g, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+    if (bulk, spill) == (0.0, 2.0):  # the spill's tiles, several a group: no scatter-add
+        jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: f(x, w, "tiles")[0], (0, 1)))(x, w)
+        assert _scatter_add_slices(jaxpr.jaxpr) <= {1}  # the loop's one tile at a time
+
+
+def _scatter_add_slices(jaxpr) -> set[int]:
+    """How many slices each scatter-add of a jaxpr (its sub-jaxprs included) adds."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scatter-add":
+            out.add(eqn.invars[2].aval.shape[0])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out |= _scatter_add_slices(sub)
+    return out
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])

@@ -34,8 +34,8 @@ The backward keeps the bulk MLP's own residuals and the rows, takes the same spi
 size -- the bulk's backward inside that size's branch, so its gradients are made there
 rather than copied through the switch -- and recomputes the spill's forward (its
 gathered weights are never kept) and each loop tile's. The spill's weight gradients
-are added to the bulk's in the weights' dtype (an expert's rows in two or three
-parts, each a product's gradient);
+are summed per group by a product with the tiles' one-hot groups (no scatter-add:
+atomics on a GPU) onto the bulk's, in the weights' dtype;
 only the largest size, which runs the loop, copies them to float32 for its many
 small additions and back.
 """
@@ -186,9 +186,19 @@ def _of_groups(w: dict, g: jax.Array) -> dict:
 
 
 def _add_to_groups(dw: dict, g: jax.Array, dwg: dict) -> dict:
-    """dw ([G, ...]) plus each of dwg's gradients at its group g."""
+    """dw ([G, ...]) plus each of dwg's gradients at its group g (one tile: an update in
+    place of one group's slice)."""
     G = next(iter(dw.values())).shape[0]
     return {k: dw[k].at[jnp.minimum(g, G - 1)].add(dwg[k].astype(dw[k].dtype)) for k in dw}
+
+
+def _sum_into_groups(dw: dict, g: jax.Array, dwg: dict) -> dict:
+    """dw ([G, ...]) plus the tiles' gradients dwg ([S, ...]) summed per group g, as a
+    product by the one-hot groups that cuBLAS adds onto dw: a scatter-add of tiles
+    sharing a group is, on a GPU, atomic adds in an order that varies run to run."""
+    G = next(iter(dw.values())).shape[0]
+    return {k: dw[k] + jnp.einsum("sg,s...->g...", jax.nn.one_hot(
+        jnp.minimum(g, G - 1), G, dtype=dw[k].dtype), dwg[k].astype(dw[k].dtype)) for k in dw}
 
 
 def _loop_forward(x: jax.Array, w: dict, lay: _Layout, activation: str | None, tile: int,
@@ -280,7 +290,7 @@ def _spill_backward(S: int, x, w, lay, activation, shape: _Shape, dy, dx, dw):
                            _spill_rows(x, lay, S, shape.tile), _of_groups(w, lay.group[:S]))
         dxs, dws = pull(_spill_rows(dy, lay, S, shape.tile).astype(ys.dtype))
         dx = _into_rows(dx, dxs.reshape(S * shape.tile, -1), lay, S)
-        dw = _add_to_groups(dw, lay.group[:S], dws)
+        dw = _sum_into_groups(dw, lay.group[:S], dws)
     if _loops(S, shape, lay):
         dx, dw = _loop_backward(x, w, lay, activation, shape.tile, S, dy, dx, dw)
     return dx, dw
