@@ -72,10 +72,11 @@ def _moments(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     keeps the subtraction exact where mean(x^2) - mean(x)^2 is not (a mean 1e4 times the
     spread: tests/test_residuals.py). Its derivative, the moments' own, reads x and the
     mean only: autodiff of the shifted sums would keep the shift too, or sum again."""
-    d = x - x[..., :1]
+    c = x[..., :1]
+    d = x - c
     shift = d.mean(-1, keepdims=True)
     var = jnp.maximum(jnp.square(d).mean(-1, keepdims=True) - jnp.square(shift), 0.0)
-    return x[..., :1] + shift, var
+    return c + shift, var
 
 
 @_moments.defjvp

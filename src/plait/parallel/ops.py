@@ -38,6 +38,12 @@ def _letters(n: int, skip: str = "") -> list[str]:
     return [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in skip][:n]
 
 
+def _own_matmul(ctx: tuple | None) -> bool:
+    """Whether the active tensor mode (`ctx`: sharding.active()) runs its own shard_map
+    layers (2-D / 2.5-D / 3-D), rather than leave an einsum or take to GSPMD."""
+    return ctx is not None and ctx[1].mode not in (None, "1d")
+
+
 def dense(x: jax.Array, w: nnx.Variable, fp8: Scaling | None = None) -> jax.Array:
     """x [..., *fan_in] times weight `w` (contracting its `fan_in` dimensions).
 
@@ -76,8 +82,7 @@ def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = 
     w_spec = axes_spec(_gathered_axes(w, ctx[1]), ctx[0]) if ctx is not None else None
     split_outputs = w_spec is not None and any(
         w_spec[i] is not None for i, n in enumerate(logical) if n not in fan_in)
-    if fp8 is not None or split_outputs or (ctx is not None
-                                            and ctx[1].mode not in (None, "1d")):
+    if fp8 is not None or split_outputs or _own_matmul(ctx):
         out = dense(x, w, fp8)
         where = x.ndim - len(fan_in) + [n for n in logical if n not in fan_in].index(axis)
         return tuple(jax.lax.index_in_dim(out, i, where, keepdims=False)
@@ -99,7 +104,7 @@ def add_bias(y: jax.Array, b: jax.Array | float) -> jax.Array:
     apart."""
     ndim = getattr(b, "ndim", 0)
     ctx = active()
-    if ndim < 2 or (ctx is not None and ctx[1].mode not in (None, "1d")):
+    if ndim < 2 or _own_matmul(ctx):
         return y + b
     lead = y.shape[:y.ndim - ndim]
     return (y.reshape(*lead, -1) + b.reshape(-1)).reshape(y.shape)
@@ -140,7 +145,7 @@ def expert_weight(w: nnx.Variable) -> jax.Array:
         return value
     mesh, rules = ctx
     axes = _gathered_axes(w, rules)
-    if rules.mode not in (None, "1d"):
+    if _own_matmul(ctx):
         logical, _ = param_meta(w)
         axes = [a if n == "experts" else None for n, a in zip(logical, axes, strict=True)]
     return pin(value, axes_spec(axes, mesh))
@@ -159,7 +164,7 @@ def weight_grad_by_shard(w: nnx.Variable, x_ndim: int, fan_in: tuple[str, ...] |
     token axis also splits w. `fan_in`: the dimensions contracted, where not w's own
     (a vector weight contracted whole)."""
     ctx = active()
-    if ctx is None or ctx[1].mode not in (None, "1d") or x_ndim != 3:
+    if ctx is None or _own_matmul(ctx) or x_ndim != 3:
         return None
     mesh, rules = ctx
     logical, own = param_meta(w)
@@ -239,7 +244,7 @@ def _dense(x: jax.Array, w: nnx.Variable, value: jax.Array) -> jax.Array:
     out_names = [n for n in logical if n not in fan_in]
     eq = _equation(logical, fan_in, lead)
     ctx = active()
-    if ctx is None or ctx[1].mode in (None, "1d"):
+    if not _own_matmul(ctx):
         return jnp.einsum(eq, x, value)
     mesh, rules = ctx
     x_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in fan_in], rules, mesh)
@@ -261,7 +266,7 @@ def lookup(table: nnx.Variable, ids: jax.Array) -> jax.Array:
     """
     value = table[...]
     ctx = active()
-    if ctx is None or ctx[1].mode in (None, "1d"):
+    if not _own_matmul(ctx):
         # Gather the table's d_model shards (ZeRO-3) before the vocabulary-parallel
         # lookup; a lookup into a table split both ways has no efficient partition.
         return jnp.take(constrain(value, ("vocab", "act_embed")), ids, axis=0)

@@ -132,10 +132,11 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
             if step % every == 0 or step == total or step == start + 1:
                 with_eval = evaluate is not None and (not eval_every or step % eval_every == 0
                                                       or step == total)
+                done = ends.submit(metrics)
                 if with_eval or step == total:
-                    emit(step, metrics, with_eval, ends.submit(metrics))
+                    emit(step, metrics, with_eval, done)
                 else:
-                    pending = (step, metrics, ends.submit(metrics))
+                    pending = (step, metrics, done)
             saving = ckpt_every and step % ckpt_every == 0 and exp.checkpoint.enabled
             if saving or stop.signal is not None or step == total:
                 flush()
