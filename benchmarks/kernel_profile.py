@@ -4,7 +4,9 @@ copies, gathers and scatters, reductions, collectives, other fusions) per step, 
 the host round trips (device-to-host copies: a while loop's condition or a cond's
 predicate read by the host, the GPU idle until it answers), beside the step's own
 time (the median of the steps before the traced ones, from metrics.jsonl): what the
-kernels leave of it is time the GPU waited. Small enough to keep under
+kernels leave of it is time the GPU waited; inside the traced window, the gaps between
+kernels by size (launches, a host behind the GPU, syncs) and the largest of them with
+the kernels either side, which say where it waited. Small enough to keep under
 benchmarks/results/; the trace itself is hundreds of MB.
 
     python benchmarks/kernel_profile.py EXPERIMENT [--set K=V ...] [--steps 8 --window 5:7]
@@ -74,10 +76,49 @@ def summarize(profile, steps: int, top: int = 25) -> dict:
     return {"device": plane.name, "steps": steps,
             "busy_ms_per_step": round(sum(ns.values()) * ms, 3),
             "host_round_trips_per_step": trips / steps,
+            "kernels_per_step": sum(calls.values()) / steps,
+            **idle_time(streams, steps),
             "kinds_ms_per_step": {k: round(v * ms, 3) for k, v in kinds.most_common()},
             "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": round(t * ms, 3),
                      "calls_per_step": calls[name] / steps}
                     for name, t in ns.most_common(top)]}
+
+
+# Where a gap between kernels falls tells its cause: a few microseconds after most
+# kernels is the launch of the next (the host ahead of the GPU), tens to hundreds after
+# a short kernel is the host behind it, a millisecond or more a sync or a host's wait.
+GAP_BUCKETS_US = [(0, 2), (2, 10), (10, 100), (100, 1000), (1000, float("inf"))]
+
+
+def idle_time(streams, steps: int, largest: int = 8, short_us: float = 5.0) -> dict:
+    """The GPU's idle time inside the traced window: the gaps between the union of the
+    streams' kernels, per step by size, the largest with the kernels either side, and
+    the kernels shorter than `short_us` (those a launch costs as much as they run)."""
+    spans = sorted((e.start_ns, e.end_ns, e.name) for line in streams for e in line.events
+                   if "D2H" not in e.name)
+    if not spans:
+        return {}
+    gaps, end, before = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append((start - end, before, name))
+        if stop > end:
+            end, before = stop, name
+    buckets = {}
+    for lo, hi in GAP_BUCKETS_US:
+        inside = [g for g, _, _ in gaps if lo * 1e3 <= g < hi * 1e3]
+        label = f"{lo}-{hi} us" if hi != float("inf") else f">={lo} us"
+        buckets[label] = {"gaps_per_step": round(len(inside) / steps, 1),
+                          "ms_per_step": round(sum(inside) * 1e-6 / steps, 4)}
+    short = [e.duration_ns for line in streams for e in line.events
+             if "D2H" not in e.name and e.duration_ns < short_us * 1e3]
+    return {"span_ms_per_step": round((end - spans[0][0]) * 1e-6 / steps, 3),
+            "idle_ms_per_step": round(sum(g for g, _, _ in gaps) * 1e-6 / steps, 4),
+            "idle_by_gap": buckets,
+            "largest_gaps": [{"us": round(g * 1e-3, 1), "after": a, "before": b}
+                             for g, a, b in sorted(gaps, reverse=True)[:largest]],
+            f"kernels_under_{short_us:g}us_per_step": {
+                "count": len(short) / steps, "ms": round(sum(short) * 1e-6 / steps, 4)}}
 
 
 def read_trace(directory: Path):

@@ -139,7 +139,8 @@ def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
 
 # Two profiled steps of a GPU: cuBLAS and cuDNN kernels, a copy, fusions, the host
 # reading a loop's condition (device-to-host copies), and a derived "XLA Ops" line that
-# repeats the stream's time and must not be counted twice.
+# repeats the stream's time and must not be counted twice; the GPU idles 1 us before the
+# copy (which overlaps the reduction after it) and 100 us before the last fusion.
 _XSPACE = '''
 planes {
   id: 1 name: "/device:GPU:0"
@@ -148,10 +149,10 @@ planes {
     events { metadata_id: 1 offset_ps: 3000000000 duration_ps: 3000000000 }
     events { metadata_id: 2 offset_ps: 6000000000 duration_ps: 1000000000 }
     events { metadata_id: 2 offset_ps: 7000000000 duration_ps: 1000000000 }
-    events { metadata_id: 3 offset_ps: 8000000000 duration_ps: 500000000 }
+    events { metadata_id: 3 offset_ps: 8001000000 duration_ps: 500000000 }
     events { metadata_id: 4 offset_ps: 8500000000 duration_ps: 300000000 }
     events { metadata_id: 5 offset_ps: 8800000000 duration_ps: 100000000 }
-    events { metadata_id: 6 offset_ps: 8900000000 duration_ps: 200000000 }
+    events { metadata_id: 6 offset_ps: 9000000000 duration_ps: 200000000 }
     events { metadata_id: 7 offset_ps: 9100000000 duration_ps: 10000000 }
     events { metadata_id: 7 offset_ps: 9200000000 duration_ps: 10000000 }
   }
@@ -200,6 +201,17 @@ def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path)
         "other fusion": 0.1, "gather/scatter": 0.05})
     assert got["top"][0] == {"kernel": "nvjet_sm90_tst_320x128_64x3_1x2_h_TNT",
                              "kind": "matmul", "ms_per_step": 3.0, "calls_per_step": 1.0}
+    assert got["kernels_per_step"] == 4
+    assert got["span_ms_per_step"] == pytest.approx(9.2 / 2)
+    assert got["idle_ms_per_step"] == pytest.approx(0.101 / 2)
+    assert got["idle_by_gap"]["0-2 us"] == {"gaps_per_step": 0.5, "ms_per_step": 0.0005}
+    assert got["idle_by_gap"]["100-1000 us"] == {"gaps_per_step": 0.5, "ms_per_step": 0.05}
+    assert got["idle_by_gap"][">=1000 us"]["gaps_per_step"] == 0
+    assert got["largest_gaps"] == [
+        {"us": 100.0, "after": "input_scatter_fusion_31", "before": "loop_add_fusion_48"},
+        {"us": 1.0, "after": "cudnn_generated_fort_native_sdpa_sm90_bprop",
+         "before": "memcpy128"}]
+    assert got["kernels_under_5us_per_step"] == {"count": 0, "ms": 0}
 
     proc = _script("kernel_profile.py", "experiments/quickstart.toml", "--steps", "2",
                    "--window", "1:2")
