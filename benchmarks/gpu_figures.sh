@@ -44,9 +44,30 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jax-cache
 # stages take 92% (unless set), so they give a speed either way; each log's peak device
 # memory says whether it fits the default (59.4 GiB of an H100)
 MOE_MEM="env XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
+# The GPU's clock, power and temperature every half second ($OUT/gpu-clocks.csv: epoch s,
+# SM MHz, W, C), summed up per stage: a step measured slower than its kernels (the
+# 2026-11-26 H100 profiles: gpt2-1.3b's two traced steps 317.7 ms a step, the loop's 329)
+# may be a clock the power limit lowered
+if command -v nvidia-smi >/dev/null 2>&1; then
+  (while :; do
+     echo "$(date +%s.%N),$(nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu \
+       --format=csv,noheader,nounits 2>/dev/null | head -n 1 | tr -d ' ')"
+     sleep 0.5
+   done > "$OUT/gpu-clocks.csv") &
+  CLOCKS_PID=$!
+  trap 'kill $CLOCKS_PID 2>/dev/null' EXIT
+fi
+clocks() {  # clocks T0 T1: the SM clock and power between two epoch times
+  [ -f "$OUT/gpu-clocks.csv" ] || return
+  awk -F, -v a="$1" -v b="$2" '$1 >= a && $1 <= b && $2 != "" {n++; s += $2; p += $3;
+    if (min == "" || $2 < min) min = $2; if ($2 > max) max = $2}
+    END {if (n) printf "   GPU: SM clock mean %.0f MHz (%d-%d), power mean %.0f W, %d samples\n",
+      s / n, min, max, p / n, n}' "$OUT/gpu-clocks.csv"
+}
 run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, say how it ended
   local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS e0
+  e0=$(date +%s.%N)
   if [ -n "${DEADLINE_S:-}" ]; then
     local left=$((DEADLINE_S - SECONDS))
     if [ "$left" -lt 30 ]; then echo "== $name: skipped, ${left} s left of DEADLINE_S"; return; fi
@@ -57,6 +78,7 @@ run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, say how it ended
   local rc=$?
   tail -n 25 "$OUT/$name.log"
   echo "== $name: exit $rc after $((SECONDS - t0)) s"
+  clocks "$e0" "$(date +%s.%N)"
 }
 for stage in "$@"; do
   case $stage in

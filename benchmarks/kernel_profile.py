@@ -78,6 +78,7 @@ def summarize(profile, steps: int, top: int = 25) -> dict:
             "host_round_trips_per_step": trips / steps,
             "kernels_per_step": sum(calls.values()) / steps,
             **idle_time(streams, steps),
+            **module_runs(lines),
             "kinds_ms_per_step": {k: round(v * ms, 3) for k, v in kinds.most_common()},
             "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": round(t * ms, 3),
                      "calls_per_step": calls[name] / steps}
@@ -119,6 +120,22 @@ def idle_time(streams, steps: int, largest: int = 8, short_us: float = 5.0) -> d
                              for g, a, b in sorted(gaps, reverse=True)[:largest]],
             f"kernels_under_{short_us:g}us_per_step": {
                 "count": len(short) / steps, "ms": round(sum(short) * 1e-6 / steps, 4)}}
+
+
+def module_runs(lines) -> dict:
+    """Each run of an XLA program on the GPU in the window (the derived "XLA Modules"
+    line: a step is one run of the train step's program), its span and the GPU's gap
+    since the run before: whether the window's steps ran alike, and back to back."""
+    modules = [x for x in lines if x.name == "XLA Modules"]
+    if not modules:
+        return {}
+    runs, last_end = [], None
+    for e in sorted(modules[0].events, key=lambda e: e.start_ns):
+        runs.append({"module": e.name, "ms": round(e.duration_ns * 1e-6, 3),
+                     "after_gap_ms": None if last_end is None
+                     else round((e.start_ns - last_end) * 1e-6, 3)})
+        last_end = e.end_ns if last_end is None else max(last_end, e.end_ns)
+    return {"module_runs": runs}
 
 
 def read_trace(directory: Path):

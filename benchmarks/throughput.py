@@ -18,27 +18,29 @@ import time
 from report import report, run_script  # benchmarks/ is the script's directory
 
 
-def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str):
+def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str,
+              log_every: int = 1):
     """(experiment, mesh, summary) of `steps` steps of plait train's loop (data included,
-    no checkpoints, every step logged with its time)."""
+    no checkpoints, every `log_every`-th step logged with its time)."""
     from plait import mesh as mesh_lib
     from plait.config_files import load_experiment
 
     exp = load_experiment(experiment, [
         *sets, f"train.steps={steps}", "checkpoint.enabled=false",
-        "log.every_steps=1", "log.tensorboard=false", "log.console='line'"])
+        f"log.every_steps={log_every}", "log.tensorboard=false", "log.console='line'"])
     spec = mesh_lib.load_spec(mesh_text)
     n = mesh_lib.provision_devices(spec)
     mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
-    return exp, mesh, train_loop(exp, mesh, steps)
+    return exp, mesh, train_loop(exp, mesh, steps, log_every)
 
 
-def train_loop(exp, mesh, steps: int) -> dict:
+def train_loop(exp, mesh, steps: int, log_every: int = 1) -> dict:
     """The summary of `steps` steps of plait train's loop for `exp` on `mesh`: data
-    included, no checkpoints, every step logged with its time, in a scratch directory."""
+    included, no checkpoints, every `log_every`-th step logged with its time, in a
+    scratch directory."""
     from plait.train.loop import train_briefly
 
-    return train_briefly(exp, mesh, steps, console="line")
+    return train_briefly(exp, mesh, steps, console="line", log_every=log_every)
 
 
 def step_times(summary: dict, warmup: int) -> list[float]:
@@ -61,7 +63,11 @@ def main() -> int:
     ap.add_argument("--mesh", default="data=1")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5,
+                    help="timed records dropped first (steps, or windows with --log-every)")
+    ap.add_argument("--log-every", type=int, default=1,
+                    help="log every N-th step (a record's time: the mean of its N steps). "
+                         "1 syncs the host on every step; the experiments log every 10")
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
 
@@ -71,7 +77,10 @@ def main() -> int:
     from plait.hardware import peak_flops
     from plait.models.gpt_counts import flops_per_token
 
-    exp, mesh, summary = timed_run(args.experiment, args.sets, args.steps, args.mesh)
+    if args.log_every < 1:
+        ap.error("--log-every must be at least 1")
+    exp, mesh, summary = timed_run(args.experiment, args.sets, args.steps, args.mesh,
+                                   args.log_every)
     n = mesh.devices.size
     measured = speed(exp, summary, args.warmup)
     device = jax.devices()[0]
@@ -82,7 +91,7 @@ def main() -> int:
         "jax": jax.__version__, "experiment": exp.name, "mesh": mesh_lib.inline(dict(mesh.shape)),
         "precision": exp.precision.compute, "global_batch": exp.train.global_batch,
         "seq_len": exp.model.seq_len, "remat": exp.model.remat,
-        **measured,
+        **measured, "log_every": args.log_every,
         "model_tflops_per_s_per_device": flops_per_token(exp.model) * tps / n / 1e12,
         "mfu": flops_per_token(exp.model) * tps / (n * peak) if peak else None,
         # the allocator's high-water mark of the busiest device (None on CPU)

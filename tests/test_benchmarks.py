@@ -40,6 +40,14 @@ def test_throughput_reports_the_loop_users_run(tmp_path):
     assert got["compile_s"] > 0 and got["model_tflops_per_s_per_device"] > 0
     # no peak FLOP/s or allocator figures for a CPU: null, not a made-up number
     assert got["mfu"] is None and got["peak_device_memory_gib"] is None
+    assert got["log_every"] == 1
+
+    # logged as the experiments log (every N-th step): a record's time is its N steps'
+    # mean; records at steps 1 (the compiling one, dropped), 2, 4, 6 and the last, 7
+    _ok(_script("throughput.py", "experiments/llama-tiny.toml", "--steps", "7", "--warmup",
+                "1", "--log-every", "2", "--json", str(out)))
+    got = json.loads(out.read_text())
+    assert (got["log_every"], got["steps_timed"]) == (2, 4)
 
 
 def test_moe_against_its_dense_twin(tmp_path):
@@ -139,8 +147,9 @@ def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
 
 # Two profiled steps of a GPU: cuBLAS and cuDNN kernels, a copy, fusions, the host
 # reading a loop's condition (device-to-host copies), and a derived "XLA Ops" line that
-# repeats the stream's time and must not be counted twice; the GPU idles 1 us before the
-# copy (which overlaps the reduction after it) and 100 us before the last fusion.
+# repeats the stream's time and must not be counted twice, another of the program's runs;
+# the GPU idles 1 us before the copy (which overlaps the reduction after it) and 100 us
+# before the last fusion.
 _XSPACE = '''
 planes {
   id: 1 name: "/device:GPU:0"
@@ -159,6 +168,10 @@ planes {
   lines { id: 2 name: "XLA Ops" timestamp_ns: 0
     events { metadata_id: 8 offset_ps: 0 duration_ps: 9000000000 }
   }
+  lines { id: 3 name: "XLA Modules" timestamp_ns: 0
+    events { metadata_id: 9 offset_ps: 4800000000 duration_ps: 4400000000 }
+    events { metadata_id: 9 offset_ps: 0 duration_ps: 4600000000 }
+  }
   event_metadata { key: 1 value { id: 1 name: "nvjet_sm90_tst_320x128_64x3_1x2_h_TNT" } }
   event_metadata { key: 2 value { id: 2 name: "cudnn_generated_fort_native_sdpa_sm90_bprop" } }
   event_metadata { key: 3 value { id: 3 name: "memcpy128" } }
@@ -167,6 +180,7 @@ planes {
   event_metadata { key: 6 value { id: 6 name: "loop_add_fusion_48" } }
   event_metadata { key: 7 value { id: 7 name: "MemcpyD2H" } }
   event_metadata { key: 8 value { id: 8 name: "fusion.1" } }
+  event_metadata { key: 9 value { id: 9 name: "jit_step(1)" } }
 }
 '''
 
@@ -212,6 +226,10 @@ def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path)
         {"us": 1.0, "after": "cudnn_generated_fort_native_sdpa_sm90_bprop",
          "before": "memcpy128"}]
     assert got["kernels_under_5us_per_step"] == {"count": 0, "ms": 0}
+    # the derived line of program runs: one per step, the second 0.2 ms after the first
+    assert got["module_runs"] == [
+        {"module": "jit_step(1)", "ms": 4.6, "after_gap_ms": None},
+        {"module": "jit_step(1)", "ms": 4.4, "after_gap_ms": 0.2}]
 
     proc = _script("kernel_profile.py", "experiments/quickstart.toml", "--steps", "2",
                    "--window", "1:2")

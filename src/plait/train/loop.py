@@ -303,14 +303,16 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
     return summary
 
 
-def train_briefly(exp: Experiment, mesh: Mesh, steps: int, console: str = "none") -> dict:
+def train_briefly(exp: Experiment, mesh: Mesh, steps: int, console: str = "none",
+                  log_every: int = 1) -> dict:
     """The summary of `steps` steps of plait train's loop for `exp` on `mesh` in a scratch
-    directory: data included, no checkpoints, every step logged with its time. What
-    `plait sweep --run` and the benchmarks time."""
+    directory: data included, no checkpoints, every `log_every`-th step logged with the
+    mean time of the steps since the last (every step by default). What `plait sweep
+    --run` and the benchmarks time."""
     run = exp.model_copy(update={
         "train": exp.train.model_copy(update={"steps": steps}),
         "checkpoint": exp.checkpoint.model_copy(update={"enabled": False}),
-        "log": exp.log.model_copy(update={"every_steps": 1, "tensorboard": False,
+        "log": exp.log.model_copy(update={"every_steps": log_every, "tensorboard": False,
                                           "console": console})})
     with tempfile.TemporaryDirectory() as tmp:
         return train(run, mesh, Path(tmp))
