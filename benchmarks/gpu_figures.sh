@@ -14,22 +14,21 @@
 # failure does not cost the stages after it; logs and JSON go to $OUT (default gpu-out/).
 #
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
-# limits together (about 85 minutes), so take them in the order of what they close:
-#   1. env nanogpt gpt1p3b (DEADLINE_S=300): issue 29's nanoGPT ratio (1.028x on an H100
-#      on 2026-11-26, 1.055x with nanoGPT's own architecture; the issue asks 1.1x) and
-#      gpt2-1.3b as shipped (47.0% MFU; asks 50%), both now with the q/k/v parts (-2.4% /
-#      -2.7% estimated); the init compiles in seconds now, not 4 minutes. Then
-#      fp8unrolled alone (~6 minutes): FP8 on gpt2-1.3b over 300 steps, the speed-up
-#      (1.16x estimated on an H100; asks 1.3x) and the curve. ab124 (with
-#      .refs/plait-before holding commit 5a3df19's src and benchmarks) measures what
-#      the q/k/v parts and the one-pass log-sum-exp did, side by side
-#   2. moe moebatch16 profilemoe, then moevariants: issue 28 (0.579 of the dense twin on
-#      an H100; asks 0.70): as shipped, at 16 x 2048 (the optimizer's cost spread over
-#      twice the tokens: 0.68 -> 0.77 in the census), where its time goes, the variants
-#   3. then profiles, sweep1p3b, sweepllama, sweep124 (issue 29's other items), fp8curve,
-#      gpt1p3bunrolled, gpt1p3bstart, grouped.
-#   llama1b (issue 26, 56% MFU on an H100 on 2026-11-26) and llama1bchunks re-measure
-#   what docs/benchmarks.md already holds.
+# limits together (about 85 minutes), so take them in the order of what they close
+# (every stage's log ends with the GPU's SM clock and power while it ran):
+#   1. env fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured
+#      there: the speed-up (issue 29 asks 1.3x) and the curve (within 1% from step 100).
+#   2. moe moebatch16 (~6 minutes): issue 28 (asks 0.70 of the dense twin; mixtral-mini
+#      ran 164.1 ms a step on an H100 on 2026-11-26, the twin 101-104 in an earlier
+#      session): as shipped and at 16 x 2048, where AdamW's per-step cost over the
+#      experts' 3.5x parameters is spread over twice the tokens.
+#   3. sweep124, sweep1p3b (issue 29's sweep item), then profiles (now with each program
+#      run's span: the loop's steps measured 4-5% longer than the traced ones on
+#      2026-11-26), nanogpt and gpt1p3b again after kernel changes (1.033x and 45.0% MFU
+#      on 2026-11-26), fp8curve, moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped.
+#   ab124 (with .refs/plait-before holding an earlier commit's src and benchmarks) measures
+#   a change side by side; llama1b (issue 26, 56% MFU on an H100 on 2026-11-26) and
+#   llama1bchunks re-measure what docs/benchmarks.md already holds.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"

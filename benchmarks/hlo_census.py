@@ -13,9 +13,10 @@ writes: its operands and its result, except that an operand read only through
 product's 2 x output x contracted size; cuDNN's causal attention 2 x batch x heads x
 seq^2 x head_dim forward and 2.5 x that backward. Its time: the larger of FLOPs at
 `matmul_efficiency` x peak (an FP8 product's peak twice bf16's) and bytes at
-`memory_efficiency` x bandwidth -- no launch gaps, no overlap, one efficiency for
-every product: an estimate to compare programs by, calibrated against measured steps
-in docs/benchmarks.md, not a measurement.
+`memory_efficiency` x bandwidth (attention's FLOPs at `attention_efficiency`), plus a
+fixed cost per launch -- no overlap, one efficiency per kind: rates fitted to kernels
+an H100 ran (MATMUL_EFFICIENCY ... below), an estimate to compare programs by, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -159,14 +160,32 @@ def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
     return out
 
 
+# Fitted to three steps profiled on an H100 on 2026-11-26 (gpt2-124m, gpt2-1.3b,
+# mixtral-mini: benchmarks/results/h100-2026-11-26c, docs/benchmarks.md "A fourth GPU
+# session"): cuBLAS's products ran at 0.68-0.71 of the bf16 peak, the memory-bound
+# fusions and reductions at 0.53-0.72 of the bandwidth (0.85 had been assumed), cuDNN's
+# causal flash attention at head_dim 64 (its helper kernels included) at 0.23 (seq
+# 1024) to 0.30 (seq 2048) of the peak, and a kernel took ~2 us more than its roofline
+# (launch, ramp, the gap to the next): with these the three estimates come within 1-7%
+# of the kernels' measured time, where the old rates were 20-30% under.
+MATMUL_EFFICIENCY = 0.70
+MEMORY_EFFICIENCY = 0.60
+ATTENTION_EFFICIENCY = 0.25
+LAUNCH_S = 2e-6
+
+
 def estimate(found: list[Kernel], peak_flops: float, bandwidth: float,
-             matmul_efficiency: float = 0.75, memory_efficiency: float = 0.85) -> float:
+             matmul_efficiency: float = MATMUL_EFFICIENCY,
+             memory_efficiency: float = MEMORY_EFFICIENCY,
+             attention_efficiency: float = ATTENTION_EFFICIENCY,
+             launch_s: float = LAUNCH_S) -> float:
     """Fill each kernel's seconds per step; returns their sum. `peak_flops` is bf16's
     (FP8 products get twice it)."""
     for k in found:
         peak = peak_flops * (2 if k.fp8 else 1)
-        k.seconds = k.launches * max(k.flops / (peak * matmul_efficiency),
-                                     k.bytes / (bandwidth * memory_efficiency))
+        rate = peak * (attention_efficiency if k.kind == "attention" else matmul_efficiency)
+        k.seconds = k.launches * (max(k.flops / rate, k.bytes / (bandwidth * memory_efficiency))
+                                  + launch_s)
     return sum(k.seconds for k in found)
 
 
