@@ -265,11 +265,23 @@ def test_hlo_census_counts_a_gpu_programs_kernels_bytes_and_flops(monkeypatch):
     assert (read.launches, read.bytes) == (1, 2 * 64 * 32 + 4 + 2 * 64 * 32)
     assert (found["reduce.1"].kind, found["reduce.1"].bytes) == ("reduction", 4096 + 4 + 4)
     total = hlo_census.estimate(list(found.values()), peak_flops=1e9, bandwidth=1e9,
-                                matmul_efficiency=0.5, memory_efficiency=1.0)
+                                matmul_efficiency=0.5, memory_efficiency=1.0, launch_s=0.0)
     assert mm.seconds == pytest.approx(8 * max(mm.flops / 0.5e9, mm.bytes / 1e9))
     assert mm.seconds == pytest.approx(8 * mm.flops / 0.5e9)  # compute-bound at 1 GFLOP/s
     assert stack.seconds == pytest.approx(8 * stack.bytes / 1e9)
     assert total == pytest.approx(sum(k.seconds for k in found.values()))
+    # each launch costs a fixed time besides its roofline
+    with_launches = hlo_census.estimate(list(found.values()), peak_flops=1e9,
+                                        bandwidth=1e9, matmul_efficiency=0.5,
+                                        memory_efficiency=1.0, launch_s=1e-3)
+    assert with_launches == pytest.approx(total + 1e-3 * (8 + 8 + 1 + 1))
+    assert mm.seconds == pytest.approx(8 * (mm.flops / 0.5e9 + 1e-3))
+    # cuDNN's flash attention has its own rate (a quarter of the peak on an H100)
+    att = hlo_census.Kernel(name="custom-call.2", kind="attention", launches=2, bytes=1.0,
+                            flops=1e9)
+    hlo_census.estimate([att], peak_flops=1e9, bandwidth=1e9)
+    assert att.seconds == pytest.approx(2 * (1 / hlo_census.ATTENTION_EFFICIENCY
+                                             + hlo_census.LAUNCH_S))
     groups = {g["group"]: g for g in hlo_census.by_group(list(found.values()), top=10)}
     assert groups["loop_dynamic_update_slice_fusion"]["launches"] == 8
     assert hlo_census.by_kind(list(found.values()))["matmul"]["launches"] == 8
