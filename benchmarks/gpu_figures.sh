@@ -210,17 +210,20 @@ for stage in "$@"; do
         run "$name" 150 python3 benchmarks/grouped_matmul.py $mode --repeat 10 \
           --json "$OUT/$name.json"
       done ;;
-    profiles|profilemoe)  # where each step's GPU time goes, by kind and by kernel, and
-      # the host round trips (benchmarks/kernel_profile.py: two profiled steps, a summary
-      # in JSON); profilemoe: mixtral-mini's alone (its step measured 1.36x the census's
-      # roofline on an H100, the dense twin's 1.15x: where do the other 0.21 go?)
-      run profile-mixtral-mini 150 $MOE_MEM python3 benchmarks/kernel_profile.py \
-        experiments/mixtral-mini.toml --json "$OUT/profile-mixtral-mini.json"
+    profiles|profilemoe)  # where each step's GPU time goes, by kind and by kernel, the
+      # GPU's idle gaps and each program run (benchmarks/kernel_profile.py: four traced
+      # steps, a summary in JSON). On an H100 on 2026-11-26 the loop's steps took 4-5%
+      # longer than two traced ones' span on all three models: do four traced steps run
+      # alike, back to back, at the clock of the untraced ones? profilemoe: mixtral-mini's
+      # alone
+      run profile-mixtral-mini 180 $MOE_MEM python3 benchmarks/kernel_profile.py \
+        experiments/mixtral-mini.toml --steps 12 --window 6:10 \
+        --json "$OUT/profile-mixtral-mini.json"
       [ "$stage" = profilemoe ] && continue
       run profile-gpt124 120 python3 benchmarks/kernel_profile.py experiments/gpt2-124m.toml \
-        --json "$OUT/profile-gpt124.json"
-      run profile-gpt1p3b 150 python3 benchmarks/kernel_profile.py experiments/gpt2-1.3b.toml \
-        --set "model.remat='none'" --set model.loss_chunks=4 --json "$OUT/profile-gpt1p3b.json" ;;
+        --steps 12 --window 6:10 --json "$OUT/profile-gpt124.json"
+      run profile-gpt1p3b 180 python3 benchmarks/kernel_profile.py experiments/gpt2-1.3b.toml \
+        --steps 12 --window 6:10 --json "$OUT/profile-gpt1p3b.json" ;;
     sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on
       # the GPU, trains the top ones and fits the overheads to them
