@@ -116,10 +116,10 @@ for stage in "$@"; do
     cmdbuf)  # XLA's command buffers (CUDA graphs) on and off, alternating, on the unrolled
       # steps as shipped. On an H100 on 2026-11-26 the loop's steps took 4-5% longer than
       # the traced steps' span (gpt2-124m 66.9 against 64.2 ms, gpt2-1.3b 328.9 against
-      # 317.7) with the GPU idle under 1.3% inside the trace: if XLA runs a command
-      # buffer's kernels one by one while a profiler listens, the difference is the
-      # graphs' own cost. (Scanned layers need them: off, a scanned gpt2-1.3b ran 23%
-      # slower on an H200.)
+      # 317.7) with the GPU idle under 1.3% inside the trace, and while a profiler is
+      # active XLA runs command buffers' kernels one by one (a CUPTI workaround in its
+      # CommandBufferThunk): the difference may be the graphs' own cost. (Scanned layers
+      # need them: off, a scanned gpt2-1.3b ran 23% slower on an H200.)
       for round in 1 2; do
         run "gpt124-cmdbuf-on-$round" 90 python3 benchmarks/throughput.py \
           experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-cmdbuf-on-$round.json"

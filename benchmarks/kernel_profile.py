@@ -6,7 +6,10 @@ predicate read by the host, the GPU idle until it answers), beside the step's ow
 time (the median of the steps before the traced ones, from metrics.jsonl): what the
 kernels leave of it is time the GPU waited; inside the traced window, the gaps between
 kernels by size (launches, a host behind the GPU, syncs) and the largest of them with
-the kernels either side, which say where it waited. Small enough to keep under
+the kernels either side, which say where it waited. While a profiler is active XLA
+runs command buffers' (CUDA graphs') kernels one by one, so the traced steps run as
+launches, not graphs: a step that differs from the loop's may be that. Small enough to
+keep under
 benchmarks/results/; the trace itself is hundreds of MB.
 
     python benchmarks/kernel_profile.py EXPERIMENT [--set K=V ...] [--steps 8 --window 5:7]
