@@ -17,7 +17,7 @@
 # limits together (about 85 minutes), so take them in the order of what they close
 # (every stage's log ends with the GPU's SM clock and power while it ran):
 #   1. env cmdbuf (~5 minutes, DEADLINE_S=320): command buffers on and off, the cheapest
-#      test of why the loop's steps ran 4-5% longer than the traced ones (a way past
+#      test of why the loop's steps ran 3.5-4% longer than the traced ones (a way past
 #      nanoGPT's 1.1x and gpt2-1.3b's 50% if it is them); then fp8unrolled alone (~6
 #      minutes): FP8 on gpt2-1.3b over 300 steps, never measured there: the speed-up
 #      (issue 29 asks 1.3x) and the curve (within 1% from step 100).
@@ -26,7 +26,7 @@
 #      session): as shipped and at 16 x 2048, where AdamW's per-step cost over the
 #      experts' 3.5x parameters is spread over twice the tokens.
 #   3. sweep124, sweep1p3b (issue 29's sweep item), then profiles (now with each program
-#      run's span: the loop's steps measured 4-5% longer than the traced ones on
+#      run's span: the loop's steps measured 3.5-4% longer than the traced ones on
 #      2026-11-26), nanogpt and gpt1p3b again after kernel changes (1.033x and 45.0% MFU
 #      on 2026-11-26), fp8curve, moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped.
 #   ab124 (with .refs/plait-before holding an earlier commit's src and benchmarks) measures
@@ -114,7 +114,7 @@ for stage in "$@"; do
           --steps 30 --json "$OUT/gpt124-before-$round.json"
       done ;;
     cmdbuf)  # XLA's command buffers (CUDA graphs) on and off, alternating, on the unrolled
-      # steps as shipped. On an H100 on 2026-11-26 the loop's steps took 4-5% longer than
+      # steps as shipped. On an H100 on 2026-11-26 the loop's steps took 3.5-4% longer than
       # the traced steps' span (gpt2-124m 66.9 against 64.2 ms, gpt2-1.3b 328.9 against
       # 317.7) with the GPU idle under 1.3% inside the trace, and while a profiler is
       # active XLA runs command buffers' kernels one by one (a CUPTI workaround in its
@@ -234,7 +234,7 @@ for stage in "$@"; do
       done ;;
     profiles|profilemoe)  # where each step's GPU time goes, by kind and by kernel, the
       # GPU's idle gaps and each program run (benchmarks/kernel_profile.py: four traced
-      # steps, a summary in JSON). On an H100 on 2026-11-26 the loop's steps took 4-5%
+      # steps, a summary in JSON). On an H100 on 2026-11-26 the loop's steps took 3.5-4%
       # longer than two traced ones' span on all three models: do four traced steps run
       # alike, back to back, at the clock of the untraced ones? profilemoe: mixtral-mini's
       # alone
