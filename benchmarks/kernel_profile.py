@@ -9,8 +9,7 @@ kernels by size (launches, a host behind the GPU, syncs) and the largest of them
 the kernels either side, which say where it waited. While a profiler is active XLA
 runs command buffers' (CUDA graphs') kernels one by one, so the traced steps run as
 launches, not graphs: a step that differs from the loop's may be that. Small enough to
-keep under
-benchmarks/results/; the trace itself is hundreds of MB.
+keep under benchmarks/results/; the trace itself is hundreds of MB.
 
     python benchmarks/kernel_profile.py EXPERIMENT [--set K=V ...] [--steps 8 --window 5:7]
     python benchmarks/kernel_profile.py --trace RUN_DIR/profile   (a trace already taken)

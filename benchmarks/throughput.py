@@ -25,9 +25,7 @@ def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str,
     from plait import mesh as mesh_lib
     from plait.config_files import load_experiment
 
-    exp = load_experiment(experiment, [
-        *sets, f"train.steps={steps}", "checkpoint.enabled=false",
-        f"log.every_steps={log_every}", "log.tensorboard=false", "log.console='line'"])
+    exp = load_experiment(experiment, sets)  # train_loop sets the steps, logs, no saves
     spec = mesh_lib.load_spec(mesh_text)
     n = mesh_lib.provision_devices(spec)
     mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
