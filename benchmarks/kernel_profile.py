@@ -8,8 +8,10 @@ kernels leave of it is time the GPU waited; inside the traced window, the gaps b
 kernels by size (launches, a host behind the GPU, syncs) and the largest of them with
 the kernels either side, which say where it waited. While a profiler is active XLA
 runs command buffers' (CUDA graphs') kernels one by one, so the traced steps run as
-launches, not graphs: a step that differs from the loop's may be that. Small enough to
-keep under benchmarks/results/; the trace itself is hundreds of MB.
+launches, not graphs: a step that differs from the loop's may be that. The step's
+program is dumped as XLA:GPU optimized it (RUN_DIR/hlo), so the kernels' time is also
+summed by the JAX operation that made them (`ops`, as `gpu_census.py` estimates it).
+Small enough to keep under benchmarks/results/; the trace itself is hundreds of MB.
 
     python benchmarks/kernel_profile.py EXPERIMENT [--set K=V ...] [--steps 8 --window 5:7]
     python benchmarks/kernel_profile.py --trace RUN_DIR/profile   (a trace already taken)
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -63,6 +66,7 @@ def summarize(profile, steps: int, top: int = 25) -> dict:
     lines = list(plane.lines)
     streams = [x for x in lines if x.name.startswith("Stream")] or lines
     ns, calls = collections.Counter(), collections.Counter()
+    by_hlo = collections.Counter()  # kernel time by the HLO instruction that launched it
     trips = 0
     for line in streams:
         for e in line.events:
@@ -71,6 +75,13 @@ def summarize(profile, steps: int, top: int = 25) -> dict:
                 continue
             ns[e.name] += e.duration_ns
             calls[e.name] += 1
+            hlo_op = dict(e.stats).get("hlo_op")
+            if hlo_op:
+                by_hlo[str(hlo_op)] += e.duration_ns
+    if not by_hlo:  # no instruction on the kernels: the derived line of XLA's ops has them
+        for line in (x for x in lines if x.name == "XLA Ops"):
+            for e in line.events:
+                by_hlo[e.name] += e.duration_ns
     kinds = collections.Counter()
     for name, t in ns.items():
         kinds[kind_of(name)] += t
@@ -84,7 +95,40 @@ def summarize(profile, steps: int, top: int = 25) -> dict:
             "kinds_ms_per_step": {k: round(v * ms, 3) for k, v in kinds.most_common()},
             "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": round(t * ms, 3),
                      "calls_per_step": calls[name] / steps}
-                    for name, t in ns.most_common(top)]}
+                    for name, t in ns.most_common(top)],
+            "_by_hlo_op": by_hlo}
+
+
+# The train step's program as XLA:GPU optimized it, dumped beside the trace: its
+# instructions' JAX operations (op_name metadata) turn kernel time by HLO instruction
+# into kernel time by JAX operation, the census's `ops` measured.
+HLO_DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step"
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> the JAX operation that made it (jit's prefix taken off)."""
+    out = {}
+    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text,
+                         re.MULTILINE):
+        out[m.group(1)] = re.sub(r"jit\([^)]*\)/", "", m.group(2))[:100]
+    return out
+
+
+def by_op(by_hlo: collections.Counter, names: dict[str, str], steps: int,
+          top: int) -> list[dict]:
+    """Measured kernel time per step by JAX operation, largest first."""
+    ops = collections.Counter()
+    for hlo_op, t in by_hlo.items():
+        ops[names.get(hlo_op, "(no op_name)")] += t
+    return [{"op": op, "ms_per_step": round(t * 1e-6 / steps, 3)}
+            for op, t in ops.most_common(top)]
+
+
+def optimized_hlo(run_dir: Path) -> str | None:
+    """The largest train-step module XLA dumped after optimizations under run_dir/hlo."""
+    found = sorted((run_dir / "hlo").glob("*jit_step*after_optimizations.txt"),
+                   key=lambda f: f.stat().st_size)
+    return found[-1].read_text() if found else None
 
 
 # Where a gap between kernels falls tells its cause: a few microseconds after most
@@ -193,12 +237,19 @@ def main() -> int:
         cmd = [sys.executable, "-m", "plait", "train", args.experiment, "--run-dir",
                str(run_dir), "--steps", str(args.steps), "--profile", f"{start}:{stop}",
                "--set", "log.every_steps=1", *(x for s in args.sets for x in ("--set", s))]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = " ".join(
+            x for x in (env.get("XLA_FLAGS", ""), HLO_DUMP_FLAGS.format(run_dir / "hlo")) if x)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode:
             sys.stderr.write(done.stderr[-3000:])
             return done.returncode
         args.trace = run_dir / "profile"
     result = summarize(read_trace(args.trace), stop - start, args.top)
+    by_hlo = result.pop("_by_hlo_op")
+    text = optimized_hlo(args.trace.parent)
+    if by_hlo and text:
+        result["ops"] = by_op(by_hlo, op_names(text), stop - start, args.top)
     step = step_ms(args.trace.parent, start)
     waited = None if step is None else round(step - result["busy_ms_per_step"], 3)
     report({"date": time.strftime("%Y-%m-%d"), "experiment": args.experiment,

@@ -6,6 +6,7 @@ script rotted while no GPU was there to run it."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -154,14 +155,17 @@ _XSPACE = '''
 planes {
   id: 1 name: "/device:GPU:0"
   lines { id: 1 name: "Stream #14(MemcpyD2H,Compute,Memset)" timestamp_ns: 0
-    events { metadata_id: 1 offset_ps: 0 duration_ps: 3000000000 }
-    events { metadata_id: 1 offset_ps: 3000000000 duration_ps: 3000000000 }
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 3000000000
+      stats { metadata_id: 20 str_value: "custom-call.1" } }
+    events { metadata_id: 1 offset_ps: 3000000000 duration_ps: 3000000000
+      stats { metadata_id: 20 str_value: "custom-call.1" } }
     events { metadata_id: 2 offset_ps: 6000000000 duration_ps: 1000000000 }
     events { metadata_id: 2 offset_ps: 7000000000 duration_ps: 1000000000 }
     events { metadata_id: 3 offset_ps: 8001000000 duration_ps: 500000000 }
     events { metadata_id: 4 offset_ps: 8500000000 duration_ps: 300000000 }
     events { metadata_id: 5 offset_ps: 8800000000 duration_ps: 100000000 }
-    events { metadata_id: 6 offset_ps: 9000000000 duration_ps: 200000000 }
+    events { metadata_id: 6 offset_ps: 9000000000 duration_ps: 200000000
+      stats { metadata_id: 20 str_value: "loop_add_fusion.48" } }
     events { metadata_id: 7 offset_ps: 9100000000 duration_ps: 10000000 }
     events { metadata_id: 7 offset_ps: 9200000000 duration_ps: 10000000 }
   }
@@ -181,11 +185,12 @@ planes {
   event_metadata { key: 7 value { id: 7 name: "MemcpyD2H" } }
   event_metadata { key: 8 value { id: 8 name: "fusion.1" } }
   event_metadata { key: 9 value { id: 9 name: "jit_step(1)" } }
+  stat_metadata { key: 20 value { id: 20 name: "hlo_op" } }
 }
 '''
 
 
-def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path):
+def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path, monkeypatch):
     """kernel_profile.py (gpu_figures.sh's profiles stage): a GPU trace's kernels per
     step by kind and by name, the host round trips counted apart, and the step time of
     the untraced steps before the window (metrics.jsonl beside the profile) less the
@@ -197,6 +202,13 @@ def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path)
     trace.mkdir(parents=True)
     (trace / "host.xplane.pb").write_bytes(
         ProfileData.text_proto_to_serialized_xspace(_XSPACE))
+    # the step's program as XLA dumped it beside the trace: its instructions' JAX ops
+    (tmp_path / "hlo").mkdir()
+    (tmp_path / "hlo" / "module_0001.jit_step.sm_9.0_gpu_after_optimizations.txt").write_text(
+        '%custom-call.1 = (bf16[4,4]{1,0}, s8[16]{0}) custom-call(%a, %b), '
+        'custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/jvp(x)/dot_'
+        'general"}\n  ROOT %loop_add_fusion.48 = f32[4]{0} fusion(%c), kind=kLoop, calls=%f, '
+        'metadata={op_name="jit(step)/add" scheduling_name="loop_add_fusion.48"}\n')
     (tmp_path / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "step_time_s": t}) + "\n"
         for s, t in [(1, 9.0), (2, 0.0051), (3, 0.0049), (4, 0.0050), (5, 0.0080)]))
@@ -226,6 +238,18 @@ def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path)
         {"us": 1.0, "after": "cudnn_generated_fort_native_sdpa_sm90_bprop",
          "before": "memcpy128"}]
     assert got["kernels_under_5us_per_step"] == {"count": 0, "ms": 0}
+    # kernel time by the JAX operation whose HLO instruction launched it (the dump's
+    # op_name); the kernels with no instruction named are left out
+    assert got["ops"] == [{"op": "jvp(x)/dot_general", "ms_per_step": 3.0},
+                          {"op": "add", "ms_per_step": 0.1}]
+    # kernels without their instruction: the derived "XLA Ops" line's names instead
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import kernel_profile
+
+    bare = re.sub(r"\n\s*stats \{[^}]*\} \}", " }", _XSPACE)
+    summary = kernel_profile.summarize(ProfileData.from_serialized_xspace(
+        ProfileData.text_proto_to_serialized_xspace(bare)), 2)
+    assert summary["_by_hlo_op"] == {"fusion.1": 9_000_000}
     # the derived line of program runs: one per step, the second 0.2 ms after the first
     assert got["module_runs"] == [
         {"module": "jit_step(1)", "ms": 4.6, "after_gap_ms": None},
