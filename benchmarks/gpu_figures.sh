@@ -233,19 +233,20 @@ for stage in "$@"; do
           --json "$OUT/$name.json"
       done ;;
     profiles|profilemoe)  # where each step's GPU time goes, by kind and by kernel, the
-      # GPU's idle gaps and each program run (benchmarks/kernel_profile.py: four traced
-      # steps, a summary in JSON). On an H100 on 2026-11-26 the loop's steps took 3.5-4%
+      # GPU's idle gaps, each program run and the time by JAX operation
+      # (benchmarks/kernel_profile.py: four traced steps, a summary in JSON; put its ops
+      # beside the census's with benchmarks/ops_compare.py). On an H100 on 2026-11-26 the loop's steps took 3.5-4%
       # longer than two traced ones' span on all three models: do four traced steps run
       # alike, back to back, at the clock of the untraced ones? profilemoe: mixtral-mini's
       # alone
       run profile-mixtral-mini 180 $MOE_MEM python3 benchmarks/kernel_profile.py \
-        experiments/mixtral-mini.toml --steps 12 --window 6:10 \
+        experiments/mixtral-mini.toml --steps 12 --window 6:10 --top 60 \
         --json "$OUT/profile-mixtral-mini.json"
       [ "$stage" = profilemoe ] && continue
       run profile-gpt124 120 python3 benchmarks/kernel_profile.py experiments/gpt2-124m.toml \
-        --steps 12 --window 6:10 --json "$OUT/profile-gpt124.json"
+        --steps 12 --window 6:10 --top 60 --json "$OUT/profile-gpt124.json"
       run profile-gpt1p3b 180 python3 benchmarks/kernel_profile.py experiments/gpt2-1.3b.toml \
-        --steps 12 --window 6:10 --json "$OUT/profile-gpt1p3b.json" ;;
+        --steps 12 --window 6:10 --top 60 --json "$OUT/profile-gpt1p3b.json" ;;
     sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on
       # the GPU, trains the top ones and fits the overheads to them

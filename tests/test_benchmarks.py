@@ -370,3 +370,28 @@ def test_hlo_census_prices_a_data_sized_switch_at_the_size_asked(monkeypatch):
     text = (ROOT / "tests" / "data" / "gpu_sized.hlo").read_text()
     launched = {b: sorted(k.name for k in hlo_census.kernels(text, b)) for b in (0, 1, 2, 9)}
     assert launched == {0: ["c0"], 1: ["n1"], 2: ["e2", "n2"], 9: ["e2", "n2"]}
+
+
+def test_ops_compare_puts_the_census_beside_a_profile(tmp_path):
+    """ops_compare.py: the census's estimated and a profile's measured ms a step per JAX
+    operation, the largest measured first, an operation one side lacks at 0 there;
+    a JSON without ops is refused in one line."""
+    census, profile, out = (tmp_path / n for n in ("c.json", "p.json", "o.json"))
+    census.write_text(json.dumps({"ops": [{"op": "dot", "ms": 2.0}, {"op": "add", "ms": 1.0},
+                                          {"op": "reduce_sum", "ms": 0.5}]}))
+    profile.write_text(json.dumps({"ops": [{"op": "add", "ms_per_step": 3.0},
+                                           {"op": "dot", "ms_per_step": 2.2},
+                                           {"op": "(no op_name)", "ms_per_step": 0.1}]}))
+    _ok(_script("ops_compare.py", str(census), str(profile), "--json", str(out)))
+    got = json.loads(out.read_text())
+    assert (got["estimated_ms"], got["measured_ms"]) == (3.5, 5.3)
+    assert got["rows"] == [
+        {"op": "add", "estimated_ms": 1.0, "measured_ms": 3.0, "ratio": 3.0},
+        {"op": "dot", "estimated_ms": 2.0, "measured_ms": 2.2, "ratio": 1.1},
+        {"op": "(no op_name)", "estimated_ms": 0.0, "measured_ms": 0.1, "ratio": None},
+        {"op": "reduce_sum", "estimated_ms": 0.5, "measured_ms": 0.0, "ratio": None}]
+    census.write_text("{}")
+    proc = _script("ops_compare.py", str(census), str(profile))
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "has no ops" in line
