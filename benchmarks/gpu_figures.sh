@@ -245,7 +245,7 @@ for stage in "$@"; do
       [ "$stage" = profilemoe ] && continue
       run profile-gpt124 120 python3 benchmarks/kernel_profile.py experiments/gpt2-124m.toml \
         --steps 12 --window 6:10 --top 60 --json "$OUT/profile-gpt124.json"
-      run profile-gpt1p3b 180 python3 benchmarks/kernel_profile.py experiments/gpt2-1.3b.toml \
+      run profile-gpt1p3b 210 python3 benchmarks/kernel_profile.py experiments/gpt2-1.3b.toml \
         --steps 12 --window 6:10 --top 60 --json "$OUT/profile-gpt1p3b.json" ;;
     sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on

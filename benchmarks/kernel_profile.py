@@ -237,7 +237,9 @@ def main() -> int:
         cmd = [sys.executable, "-m", "plait", "train", args.experiment, "--run-dir",
                str(run_dir), "--steps", str(args.steps), "--profile", f"{start}:{stop}",
                "--set", "log.every_steps=1", *(x for s in args.sets for x in ("--set", s))]
-        env = dict(os.environ)
+        # the step compiled, not read from JAX's cache (whose key leaves the dump flags
+        # out): XLA dumps only what it compiles
+        env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
         env["XLA_FLAGS"] = " ".join(
             x for x in (env.get("XLA_FLAGS", ""), HLO_DUMP_FLAGS.format(run_dir / "hlo")) if x)
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
