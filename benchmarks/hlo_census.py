@@ -25,7 +25,7 @@ import collections
 import re
 from dataclasses import dataclass
 
-from kernel_profile import kind_of  # benchmarks/ is the script's directory
+from kernel_profile import jax_op, kind_of  # benchmarks/ is the script's directory
 
 from plait import hlo
 from plait.analysis import launched, one_dot_flops
@@ -156,7 +156,7 @@ def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
         out.append(Kernel(name=ins.name, kind=kind_of(name), launches=times,
                           bytes=_read_bytes(mod, ins) + _written_bytes(mod, ins),
                           flops=flops, shape=ins.shape[:90], fp8="$f8" in name,
-                          op=re.sub(r"jit\([^)]*\)/", "", op.group(1))[:100] if op else ""))
+                          op=jax_op(op.group(1)) if op else ""))
     return out
 
 

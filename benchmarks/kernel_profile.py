@@ -53,9 +53,10 @@ def kind_of(kernel: str) -> str:
     return next(kind for kind, pattern in KINDS if re.search(pattern, kernel))
 
 
-def summarize(profile, steps: int, top: int = 25) -> dict:
+def summarize(profile, steps: int, top: int = 25, hlo_text: str | None = None) -> dict:
     """Per-step kernel time of the first GPU plane of a jax.profiler.ProfileData, by
-    kind and by kernel, and its device-to-host copies per step."""
+    kind and by kernel, and its device-to-host copies per step; with the step's
+    optimized HLO (`hlo_text`), by the JAX operation that made each kernel too."""
     planes = [p for p in profile.planes if re.match(r"/device:GPU:\d+$", p.name)]
     if not planes:
         from plait.errors import UserError
@@ -67,17 +68,15 @@ def summarize(profile, steps: int, top: int = 25) -> dict:
     streams = [x for x in lines if x.name.startswith("Stream")] or lines
     ns, calls = collections.Counter(), collections.Counter()
     by_hlo = collections.Counter()  # kernel time by the HLO instruction that launched it
-    trips = 0
-    for line in streams:
-        for e in line.events:
-            if "D2H" in e.name:
-                trips += 1
-                continue
-            ns[e.name] += e.duration_ns
-            calls[e.name] += 1
-            hlo_op = dict(e.stats).get("hlo_op")
-            if hlo_op:
-                by_hlo[str(hlo_op)] += e.duration_ns
+    events = [e for line in streams for e in line.events]
+    kernels = [e for e in events if "D2H" not in e.name]
+    trips = len(events) - len(kernels)
+    for e in kernels:
+        ns[e.name] += e.duration_ns
+        calls[e.name] += 1
+        hlo_op = dict(e.stats).get("hlo_op")
+        if hlo_op:
+            by_hlo[str(hlo_op)] += e.duration_ns
     if not by_hlo:  # no instruction on the kernels: the derived line of XLA's ops has them
         for line in (x for x in lines if x.name == "XLA Ops"):
             for e in line.events:
@@ -86,17 +85,17 @@ def summarize(profile, steps: int, top: int = 25) -> dict:
     for name, t in ns.items():
         kinds[kind_of(name)] += t
     ms = 1e-6 / steps
+    ops = {"ops": by_op(by_hlo, op_names(hlo_text), steps, top)} if by_hlo and hlo_text else {}
     return {"device": plane.name, "steps": steps,
             "busy_ms_per_step": round(sum(ns.values()) * ms, 3),
             "host_round_trips_per_step": trips / steps,
             "kernels_per_step": sum(calls.values()) / steps,
-            **idle_time(streams, steps),
+            **idle_time(kernels, steps),
             **module_runs(lines),
             "kinds_ms_per_step": {k: round(v * ms, 3) for k, v in kinds.most_common()},
             "top": [{"kernel": name, "kind": kind_of(name), "ms_per_step": round(t * ms, 3),
                      "calls_per_step": calls[name] / steps}
-                    for name, t in ns.most_common(top)],
-            "_by_hlo_op": by_hlo}
+                    for name, t in ns.most_common(top)], **ops}
 
 
 # The train step's program as XLA:GPU optimized it, dumped beside the trace: its
@@ -105,13 +104,16 @@ def summarize(profile, steps: int, top: int = 25) -> dict:
 HLO_DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step"
 
 
+def jax_op(op_name: str) -> str:
+    """An instruction's op_name as the census and the profile both name it: less the
+    jit's prefix, at most 100 characters (ops_compare.py joins the two on it)."""
+    return re.sub(r"jit\([^)]*\)/", "", op_name)[:100]
+
+
 def op_names(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> the JAX operation that made it (jit's prefix taken off)."""
-    out = {}
-    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text,
-                         re.MULTILINE):
-        out[m.group(1)] = re.sub(r"jit\([^)]*\)/", "", m.group(2))[:100]
-    return out
+    """Instruction name -> the JAX operation that made it."""
+    return {m.group(1): jax_op(m.group(2)) for m in re.finditer(
+        r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.MULTILINE)}
 
 
 def by_op(by_hlo: collections.Counter, names: dict[str, str], steps: int,
@@ -137,12 +139,11 @@ def optimized_hlo(run_dir: Path) -> str | None:
 GAP_BUCKETS_US = [(0, 2), (2, 10), (10, 100), (100, 1000), (1000, float("inf"))]
 
 
-def idle_time(streams, steps: int, largest: int = 8, short_us: float = 5.0) -> dict:
+def idle_time(kernels, steps: int, largest: int = 8, short_us: float = 5.0) -> dict:
     """The GPU's idle time inside the traced window: the gaps between the union of the
     streams' kernels, per step by size, the largest with the kernels either side, and
     the kernels shorter than `short_us` (those a launch costs as much as they run)."""
-    spans = sorted((e.start_ns, e.end_ns, e.name) for line in streams for e in line.events
-                   if "D2H" not in e.name)
+    spans = sorted((e.start_ns, e.end_ns, e.name) for e in kernels)
     if not spans:
         return {}
     gaps, end, before = [], spans[0][1], spans[0][2]
@@ -157,8 +158,7 @@ def idle_time(streams, steps: int, largest: int = 8, short_us: float = 5.0) -> d
         label = f"{lo}-{hi} us" if hi != float("inf") else f">={lo} us"
         buckets[label] = {"gaps_per_step": round(len(inside) / steps, 1),
                           "ms_per_step": round(sum(inside) * 1e-6 / steps, 4)}
-    short = [e.duration_ns for line in streams for e in line.events
-             if "D2H" not in e.name and e.duration_ns < short_us * 1e3]
+    short = [e.duration_ns for e in kernels if e.duration_ns < short_us * 1e3]
     return {"span_ms_per_step": round((end - spans[0][0]) * 1e-6 / steps, 3),
             "idle_ms_per_step": round(sum(g for g, _, _ in gaps) * 1e-6 / steps, 4),
             "idle_by_gap": buckets,
@@ -247,11 +247,8 @@ def main() -> int:
             sys.stderr.write(done.stderr[-3000:])
             return done.returncode
         args.trace = run_dir / "profile"
-    result = summarize(read_trace(args.trace), stop - start, args.top)
-    by_hlo = result.pop("_by_hlo_op")
-    text = optimized_hlo(args.trace.parent)
-    if by_hlo and text:
-        result["ops"] = by_op(by_hlo, op_names(text), stop - start, args.top)
+    result = summarize(read_trace(args.trace), stop - start, args.top,
+                       optimized_hlo(args.trace.parent))
     step = step_ms(args.trace.parent, start)
     waited = None if step is None else round(step - result["busy_ms_per_step"], 3)
     report({"date": time.strftime("%Y-%m-%d"), "experiment": args.experiment,

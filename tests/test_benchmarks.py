@@ -248,8 +248,9 @@ def test_kernel_profile_sums_a_gpu_trace_by_kind_and_refuses_a_cpu_one(tmp_path,
 
     bare = re.sub(r"\n\s*stats \{[^}]*\} \}", " }", _XSPACE)
     summary = kernel_profile.summarize(ProfileData.from_serialized_xspace(
-        ProfileData.text_proto_to_serialized_xspace(bare)), 2)
-    assert summary["_by_hlo_op"] == {"fusion.1": 9_000_000}
+        ProfileData.text_proto_to_serialized_xspace(bare)), 2,
+        hlo_text='ROOT %fusion.1 = f32[4]{0} fusion(%c), metadata={op_name="jit(step)/mul"}')
+    assert summary["ops"] == [{"op": "mul", "ms_per_step": 4.5}]
     # the derived line of program runs: one per step, the second 0.2 ms after the first
     assert got["module_runs"] == [
         {"module": "jit_step(1)", "ms": 4.6, "after_gap_ms": None},
