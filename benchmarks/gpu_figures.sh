@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env cmdbuf dlrm gpt124 ab124 gpt124scan nanogpt gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env cmdbuf dlrm gpt124 ab124 gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -138,6 +138,12 @@ for stage in "$@"; do
     nanogpt)
       run nanogpt 420 python3 benchmarks/gpt_vs_nanogpt.py --reference .refs/nanoGPT \
         --torch-python python3 --rounds 2 --steps 30 --json "$OUT/nanogpt.json" ;;
+    nanogptnocmdbuf)  # the same with XLA's command buffers off for plait (nanoGPT is
+      # torch: the flag does not touch it), for when `cmdbuf` finds them a cost
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+        run nanogpt-cmdbuf-off 420 python3 benchmarks/gpt_vs_nanogpt.py \
+        --reference .refs/nanoGPT --torch-python python3 --rounds 2 --steps 30 \
+        --json "$OUT/nanogpt-cmdbuf-off.json" ;;
     gpt1p3b)  # as shipped since 2026-11-26: 64 layers unrolled, no remat, loss in 4
       # pieces (47.0% MFU on an H100 that day, before the q/k/v parts)
       run gpt1p3b 330 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
@@ -263,7 +269,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env cmdbuf dlrm gpt124 ab124 gpt124scan nanogpt gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env cmdbuf dlrm gpt124 ab124 gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
