@@ -8,7 +8,8 @@ kernels leave of it is time the GPU waited; inside the traced window, the gaps b
 kernels by size (launches, a host behind the GPU, syncs) and the largest of them with
 the kernels either side, which say where it waited. While a profiler is active XLA
 runs command buffers' (CUDA graphs') kernels one by one, so the traced steps run as
-launches, not graphs: a step that differs from the loop's may be that. The step's
+launches, not graphs (yet the loop's steps ran 3.5-4% longer than traced ones on an H100,
+and slower still with the graphs off: docs/benchmarks.md, "A fifth GPU session"). The step's
 program is dumped as XLA:GPU optimized it (RUN_DIR/hlo), so the kernels' time is also
 summed by the JAX operation that made them (`ops`, as `gpu_census.py` estimates it).
 Small enough to keep under benchmarks/results/; the trace itself is hundreds of MB.
