@@ -15,7 +15,7 @@ import pytest
 from helpers import make_mesh, tiny
 from jax._src.ad_checkpoint import saved_residuals
 
-from plait.models.activations import gelu, swiglu
+from plait.models.activations import gelu, swiglu, swiglu_halves
 from plait.models.keys import ParamKeys
 from plait.models.loss import _per_token, cross_entropy
 from plait.models.norms import LayerNorm, rms
@@ -137,6 +137,31 @@ def test_activations_keep_their_input_and_output_and_match_autodiff():
             np.asarray(jax.grad(mlp(plain), range(len(args)))(*args)[0], np.float32))
 
 
+def test_swiglu_of_fused_halves_keeps_the_product_s_output_not_its_halves():
+    """SwiGLU of one [..., 2, F] product output (Llama's fused gate and up) keeps that
+    output itself and the activation: no [B, S, F] half apart (the checkpoint of two
+    halves kept both, which a GPU writes out as a copy of the whole output). Value and
+    gradients equal those of the halves through `swiglu`, bit for bit."""
+    k = jax.random.split(jax.random.key(0), 2)
+    pre = jax.random.normal(k[0], (B, S, 2, F), jnp.bfloat16)
+    w = jax.random.normal(k[1], (F, D), jnp.bfloat16)
+
+    def halves(pre, w):
+        return (swiglu(pre[..., 0, :], pre[..., 1, :]) @ w).astype(jnp.float32).sum()
+
+    def fused(pre, w):
+        return (swiglu_halves(pre) @ w).astype(jnp.float32).sum()
+
+    assert [s for _, s in _kept(halves, pre, w) if s[:2] == (B, S)] == [(B, S, F)] * 3
+    assert [s for _, s in _kept(fused, pre, w) if s[:2] == (B, S)] == [
+        (B, S, 2, F), (B, S, F)]
+    (v1, g1), (v2, g2) = (jax.value_and_grad(f, (0, 1))(pre, w) for f in (halves, fused))
+    assert v1 == v2
+    for a, b in zip(g1, g2, strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_loss_keeps_the_logits_and_one_number_a_token(dtype):
     """The unfused cross-entropy keeps the logits in their dtype and a float32
@@ -167,7 +192,8 @@ def test_the_loss_keeps_the_logits_and_one_number_a_token(dtype):
 
 def test_a_llama_layer_keeps_no_float32_copy_of_the_residual_stream():
     """Through the whole model (a 2-layer Llama, unrolled): no float32 array of the
-    residual stream's size is kept, and the [tokens, d_ff] arrays are three a layer."""
+    residual stream's size is kept, and of the MLP's a layer keeps its fused gate and up
+    product's output [tokens, 2, d_ff] and the activation [tokens, d_ff], no more."""
     from plait.tasks.gpt import GPTTask
 
     exp = tiny(model={"kind": "llama", "kv_heads": 2, "d_ff": 96, "scan_layers": False},
@@ -179,7 +205,8 @@ def test_a_llama_layer_keeps_no_float32_copy_of_the_residual_stream():
     rows, seq = exp.train.global_batch, exp.model.seq_len
     stream = [k for k in kept if k[1] == (rows, seq, exp.model.d_model)]
     assert stream and all(dt == "bfloat16" for dt, _ in stream), stream
-    assert len([k for k in kept if k[1] == (rows, seq, 96)]) == 3 * exp.model.layers
+    assert len([k for k in kept if k[1] == (rows, seq, 96)]) == exp.model.layers
+    assert len([k for k in kept if k[1] == (rows, seq, 2, 96)]) == exp.model.layers
 
 
 @pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])

@@ -31,7 +31,7 @@ from plait.models import (
     remat_policy,
     stacked_layers,
 )
-from plait.models.activations import gelu, swiglu
+from plait.models.activations import gelu, swiglu_halves
 from plait.models.keys import ParamKeys
 from plait.models.loss import chunked_cross_entropy, cross_entropy
 from plait.models.moe import MoE, no_stats, sparse_layers, summarize
@@ -190,7 +190,7 @@ class MLP(nnx.Module):
     def __call__(self, x):
         if self.swiglu:
             gu = dense(x, self.w13, _scaling(self, "w13"))
-            h = swiglu(gu[:, :, 0], gu[:, :, 1])
+            h = swiglu_halves(gu)
         else:
             s1 = _scaling(self, "w1")
             h = gelu(fp8.apart(dense(x, self.w1, s1) + _bias(self, "b1"), s1))

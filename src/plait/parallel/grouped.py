@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from plait.hlo import SIZED_BY_DATA
-from plait.models.activations import gelu, swiglu
+from plait.models.activations import gelu, swiglu_halves
 from plait.parallel.products import weight_product
 from plait.sharding import varying_like
 
@@ -158,7 +158,7 @@ def _up(wu: jax.Array, h: jax.Array, activation: str | None) -> jax.Array:
 def activate(pre: jax.Array, activation: str) -> jax.Array:
     """The hidden activations from the first product's output ([..., 2, f] for SwiGLU's
     gate and up halves, [..., f] for GELU)."""
-    return swiglu(pre[..., 0, :], pre[..., 1, :]) if activation == "swiglu" else gelu(pre)
+    return swiglu_halves(pre) if activation == "swiglu" else gelu(pre)
 
 
 def _down(w2: jax.Array | None, pre: jax.Array, activation: str | None) -> jax.Array:
