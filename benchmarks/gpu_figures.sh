@@ -28,6 +28,8 @@
 #      slower without them, 1.6% on gpt2-124m, 5.7% on gpt2-1.3b), nanogpt and gpt1p3b
 #      again after kernel changes (1.033x and 45.0% MFU on 2026-11-26), fp8curve,
 #      moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped.
+#   A fresh machine's first compiles are slow (mixtral-mini's step took over 95 s on
+#   2026-11-26, 69.5 s the next time): leave a first run 150 s.
 #   ab124 (with .refs/plait-before holding an earlier commit's src and benchmarks) measures
 #   a change side by side; llama1b (issue 26, 56% MFU on an H100 on 2026-11-26) and
 #   llama1bchunks re-measure what docs/benchmarks.md already holds.

@@ -30,7 +30,7 @@ def swiglu_halves(pre: jax.Array) -> jax.Array:
     What the backward keeps is `pre` itself, the product's output. Handed the halves
     as two arrays, the checkpoint above keeps those: on a GPU the forward's fusion then
     writes both halves out beside the activation (pre[..., 0, :] is not a contiguous
-    piece of pre), a copy of the whole product's output every layer, 2.7% of
+    piece of pre), a copy of the whole product's output every layer, 2.5% of
     mixtral-mini's step compiled for an H100 (docs/architecture.md, "SwiGLU's halves").
     The gradient is swiglu's own (the same operations as the checkpoint's
     recomputation), written as one [..., 2, f] array."""
