@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env cmdbuf dlrm gpt124 ab124 gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -16,13 +16,17 @@
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close
 # (every stage's log ends with the GPU's SM clock and power while it ran):
-#   1. env fp8unrolled (~6 minutes, DEADLINE_S=420): FP8 on gpt2-1.3b over 300 steps,
-#      never measured there: the speed-up (issue 29 asks 1.3x; the census says ~1.02x)
-#      and the curve (within 1% from step 100).
-#   2. moebatch16 (~4 minutes): issue 28 (asks 0.70 of the dense twin; 0.638 as shipped
+#   1. env abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive 28e1e8a
+#      src benchmarks): SwiGLU keeping the fused product's output instead of its two
+#      halves (docs/architecture.md "SwiGLU's halves"; the census says -2.5% on
+#      mixtral-mini, -1.6% on llama3.2-1b), never measured on a GPU.
+#   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
+#      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
+#      1% from step 100).
+#   3. moebatch16 (~4 minutes): issue 28 (asks 0.70 of the dense twin; 0.638 as shipped
 #      on an H100 on 2026-11-26, MoE 162.3 ms, twin 103.4) at 16 x 2048, where AdamW's
 #      per-step cost over the experts' 3.5x parameters is spread over twice the tokens.
-#   3. sweep124, sweep1p3b (issue 29's sweep item), then profiles (four traced steps,
+#   4. sweep124, sweep1p3b (issue 29's sweep item), then profiles (four traced steps,
 #      each program run's span: the loop's steps measured 3.5-4% longer than the traced
 #      ones on 2026-11-26, and command buffers are not why -- `cmdbuf` found the loop
 #      slower without them, 1.6% on gpt2-124m, 5.7% on gpt2-1.3b), nanogpt and gpt1p3b
@@ -114,6 +118,16 @@ for stage in "$@"; do
           python3 .refs/plait-before/benchmarks/throughput.py experiments/gpt2-124m.toml \
           --steps 30 --json "$OUT/gpt124-before-$round.json"
       done ;;
+    abmoe)  # mixtral-mini and its dense twin, this tree against an earlier plait's
+      # (.refs/plait-before, as for ab124), one round each: a change to the SwiGLU MLP or
+      # the experts' dispatch measured on both models (a fresh machine's first compile of
+      # mixtral-mini took over 95 s on 2026-11-26)
+      [ -d .refs/plait-before/src ] || { echo "== abmoe: no .refs/plait-before/src"; continue; }
+      run moe-now 240 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
+        experiments/mixtral-mini.toml --rounds 1 --steps 12 --warmup 4 --json "$OUT/moe-now.json"
+      run moe-before 240 $MOE_MEM env PYTHONPATH="$PWD/.refs/plait-before/src:/tmp/site" \
+        python3 .refs/plait-before/benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
+        --rounds 1 --steps 12 --warmup 4 --json "$OUT/moe-before.json" ;;
     cmdbuf)  # XLA's command buffers (CUDA graphs) on and off, alternating, on the unrolled
       # steps as shipped. On an H100 on 2026-11-26 the loop's steps took 3.5-4% longer than
       # the traced steps' span (gpt2-124m 66.9 against 64.2 ms, gpt2-1.3b 328.9 against
@@ -271,7 +285,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env cmdbuf dlrm gpt124 ab124 gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
