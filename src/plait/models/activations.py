@@ -16,10 +16,14 @@ import jax
 import jax.numpy as jnp
 
 
+def _silu_times(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
 @jax.checkpoint
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """silu(gate) * up (Llama's MLP; `parallel.experts`' too)."""
-    return jax.nn.silu(gate) * up
+    return _silu_times(gate, up)
 
 
 @jax.custom_vjp
@@ -34,7 +38,7 @@ def swiglu_halves(pre: jax.Array) -> jax.Array:
     mixtral-mini's step compiled for an H100 (docs/architecture.md, "SwiGLU's halves").
     The gradient is swiglu's own (the same operations as the checkpoint's
     recomputation), written as one [..., 2, f] array."""
-    return swiglu(pre[..., 0, :], pre[..., 1, :])
+    return _silu_times(pre[..., 0, :], pre[..., 1, :])
 
 
 def _swiglu_halves_fwd(pre: jax.Array):
@@ -42,7 +46,7 @@ def _swiglu_halves_fwd(pre: jax.Array):
 
 
 def _swiglu_halves_bwd(pre: jax.Array, dh: jax.Array):
-    _, pull = jax.vjp(lambda g, u: jax.nn.silu(g) * u, pre[..., 0, :], pre[..., 1, :])
+    _, pull = jax.vjp(_silu_times, pre[..., 0, :], pre[..., 1, :])
     return (jnp.stack(pull(dh), axis=-2),)
 
 
