@@ -16,7 +16,8 @@ Two ways, chosen by `moe.capacity_factor`:
 - dropless (factor 0): every assignment is kept. Each device sorts its own tokens'
   assignments by expert and runs the experts as grouped MLPs (`parallel.grouped`:
   a batched share of each expert's rows, batched tiles of the rows past it and a loop
-  over the rest; or `jax.lax.ragged_dot`, by `moe.grouped`), the sort's permutations
+  over the rest; JAX's Pallas grouped GEMM kernels on a Hopper GPU,
+  `parallel.grouped_pallas`; or `jax.lax.ragged_dot`, by `moe.grouped`), the sort's permutations
   gathers both ways (`_sorted_rows`, `_unsorted`). Without an `expert` axis the
   weights are gathered whole. With one, the experts are split over it and the
   tokens are all-gathered across it instead (the all-gather dispatch of
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from plait.parallel.grouped import expert_mlp, grouped_mlp, ragged_mlp
+from plait.parallel.grouped_pallas import pallas_mlp
 from plait.sharding import active, axes_tuple, varying_like
 
 AXIS = "expert"
@@ -278,8 +280,12 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
                                                   unique_indices=True)
     rows = _sorted_rows(x, order, inverse, k)
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
-    out = (grouped_mlp(rows, w, sizes, activation, expected, bulk, spill) if how == "tiles"
-           else ragged_mlp(rows, w, sizes, activation))
+    if how == "tiles":
+        out = grouped_mlp(rows, w, sizes, activation, expected, bulk, spill)
+    elif how == "pallas":
+        out = pallas_mlp(rows, w, sizes, activation)
+    else:
+        out = ragged_mlp(rows, w, sizes, activation)
     back = _unsorted(out, order, inverse).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from plait.config import GPTConfig
 from plait.data.tokens import resolve_row_start
+from plait.errors import UserError
 from plait.models import gpt_counts
 
 
@@ -57,12 +58,57 @@ def scan_for(cfg: GPTConfig, platform: str) -> tuple[bool, str]:
     return True, f"auto: scanned on {platform}"
 
 
+def on_hopper(device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.0: H100, H200)."""
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def grouped_for(cfg: GPTConfig, device) -> GPTConfig:
+    """cfg as a program for `device` runs it: `model.moe.grouped = "pallas"` traced
+    where its kernels cannot run (`plait inspect` or `sweep` on a CPU) is the tiles
+    path, the same routing and FLOPs (`plait train` refuses there: check_grouped)."""
+    if cfg.moe is None or cfg.moe.grouped != "pallas" or on_hopper(device):
+        return cfg
+    return cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"grouped": "tiles"})})
+
+
+def check_grouped(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]) -> None:
+    """Refuse `model.moe.grouped = "pallas"` where its kernels cannot run, in one line:
+    they are Mosaic GPU kernels for sm_90 (Hopper), in bf16, with products' dimensions
+    in multiples of 64, on rows that all belong to this rank's experts (no `expert`
+    axis: parallel.grouped_pallas)."""
+    moe = cfg.moe
+    if moe is None or moe.capacity_factor or moe.grouped != "pallas":
+        return
+    fix = "; use model.moe.grouped = \"tiles\""
+    if not on_hopper(device):
+        capability = getattr(device, "compute_capability", None)
+        raise UserError(f"model.moe.grouped = \"pallas\" runs JAX's grouped GEMM kernels for "
+                        f"Hopper GPUs (compute capability 9.0), not {device.device_kind} "
+                        f"({device.platform}{f' {capability}' if capability else ''}){fix}")
+    if compute != "bfloat16":
+        raise UserError(f"model.moe.grouped = \"pallas\" multiplies in bfloat16, not "
+                        f"precision.compute = \"{compute}\"{fix}, or set precision.compute "
+                        "= \"bfloat16\"")
+    if mesh_shape.get("expert", 1) > 1:
+        raise UserError("model.moe.grouped = \"pallas\" runs without an expert axis (its "
+                        "kernels take only rows of this rank's experts; an expert axis "
+                        "all-gathers every rank's)" + fix + ", or drop the expert axis")
+    bad = [f"{k} = {v}" for k, v in (("model.d_model", cfg.d_model),
+                                      ("the experts' d_ff", cfg.expert_d_ff)) if v % 64]
+    if bad:
+        raise UserError(f"model.moe.grouped = \"pallas\" needs the experts' dimensions in "
+                        f"multiples of 64, not {', '.join(bad)}{fix}")
+
+
 def _dispatch(moe) -> str:
     """How a mixture of experts' tokens reach their experts, in words."""
     if moe.capacity_factor:
         return f"capacity factor {moe.capacity_factor:g}"
     if moe.grouped == "ragged_dot":
         return "dropless through jax.lax.ragged_dot"
+    if moe.grouped == "pallas":
+        return "dropless through JAX's Pallas grouped GEMM kernels (Hopper)"
     if not moe.bulk and not moe.spill:
         return "dropless, every row through the loop over tiles"
     batched = [f"{moe.bulk:g} x a balanced expert's rows batched"] if moe.bulk else []

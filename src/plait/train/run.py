@@ -24,6 +24,7 @@ from plait.errors import RunFailed, UserError
 from plait.kinds import is_decoder
 from plait.models import fp8
 from plait.tasks import check_memory, make_task
+from plait.tasks.gpt_runtime import check_grouped
 from plait.train import lock, rundir
 from plait.train.metrics import MetricsLog
 from plait.train.state import schedule_text
@@ -68,6 +69,9 @@ class Run:
         check_memory(exp, mesh)  # before anything is built
         if exp.precision.matmul == "fp8":
             fp8.check_devices(mesh.devices.flat)
+        if getattr(exp.model, "moe", None) is not None:
+            check_grouped(exp.model, exp.precision.compute, mesh.devices.flat[0],
+                          dict(mesh.shape))
         self.task = make_task(exp, mesh)
         self.source = self.task.source()  # checks data files before anything is written
         self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})

@@ -1,0 +1,162 @@
+"""Dropless's grouped MLP on JAX's own Pallas kernels for Hopper GPUs
+(`model.moe.grouped = "pallas"`).
+
+JAX ships a grouped GEMM for sm_90 in `jax.experimental.pallas.ops.gpu`:
+`ragged_dot_mgpu.ragged_dot` (rows sorted by group, each group's rows times its own
+[K, N] weight; warpgroup MMAs fed by TMA; a block of rows shared by two groups is
+computed for each and stored in parts) and `transposed_ragged_dot_mgpu` (per group
+x_g^T dy_g: the weights' gradient). With them an expert MLP reads each expert's rows
+where the sort put them: none of the tiles path's bulk buffer, spill tiles, weight
+gathers, one-hot sums of the spill's gradients or size switch
+(`parallel.grouped`), and no padding but the last block of a group.
+
+XLA cannot differentiate a Pallas call, so the MLP has its own VJP: the backward
+multiplies the output's gradient by each group's transposed weights (the same kernel,
+`transpose_rhs`) and the rows by the gradients (the transposed kernel), keeping the
+rows and the first product's output (the activation is recomputed from it).
+
+The kernels write only the rows of the groups: rows past sum(sizes) would be left
+unwritten, so this path runs where every row belongs to a group (no `expert` mesh
+axis: `tasks.gpt_runtime.check_grouped` says so in one line). The kernels' block sizes
+are `BLOCKS` (chosen by `benchmarks/grouped_matmul.py --pallas-blocks` on a GPU);
+`KERNELS` is where a test puts reference products in their place (the kernels run
+only on a Hopper GPU)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from plait.parallel.grouped import activate
+from plait.sharding import varying_like
+
+# The kernels' tiling (ragged: the forward products and the inputs' gradients;
+# transposed: the weights' gradients); a block that does not divide a dimension is
+# halved until it does (64 at least: the products' dimensions must be multiples of 64).
+BLOCKS: dict[str, dict[str, int]] = {
+    "ragged": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4,
+               "grid_block_n": 1},
+    "transposed": {"block_m": 128, "block_n": 128, "block_k": 64,
+                   "max_concurrent_steps": 4, "grid_block_n": 1},
+}
+MULTIPLE = 64
+
+
+def _fit(blocks: dict[str, int], **dims: int) -> dict[str, int]:
+    """`blocks` with block_<d> halved until it divides dimension <d> (m, n or k)."""
+    out = dict(blocks)
+    for d, size in dims.items():
+        key = f"block_{d}"
+        while out[key] > MULTIPLE and size % out[key]:
+            out[key] //= 2
+    return out
+
+
+def _ragged(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array,
+            transpose_rhs: bool = False) -> jax.Array:
+    """lhs [M, K] sorted by group, rhs [G, K, N] ([G, N, K] with transpose_rhs) -> [M, N]:
+    each group's rows times its weight (Hopper's kernel)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    blocks = _fit(BLOCKS["ragged"], k=lhs.shape[1], n=rhs.shape[1 if transpose_rhs else 2])
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, transpose_rhs=transpose_rhs,
+                                      **blocks)
+
+
+def _transposed(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+    """lhs [M, K], rhs [M, N], both sorted by group -> [G, K, N]: per group lhs_g^T rhs_g
+    (Hopper's kernel)."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+    blocks = _fit(BLOCKS["transposed"], m=lhs.shape[1], n=rhs.shape[1])
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs, rhs, group_sizes=sizes,
+                                                            **blocks)
+
+
+class Kernels(NamedTuple):
+    ragged: Callable[..., jax.Array]
+    transposed: Callable[..., jax.Array]
+
+
+KERNELS = Kernels(_ragged, _transposed)
+
+
+def reference_kernels() -> Kernels:
+    """The kernels' results from `jax.lax.ragged_dot` (any backend): what the Hopper
+    kernels are checked against, and what a CPU test runs this module's VJP with."""
+    def ragged(lhs, rhs, sizes, transpose_rhs=False):
+        rhs = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+        return jax.lax.ragged_dot(lhs, rhs, sizes)
+
+    def transposed(lhs, rhs, sizes):
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+            rhs_group_dimensions=[])
+        return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims).astype(lhs.dtype)
+
+    return Kernels(ragged, transposed)
+
+
+_UP = {"swiglu": "w13", "gelu": "w1"}
+
+
+def _hidden(pre: jax.Array, activation: str) -> jax.Array:
+    """The first product's output [M, (2 x) f] -> the hidden activations [M, f]."""
+    if activation == "swiglu":
+        pre = pre.reshape(pre.shape[0], 2, -1)
+    return activate(pre, activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _mlp(x: jax.Array, up: jax.Array, w2: jax.Array, sizes: jax.Array, activation: str
+         ) -> jax.Array:
+    return _mlp_fwd(x, up, w2, sizes, activation)[0]
+
+
+def _mlp_fwd(x, up, w2, sizes, activation):
+    k = KERNELS
+    pre = k.ragged(x, up.reshape(up.shape[0], up.shape[1], -1), sizes)
+    y = k.ragged(_hidden(pre, activation).astype(x.dtype), w2, sizes)
+    return y, (x, pre, up, w2, sizes)
+
+
+def _mlp_bwd(activation, res, dy):
+    x, pre, up, w2, sizes = res
+    k = KERNELS
+    G = up.shape[0]
+    dy = dy.astype(x.dtype)
+    h, pull = jax.vjp(lambda p: _hidden(p, activation), pre)
+    dh = k.ragged(dy, w2, sizes, transpose_rhs=True)
+    dw2 = k.transposed(h.astype(x.dtype), dy, sizes)
+    (dpre,) = pull(dh.astype(h.dtype))
+    dpre = dpre.astype(x.dtype)
+    up_ = up.reshape(G, up.shape[1], -1)
+    dx = k.ragged(dpre, up_, sizes, transpose_rhs=True)
+    dup = k.transposed(x, dpre, sizes)
+    # a group with no rows: the transposed kernel skips it and stores its accumulator
+    # as it began; its gradient is 0
+    empty = (sizes == 0)[:, None, None]
+    dup = jnp.where(empty, 0, dup).reshape(up.shape).astype(up.dtype)
+    dw2 = jnp.where(empty, 0, dw2).astype(w2.dtype)
+    return dx, dup, dw2, None
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def pallas_mlp(x: jax.Array, w: dict[str, jax.Array], sizes: jax.Array, activation: str
+               ) -> jax.Array:
+    """x [M, K] sorted by group, every row in one (sum(sizes) = M), weights w as
+    `parallel.grouped.expert_mlp` takes them (w13 [G, K, 2, f] or w1 [G, K, f], w2
+    [G, f, K]), sizes [G] -> [M, K]: each row through its group's MLP."""
+    if activation not in _UP:
+        raise ValueError(f"pallas_mlp runs a SwiGLU or GELU MLP, not {activation!r}")
+    # the weights vary where the rows do before the custom VJP, whose backward then
+    # gives their gradients per rank (as parallel.grouped's)
+    up, w2 = (varying_like(w[key], x, sizes) for key in (_UP[activation], "w2"))
+    return _mlp(x, up.astype(x.dtype), w2.astype(x.dtype), sizes.astype(jnp.int32),
+                activation)
