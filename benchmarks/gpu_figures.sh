@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -211,6 +211,17 @@ for stage in "$@"; do
         run fp8-124m-curve 540 python3 benchmarks/fp8_vs_bf16.py experiments/gpt2-124m.toml \
           --steps 300 --json "$OUT/fp8-124m-curve.json"
       fi ;;
+    pallas)  # model.moe.grouped = "pallas" (JAX's Pallas grouped GEMM kernels for Hopper,
+      # never run before 2026-11-26's sixth session): their tilings timed at mixtral-mini's
+      # shapes and checked against jax.lax.ragged_dot (pallas_blocks.py), then mixtral-mini
+      # on the best tiling beside the tiles path and the dense twin, alternating
+      run pallas-blocks 150 python3 benchmarks/pallas_blocks.py --json "$OUT/pallas-blocks.json"
+      blocks=()
+      [ -s "$OUT/pallas-blocks.json" ] && blocks=(--pallas-blocks "$OUT/pallas-blocks.json")
+      run moe-pallas 330 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
+        experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
+        --variant 'pallas:model.moe.grouped="pallas"' "${blocks[@]}" \
+        --json "$OUT/moe-pallas.json" ;;
     moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s,
       # dropless with plait's grouped MLPs (the default: a balanced share batched)
       run moe-dropless 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
@@ -285,7 +296,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac

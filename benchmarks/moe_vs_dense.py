@@ -7,7 +7,10 @@ what routing, sorting and grouped matmuls cost. Both run in this process, altern
 for `--rounds` (each round trains each model `--steps` steps, data included, no
 checkpoints; the first `--warmup` steps of each are dropped); the result is the
 median ratio of the rounds, side by side on one device. Issue 28 asks for >= 0.70
-(dropless, on a GPU).
+(dropless, on a GPU). `--variant NAME:KEY=VALUE,...` adds the mixture of experts with
+those settings to every round (e.g. `pallas:model.moe.grouped="pallas"`), with its own
+ratio to the same twin; `--pallas-blocks FILE` takes the kernels' tiling from
+`pallas_blocks.py`'s JSON.
 
     python benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml [--rounds 3] [--json F]
 """
@@ -43,6 +46,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="another mixture of experts measured in every round")
+    ap.add_argument("--pallas-blocks", help="pallas_blocks.py's JSON: the tiling of "
+                    "model.moe.grouped = \"pallas\"'s kernels")
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
 
@@ -58,6 +65,21 @@ def main() -> int:
     if moe.model.kind not in ("gpt", "llama") or moe.model.moe is None:
         raise UserError(f"{args.experiment} has no [model.moe]; pass a mixture of experts, "
                         "e.g. experiments/mixtral-mini.toml")
+    variants, variant_sets = {}, {}
+    for text in args.variant:
+        name, _, sets = text.partition(":")
+        if not name or not sets or name in ("moe", "dense", *variants):
+            raise UserError(f"--variant {text!r}: give NAME:KEY=VALUE[,KEY=VALUE], a name "
+                            "of its own (not moe or dense)")
+        variants[name] = load_experiment(args.experiment, args.sets + sets.split(","))
+        variant_sets[name] = sets
+    if args.pallas_blocks:
+        import json
+        from pathlib import Path
+
+        from plait.parallel import grouped_pallas
+
+        grouped_pallas.BLOCKS.update(json.loads(Path(args.pallas_blocks).read_text())["best"])
     dense = dense_twin(moe)
     spec = mesh_lib.load_spec(args.mesh)
     n = mesh_lib.provision_devices(spec)
@@ -65,10 +87,14 @@ def main() -> int:
     rounds = []
     for i in range(args.rounds):
         got = {name: timed(exp, mesh, args.steps, args.warmup)
-               for name, exp in (("moe", moe), ("dense", dense))}
+               for name, exp in (("moe", moe), *variants.items(), ("dense", dense))}
         got["ratio"] = got["moe"]["tokens_per_s"] / got["dense"]["tokens_per_s"]
-        print(f"round {i + 1}: moe {got['moe']['tokens_per_s']:,.0f} tokens/s, dense "
-              f"{got['dense']['tokens_per_s']:,.0f}: {got['ratio']:.3f}", flush=True)
+        for name in variants:
+            got[f"ratio_{name}"] = got[name]["tokens_per_s"] / got["dense"]["tokens_per_s"]
+        print(f"round {i + 1}: " + ", ".join(
+            f"{name} {got[name]['tokens_per_s']:,.0f} tokens/s" for name in
+            ("moe", *variants, "dense")) + f": {got['ratio']:.3f}" + "".join(
+            f", {name} {got[f'ratio_{name}']:.3f}" for name in variants), flush=True)
         rounds.append(got)
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind, moe.precision.compute)
@@ -88,6 +114,9 @@ def main() -> int:
                                  "dense": gpt_counts.active_matmul_params(dense.model)},
         "dense_d_ff": dense.model.d_ff,
         "median_ratio": statistics.median(r["ratio"] for r in rounds),
+        "variants": {name: {"sets": variant_sets[name], "mfu": mfu(exp, name),
+                            "median_ratio": statistics.median(r[f"ratio_{name}"] for r in rounds)}
+                     for name, exp in variants.items()},
         "mfu": {"moe": mfu(moe, "moe"), "dense": mfu(dense, "dense")},
         "rounds": rounds,
     }

@@ -56,14 +56,26 @@ def test_moe_against_its_dense_twin(tmp_path):
     weights, trained by the same loop, their tokens/s side by side."""
     out = tmp_path / "m.json"
     _ok(_script("moe_vs_dense.py", "experiments/moe-tiny.toml", "--rounds", "1", "--steps",
-                "4", "--warmup", "1", "--json", str(out)))
+                "4", "--warmup", "1", "--variant", "cap1:model.moe.capacity_factor=1.0",
+                "--json", str(out)))
     got = json.loads(out.read_text())
     (r,) = got["rounds"]
     assert r["ratio"] == pytest.approx(r["moe"]["tokens_per_s"] / r["dense"]["tokens_per_s"])
     assert got["median_ratio"] == r["ratio"]
+    # a variant of the MoE, timed in the same round against the same twin
+    assert r["ratio_cap1"] == pytest.approx(r["cap1"]["tokens_per_s"]
+                                            / r["dense"]["tokens_per_s"])
+    assert got["variants"]["cap1"]["sets"] == "model.moe.capacity_factor=1.0"
     active = got["active_matmul_params"]
     assert active["dense"] == pytest.approx(active["moe"], rel=0.02)  # the router's weights
     assert got["params"]["moe"] > 2 * got["params"]["dense"]
+
+
+def test_pallas_blocks_refuses_a_gpu_that_is_not_hopper_in_one_line():
+    """gpu_figures.sh's pallas stage times Hopper kernels: elsewhere one line, status 2."""
+    proc = _script("pallas_blocks.py")
+    assert proc.returncode == 2 and "run on a Hopper GPU, not cpu" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
 
 
 @pytest.mark.parametrize("mlp", [[], ["--mlp"]], ids=["product", "mlp"])

@@ -2,7 +2,8 @@
 parallel.grouped_pallas): its hand-written VJP against autodiff of the same MLP, the
 model's loss and gradients against the tiles path's on a data-parallel mesh (with
 reference products standing in for the kernels, which run only on a Hopper GPU), the
-one-line refusals, and on a Hopper GPU the kernels themselves."""
+one-line refusals. The kernels themselves are checked against the same reference
+products on a Hopper GPU by benchmarks/pallas_blocks.py (these tests run on CPUs)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import pytest
 from helpers import make_mesh, tiny, write_experiment
 
 from plait.parallel import grouped_pallas
-from plait.tasks.gpt_runtime import on_hopper
 
 MODEL = {"kind": "llama", "heads": 4, "kv_heads": 2, "d_ff": 64, "rope_theta": 10000.0,
          "layers": 1}
@@ -138,25 +138,3 @@ def test_what_the_kernels_do_not_take_is_refused_on_a_hopper_gpu(change, message
                precision={"compute": "bfloat16", **change.get("precision", {})})
     with pytest.raises(UserError, match=message):
         check_grouped(exp.model, exp.precision.compute, _Hopper(), change.get("mesh", {}))
-
-
-@pytest.mark.skipif(not on_hopper(jax.devices()[0]), reason="the kernels run on a Hopper GPU")
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_the_hopper_kernels_compute_the_reference_products(activation):
-    """bf16, uneven groups with one empty, shapes that are not multiples of the blocks'
-    rows: the MLP's values and gradients on the kernels against the same VJP on
-    jax.lax.ragged_dot's products (float32 accumulation both)."""
-    x, w, s = _mlp_case(activation, jnp.bfloat16, M=1000, K=256, F=384, seed=2)
-    (_, got), got_g = _value_and_grads(
-        lambda x, w: grouped_pallas.pallas_mlp(x, w, s, activation), x, w)
-    kernels = grouped_pallas.KERNELS
-    grouped_pallas.KERNELS = grouped_pallas.reference_kernels()
-    try:
-        (_, want), want_g = _value_and_grads(
-            lambda x, w: grouped_pallas.pallas_mlp(x, w, s, activation), x, w)
-    finally:
-        grouped_pallas.KERNELS = kernels
-    for a, b in zip([got, *jax.tree.leaves(got_g)], [want, *jax.tree.leaves(want_g)],
-                    strict=True):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b)

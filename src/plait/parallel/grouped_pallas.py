@@ -25,6 +25,7 @@ only on a Hopper GPU)."""
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -36,7 +37,7 @@ from plait.sharding import varying_like
 
 # The kernels' tiling (ragged: the forward products and the inputs' gradients;
 # transposed: the weights' gradients); a block that does not divide a dimension is
-# halved until it does (64 at least: the products' dimensions must be multiples of 64).
+# 128 or 64 there instead (the products' dimensions are multiples of 64).
 BLOCKS: dict[str, dict[str, int]] = {
     "ragged": {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4,
                "grid_block_n": 1},
@@ -47,13 +48,20 @@ MULTIPLE = 64
 
 
 def _fit(blocks: dict[str, int], **dims: int) -> dict[str, int]:
-    """`blocks` with block_<d> halved until it divides dimension <d> (m, n or k)."""
+    """`blocks` with each block_<d> that does not divide dimension <d> (m, n or k) made
+    128 or 64, the first that does."""
     out = dict(blocks)
     for d, size in dims.items():
         key = f"block_{d}"
-        while out[key] > MULTIPLE and size % out[key]:
-            out[key] //= 2
+        out[key] = next((b for b in (out[key], 128, MULTIPLE) if size % b == 0), MULTIPLE)
     return out
+
+
+def _taken(kernel: Callable, blocks: dict[str, int]) -> dict[str, int]:
+    """The block settings `kernel` takes (JAX's kernels are experimental: a JAX release
+    may drop or rename one)."""
+    params = inspect.signature(kernel).parameters
+    return {k: v for k, v in blocks.items() if k in params}
 
 
 def _ragged(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array,
@@ -64,7 +72,7 @@ def _ragged(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array,
 
     blocks = _fit(BLOCKS["ragged"], k=lhs.shape[1], n=rhs.shape[1 if transpose_rhs else 2])
     return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, transpose_rhs=transpose_rhs,
-                                      **blocks)
+                                      **_taken(ragged_dot_mgpu.ragged_dot, blocks))
 
 
 def _transposed(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -73,8 +81,8 @@ def _transposed(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
     blocks = _fit(BLOCKS["transposed"], m=lhs.shape[1], n=rhs.shape[1])
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(lhs, rhs, group_sizes=sizes,
-                                                            **blocks)
+    kernel = transposed_ragged_dot_mgpu.transposed_ragged_dot
+    return kernel(lhs, rhs, group_sizes=sizes, **_taken(kernel, blocks))
 
 
 class Kernels(NamedTuple):
