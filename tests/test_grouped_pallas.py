@@ -138,3 +138,45 @@ def test_what_the_kernels_do_not_take_is_refused_on_a_hopper_gpu(change, message
                precision={"compute": "bfloat16", **change.get("precision", {})})
     with pytest.raises(UserError, match=message):
         check_grouped(exp.model, exp.precision.compute, _Hopper(), change.get("mesh", {}))
+
+
+def test_the_hopper_kernels_trace_inside_a_data_parallel_shard_map(monkeypatch):
+    """The real kernels (not reference products) traced for a step's gradient where
+    dropless runs them, in a shard_map over a data axis: each kernel's result takes the
+    varying type of its operands, or the custom VJP's gradients would not match the
+    rows' and weights' types there (a data-parallel GPU run's failure, found by tracing
+    here; the kernels are traced, never run, on a CPU)."""
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    class Hopper:  # the transposed kernel sizes its grid by the device's SMs
+        core_count = 132
+
+    class JaxOnHopper:
+        devices = staticmethod(lambda *a: [Hopper()])
+
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+    monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", JaxOnHopper())
+    mesh = make_mesh("data=2")
+    M, K, F, G = 512, 128, 256, 4
+
+    def put(a, spec):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    x = put(jnp.ones((2 * M, K), jnp.bfloat16), P("data"))
+    w = put({"w13": jnp.ones((G, K, 2, F), jnp.bfloat16),
+             "w2": jnp.ones((G, F, K), jnp.bfloat16)}, P())
+    sizes = put(jnp.full((2 * G,), M // G, jnp.int32), P("data"))
+
+    def loss(x, w, sizes):
+        y = jax.shard_map(lambda x, w, s: grouped_pallas.pallas_mlp(x, w, s, "swiglu"),
+                          mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                          out_specs=P("data"))(x, w, sizes)
+        return jnp.sum(y.astype(jnp.float32))
+
+    jaxpr = str(jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).jaxpr)
+    # the kernels are there (their warpgroup matrix multiplies), not reference products
+    assert "wgmma" in jaxpr and "ragged_dot" not in jaxpr

@@ -127,24 +127,30 @@ def _mlp(x: jax.Array, up: jax.Array, w2: jax.Array, sizes: jax.Array, activatio
 
 def _mlp_fwd(x, up, w2, sizes, activation):
     k = KERNELS
-    pre = k.ragged(x, up.reshape(up.shape[0], up.shape[1], -1), sizes)
-    y = k.ragged(_hidden(pre, activation).astype(x.dtype), w2, sizes)
+    like = (x, up, w2, sizes)
+    pre = varying_like(k.ragged(x, up.reshape(up.shape[0], up.shape[1], -1), sizes), *like)
+    y = varying_like(k.ragged(_hidden(pre, activation).astype(x.dtype), w2, sizes), *like)
     return y, (x, pre, up, w2, sizes)
 
 
 def _mlp_bwd(activation, res, dy):
     x, pre, up, w2, sizes = res
-    k = KERNELS
+    # inside a shard_map a kernel's result has no varying type of its own: each gets the
+    # rows' and weights' (which vary where the rows do)
+    like = (x, up, w2, sizes, dy)
+
+    def kernel(name: str, *args, **kw) -> jax.Array:
+        return varying_like(getattr(KERNELS, name)(*args, **kw), *like)
+
     G = up.shape[0]
     dy = dy.astype(x.dtype)
     h, pull = jax.vjp(lambda p: _hidden(p, activation), pre)
-    dh = k.ragged(dy, w2, sizes, transpose_rhs=True)
-    dw2 = k.transposed(h.astype(x.dtype), dy, sizes)
+    dh = kernel("ragged", dy, w2, sizes, transpose_rhs=True)
+    dw2 = kernel("transposed", h.astype(x.dtype), dy, sizes)
     (dpre,) = pull(dh.astype(h.dtype))
     dpre = dpre.astype(x.dtype)
-    up_ = up.reshape(G, up.shape[1], -1)
-    dx = k.ragged(dpre, up_, sizes, transpose_rhs=True)
-    dup = k.transposed(x, dpre, sizes)
+    dx = kernel("ragged", dpre, up.reshape(G, up.shape[1], -1), sizes, transpose_rhs=True)
+    dup = kernel("transposed", x, dpre, sizes)
     # a group with no rows: the transposed kernel skips it and stores its accumulator
     # as it began; its gradient is 0
     empty = (sizes == 0)[:, None, None]
