@@ -94,7 +94,7 @@ def test_the_model_on_it_trains_like_the_tiles(reference, monkeypatch):
         return float(loss), grads
 
     want, want_g = loss_and_grads("tiles")
-    monkeypatch.setattr(gpt_runtime, "on_hopper", lambda device: True)
+    monkeypatch.setattr(gpt_runtime, "_pallas_obstacle", lambda *a: None)  # "a Hopper"
     got, got_g = loss_and_grads("pallas")
     assert got == pytest.approx(want, rel=1e-6)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_g),
@@ -114,13 +114,32 @@ def test_where_the_kernels_cannot_run_train_refuses_in_one_line(tmp_path, capsys
     assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
                  str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "Hopper GPUs" in err and 'grouped = "tiles"' in err, err
+    assert err.count("\n") == 0 and "Hopper GPUs" in err, err
+    assert 'use model.moe.grouped = "auto" or "tiles"' in err, err
     assert not (tmp_path / "run").exists()
     assert GPTTask(exp, make_mesh("data=2")).exp.model.moe.grouped == "tiles"
 
 
 class _Hopper:
     platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
+
+
+@pytest.mark.parametrize("grouped,compute,mesh,want,why", [
+    ("auto", "bfloat16", {"data": 8}, "pallas", "auto: a Hopper GPU"),
+    ("auto", "float32", {}, "tiles", "auto: the Hopper kernels multiply in bf16"),
+    ("auto", "bfloat16", {"expert": 2}, "tiles", "auto: an expert axis"),
+    ("tiles", "bfloat16", {}, "tiles", "model.moe.grouped"),
+    ("pallas", "bfloat16", {}, "pallas", "model.moe.grouped"),
+])
+def test_auto_takes_the_kernels_where_they_run(grouped, compute, mesh, want, why):
+    from plait.tasks.gpt_runtime import grouped_for
+
+    cfg = tiny(model={**MODEL, "d_model": 128, "moe": {**MOE, "grouped": grouped}}).model
+    got, said = grouped_for(cfg, compute, _Hopper(), mesh)
+    assert (got.moe.grouped, said) == (want, why)
+    cpu = jax.devices()[0]
+    assert grouped_for(cfg, compute, cpu, mesh)[0].moe.grouped in ("tiles", "ragged_dot")
+    assert tiny().model.moe is None or tiny().model.moe.grouped == "auto"
 
 
 @pytest.mark.parametrize("change,message", [

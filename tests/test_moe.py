@@ -374,14 +374,14 @@ def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, spill, activat
 @pytest.mark.parametrize("moe,says", [
     ({"capacity_factor": 0.0}, "dropless, 1 x a balanced expert's rows batched, the tiles "
      "past them batched as a layer needs them (up to 1.25 x all rows) with their experts' "
-     "weights gathered, the rest through the loop over tiles"),
-    ({"capacity_factor": 0.0, "spill": 0}, "dropless, 1 x a balanced expert's rows batched, "
-     "the rest through the loop over tiles"),
-    ({"capacity_factor": 0.0, "bulk": 0, "spill": 1.5}, "dropless, tiles batched as a layer "
-     "needs them (up to 1.5 x all rows) with their experts' weights gathered, the rest "
-     "through the loop over tiles"),
-    ({"capacity_factor": 0.0, "bulk": 0, "spill": 0},
-     "dropless, every row through the loop over tiles"),
+     "weights gathered, the rest through the loop over tiles (auto: not a Hopper GPU)"),
+    ({"capacity_factor": 0.0, "spill": 0, "grouped": "tiles"}, "dropless, 1 x a balanced "
+     "expert's rows batched, the rest through the loop over tiles"),
+    ({"capacity_factor": 0.0, "bulk": 0, "spill": 1.5, "grouped": "tiles"}, "dropless, tiles "
+     "batched as a layer needs them (up to 1.5 x all rows) with their experts' weights "
+     "gathered, the rest through the loop over tiles"),
+    ({"capacity_factor": 0.0, "bulk": 0, "spill": 0, "grouped": "pallas"},
+     "dropless, every row through the loop over tiles (pallas traced as the tiles here)"),
     ({"capacity_factor": 0.0, "grouped": "ragged_dot"}, "dropless through jax.lax.ragged_dot"),
     ({"capacity_factor": 1.25}, "capacity factor 1.25"),
 ])

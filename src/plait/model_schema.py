@@ -65,10 +65,11 @@ class MoEConfig(Section):
     renormalize: bool = True
     capacity_factor: NonNegFloat = 0.0
     # Dropless's grouped MLPs: plait's tiles (a balanced share of each expert's rows
-    # batched, the rest in a loop over tiles of one expert; the routed FLOPs anywhere)
-    # JAX's Pallas grouped GEMM kernels (Hopper GPUs only, no expert axis), or
-    # jax.lax.ragged_dot's grouped matmuls (whatever the backend makes of them).
-    grouped: Literal["tiles", "pallas", "ragged_dot"] = "tiles"
+    # batched, the rest in a loop over tiles of one expert; the routed FLOPs anywhere),
+    # JAX's Pallas grouped GEMM kernels (Hopper GPUs only, no expert axis), "auto" (the
+    # kernels where they run, the tiles elsewhere), or jax.lax.ragged_dot's grouped
+    # matmuls (whatever the backend makes of them).
+    grouped: Literal["auto", "tiles", "pallas", "ragged_dot"] = "auto"
     # tiles: the rows batched, as a multiple of a balanced expert's share (bulk), then
     # tiles of the rows past it batched with their experts' weights gathered, as many
     # as a layer needs, up to a share of all rows (spill: 1.25 holds any routing on one

@@ -280,12 +280,12 @@ def _ragged_group(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, act
                                                   unique_indices=True)
     rows = _sorted_rows(x, order, inverse, k)
     sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)
-    if how == "tiles":
-        out = grouped_mlp(rows, w, sizes, activation, expected, bulk, spill)
-    elif how == "pallas":
+    if how == "pallas":
         out = pallas_mlp(rows, w, sizes, activation)
-    else:
+    elif how == "ragged_dot":
         out = ragged_mlp(rows, w, sizes, activation)
+    else:  # "tiles"; "auto" where no task resolved it for a device (tasks.gpt_runtime)
+        out = grouped_mlp(rows, w, sizes, activation, expected, bulk, spill)
     back = _unsorted(out, order, inverse).reshape(N, k, -1)
     return jnp.einsum("nkd,nk->nd", back, gate.astype(back.dtype))
 

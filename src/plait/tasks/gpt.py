@@ -65,8 +65,9 @@ class GPTTask(DecoderCheckpoints, Task):
             exp.model, exp.precision.compute, device.platform, device.device_kind,
             exp.data.document_mask)
         scan, self.scan_why = scan_for(exp.model, device.platform)
-        resolved = {"attention": self.attention, "scan_layers": scan,
-                    "moe": grouped_for(exp.model, device).moe}
+        grouped, self.grouped_why = grouped_for(exp.model, exp.precision.compute, device,
+                                                dict(mesh.shape))
+        resolved = {"attention": self.attention, "scan_layers": scan, "moe": grouped.moe}
         if any(getattr(exp.model, k) != v for k, v in resolved.items()):
             # The model runs the resolved kernel and layout.
             exp = exp.model_copy(update={"model": exp.model.model_copy(update=resolved)})

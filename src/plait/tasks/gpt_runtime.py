@@ -63,48 +63,80 @@ def on_hopper(device) -> bool:
     return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
 
 
-def grouped_for(cfg: GPTConfig, device) -> GPTConfig:
-    """cfg as a program for `device` runs it: `model.moe.grouped = "pallas"` traced
-    where its kernels cannot run (`plait inspect` or `sweep` on a CPU) is the tiles
-    path, the same routing and FLOPs (`plait train` refuses there: check_grouped)."""
-    if cfg.moe is None or cfg.moe.grouped != "pallas" or on_hopper(device):
-        return cfg
-    return cfg.model_copy(update={"moe": cfg.moe.model_copy(update={"grouped": "tiles"})})
+def _pallas_obstacle(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]
+                     ) -> tuple[str, str] | None:
+    """(what, detail) that keeps `model.moe.grouped = "pallas"`'s kernels from running
+    here, or None: they are Mosaic GPU kernels for sm_90 (Hopper), in bf16, with the
+    products' dimensions multiples of 64, on rows that all belong to this rank's experts
+    (no `expert` axis: parallel.grouped_pallas)."""
+    if not on_hopper(device):
+        capability = getattr(device, "compute_capability", None)
+        return "device", (f"{device.device_kind} ({device.platform}"
+                          f"{f' {capability}' if capability else ''})")
+    if compute != "bfloat16":
+        return "compute", compute
+    if mesh_shape.get("expert", 1) > 1:
+        return "expert", str(mesh_shape["expert"])
+    bad = [f"{k} = {v}" for k, v in (("model.d_model", cfg.d_model),
+                                      ("the experts' d_ff", cfg.expert_d_ff)) if v % 64]
+    return ("dims", ", ".join(bad)) if bad else None
+
+
+# Why `model.moe.grouped = "auto"` takes the tiles, by obstacle (start-up line).
+_AUTO_TILES = {"device": "not a Hopper GPU", "compute": "the Hopper kernels multiply in bf16",
+               "expert": "an expert axis", "dims": "dimensions not multiples of 64"}
+
+
+def grouped_for(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]
+                ) -> tuple[GPTConfig, str]:
+    """(cfg with `model.moe.grouped` as the program for `device` runs it, why). "auto"
+    takes JAX's Pallas kernels where they run (a Hopper GPU, bf16, no expert axis: on an
+    H200 mixtral-mini ran 0.743 of its dense twin's tokens/s on them, 0.665 on the
+    tiles, docs/benchmarks.md) and the tiles elsewhere. "pallas" where its kernels
+    cannot run (`plait inspect` or `sweep` on a CPU) is traced as the tiles, the same
+    routing and FLOPs; `plait train` refuses it there (check_grouped)."""
+    moe = cfg.moe
+    if moe is None or moe.capacity_factor or moe.grouped not in ("auto", "pallas"):
+        return cfg, "model.moe.grouped"
+    obstacle = _pallas_obstacle(cfg, compute, device, mesh_shape)
+    pick = "pallas" if obstacle is None else "tiles"
+    if moe.grouped == "auto":
+        why = "auto: a Hopper GPU" if obstacle is None else f"auto: {_AUTO_TILES[obstacle[0]]}"
+    else:
+        why = "model.moe.grouped" if obstacle is None else "pallas traced as the tiles here"
+    return cfg.model_copy(update={"moe": moe.model_copy(update={"grouped": pick})}), why
 
 
 def check_grouped(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]) -> None:
-    """Refuse `model.moe.grouped = "pallas"` where its kernels cannot run, in one line:
-    they are Mosaic GPU kernels for sm_90 (Hopper), in bf16, with products' dimensions
-    in multiples of 64, on rows that all belong to this rank's experts (no `expert`
-    axis: parallel.grouped_pallas)."""
+    """Refuse `model.moe.grouped = "pallas"` where its kernels cannot run, in one line."""
     moe = cfg.moe
     if moe is None or moe.capacity_factor or moe.grouped != "pallas":
         return
-    fix = "; use model.moe.grouped = \"tiles\""
-    if not on_hopper(device):
-        capability = getattr(device, "compute_capability", None)
-        raise UserError(f"model.moe.grouped = \"pallas\" runs JAX's grouped GEMM kernels for "
-                        f"Hopper GPUs (compute capability 9.0), not {device.device_kind} "
-                        f"({device.platform}{f' {capability}' if capability else ''}){fix}")
-    if compute != "bfloat16":
-        raise UserError(f"model.moe.grouped = \"pallas\" multiplies in bfloat16, not "
-                        f"precision.compute = \"{compute}\"{fix}, or set precision.compute "
-                        "= \"bfloat16\"")
-    if mesh_shape.get("expert", 1) > 1:
-        raise UserError("model.moe.grouped = \"pallas\" runs without an expert axis (its "
-                        "kernels take only rows of this rank's experts; an expert axis "
-                        "all-gathers every rank's)" + fix + ", or drop the expert axis")
-    bad = [f"{k} = {v}" for k, v in (("model.d_model", cfg.d_model),
-                                      ("the experts' d_ff", cfg.expert_d_ff)) if v % 64]
-    if bad:
-        raise UserError(f"model.moe.grouped = \"pallas\" needs the experts' dimensions in "
-                        f"multiples of 64, not {', '.join(bad)}{fix}")
+    obstacle = _pallas_obstacle(cfg, compute, device, mesh_shape)
+    if obstacle is None:
+        return
+    what, detail = obstacle
+    fix = "; use model.moe.grouped = \"auto\" or \"tiles\""
+    message = {
+        "device": "runs JAX's grouped GEMM kernels for Hopper GPUs (compute capability "
+                  f"9.0), not {detail}{fix}",
+        "compute": f"multiplies in bfloat16, not precision.compute = \"{detail}\"{fix}, or "
+                   "set precision.compute = \"bfloat16\"",
+        "expert": f"runs without an expert axis (its kernels take only rows of this rank's "
+                  f"experts; an expert axis of {detail} all-gathers every rank's){fix}, or "
+                  "drop the expert axis",
+        "dims": f"needs the experts' dimensions in multiples of 64, not {detail}{fix}",
+    }[what]
+    raise UserError(f"model.moe.grouped = \"pallas\" {message}")
 
 
-def _dispatch(moe) -> str:
-    """How a mixture of experts' tokens reach their experts, in words."""
+def _dispatch(moe, why: str = "model.moe.grouped") -> str:
+    """How a mixture of experts' tokens reach their experts, in words (and why, where
+    "auto" chose)."""
     if moe.capacity_factor:
         return f"capacity factor {moe.capacity_factor:g}"
+    if why != "model.moe.grouped":
+        return f"{_dispatch(moe)} ({why})"
     if moe.grouped == "ragged_dot":
         return "dropless through jax.lax.ragged_dot"
     if moe.grouped == "pallas":
@@ -144,7 +176,7 @@ def start_up_lines(task) -> list[str]:
     if moe is not None:
         m = task.exp.model
         sparse = m.sparse_count
-        routing = _dispatch(moe)
+        routing = _dispatch(moe, task.grouped_why)
         X = task.mesh.shape.get("expert", 1)
         where = (f"{moe.experts // X} per rank of the expert axis ({X}), "
                  + ("all-to-all" if moe.capacity_factor else
