@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -16,16 +16,17 @@
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close
 # (every stage's log ends with the GPU's SM clock and power while it ran):
-#   1. env abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive 28e1e8a
-#      src benchmarks): SwiGLU keeping the fused product's output instead of its two
-#      halves (docs/architecture.md "SwiGLU's halves"; the census says -2.5% on
-#      mixtral-mini, -1.6% on llama3.2-1b), never measured on a GPU.
+#   1. env pallas moepallas (~12 minutes, two commands: pallas, then moepallas): the
+#      kernels of model.moe.grouped = "pallas" ("auto" on Hopper) tuned and checked
+#      against reference products, then mixtral-mini on them beside the tiles and the
+#      twin (0.743 / 0.665 on an H200 on 2026-11-26, untuned, never on an H100).
 #   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
 #      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
 #      1% from step 100).
-#   3. moebatch16 (~4 minutes): issue 28 (asks 0.70 of the dense twin; 0.638 as shipped
-#      on an H100 on 2026-11-26, MoE 162.3 ms, twin 103.4) at 16 x 2048, where AdamW's
-#      per-step cost over the experts' 3.5x parameters is spread over twice the tokens.
+#   3. abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive 28e1e8a src
+#      benchmarks): SwiGLU keeping the fused product's output instead of its two halves
+#      (docs/architecture.md "SwiGLU's halves"; census -2.5% on mixtral-mini), never
+#      measured on a GPU; moebatch16 (mixtral-mini at 16 x 2048).
 #   4. sweep124, sweep1p3b (issue 29's sweep item), then profiles (four traced steps,
 #      each program run's span: the loop's steps measured 3.5-4% longer than the traced
 #      ones on 2026-11-26, and command buffers are not why -- `cmdbuf` found the loop
@@ -123,8 +124,10 @@ for stage in "$@"; do
       # the experts' dispatch measured on both models (a fresh machine's first compile of
       # mixtral-mini took over 95 s on 2026-11-26)
       [ -d .refs/plait-before/src ] || { echo "== abmoe: no .refs/plait-before/src"; continue; }
+      # (both on the tiles: "auto" takes the Pallas kernels on a Hopper GPU since d81315a)
       run moe-now 240 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
-        experiments/mixtral-mini.toml --rounds 1 --steps 12 --warmup 4 --json "$OUT/moe-now.json"
+        experiments/mixtral-mini.toml --set 'model.moe.grouped="tiles"' --rounds 1 --steps 12 \
+        --warmup 4 --json "$OUT/moe-now.json"
       run moe-before 240 $MOE_MEM env PYTHONPATH="$PWD/.refs/plait-before/src:/tmp/site" \
         python3 .refs/plait-before/benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
         --rounds 1 --steps 12 --warmup 4 --json "$OUT/moe-before.json" ;;
@@ -212,18 +215,22 @@ for stage in "$@"; do
           --steps 300 --json "$OUT/fp8-124m-curve.json"
       fi ;;
     pallas)  # model.moe.grouped = "pallas" (JAX's Pallas grouped GEMM kernels for Hopper,
-      # never run before 2026-11-26's sixth session): their tilings timed at mixtral-mini's
-      # shapes and checked against jax.lax.ragged_dot (pallas_blocks.py), then mixtral-mini
-      # on the best tiling beside the tiles path and the dense twin, alternating
-      run pallas-blocks 150 python3 benchmarks/pallas_blocks.py --json "$OUT/pallas-blocks.json"
+      # what "auto" takes there): their tilings timed at mixtral-mini's shapes, then each
+      # checked against jax.lax.ragged_dot's products and the expert MLP's gradients on
+      # the best (pallas_blocks.py; on 2026-11-26 it printed nothing in 150 s)
+      run pallas-blocks 240 python3 benchmarks/pallas_blocks.py --json "$OUT/pallas-blocks.json" ;;
+    moepallas)  # mixtral-mini as shipped (on a Hopper GPU: the Pallas kernels; on the best
+      # tiling of a pallas stage run before it on this machine) beside the tiles and the
+      # dense twin, two rounds alternating (0.743 and 0.665 on an H200 on 2026-11-26; its
+      # first compile took 170 s there)
       blocks=()
       [ -s "$OUT/pallas-blocks.json" ] && blocks=(--pallas-blocks "$OUT/pallas-blocks.json")
-      run moe-pallas 330 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
+      run moe-pallas 480 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
-        --variant 'pallas:model.moe.grouped="pallas"' "${blocks[@]}" \
+        --variant 'tiles:model.moe.grouped="tiles"' "${blocks[@]}" \
         --json "$OUT/moe-pallas.json" ;;
     moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s,
-      # dropless with plait's grouped MLPs (the default: a balanced share batched)
+      # dropless as shipped (model.moe.grouped = "auto": the Pallas kernels on a Hopper GPU)
       run moe-dropless 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-dropless.json" ;;
@@ -239,16 +246,18 @@ for stage in "$@"; do
       # tiles (the loop past them), less bulk, no bulk (every tile batched with gathered
       # weights), capacity 1.25 (drops), and jax.lax.ragged_dot handed to cuDNN's grouped
       # GEMM (an XLA flag). mixtral-mini's first 4 layers at init overflow a balanced bulk
-      # by 4, 7, 8 and 13 tiles of 512
+      # by 4, 7, 8 and 13 tiles of 512. All on the tiles (model.moe.grouped = "tiles":
+      # "auto" takes the Pallas kernels on a Hopper GPU)
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
         run moe-dropless-cmdbuf-while 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
-        experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
-        --json "$OUT/moe-dropless-cmdbuf-while.json"
+        experiments/mixtral-mini.toml --set 'model.moe.grouped="tiles"' --rounds 2 --steps 12 \
+        --warmup 4 --json "$OUT/moe-dropless-cmdbuf-while.json"
       for split in "0 1" "0.25 1" "1.25 0.75" "1.25 0"; do
         read -r spill bulk <<< "$split"
         run "moe-dropless-spill$spill-bulk$bulk" 200 $MOE_MEM python3 \
           benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml --set model.moe.spill=$spill \
-          --set model.moe.bulk=$bulk --rounds 2 --steps 12 --warmup 4 \
+          --set model.moe.bulk=$bulk --set 'model.moe.grouped="tiles"' --rounds 2 --steps 12 \
+          --warmup 4 \
           --json "$OUT/moe-dropless-spill$spill-bulk$bulk.json"
       done
       run moe-capacity 180 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
@@ -296,7 +305,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env pallas cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas moepallas cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac

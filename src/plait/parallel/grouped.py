@@ -63,7 +63,7 @@ def tile_rows(rows: int, groups: int) -> int:
     return int(min(MAX_TILE, max(8, 1 << (share.bit_length() - 1))))
 
 
-def _group_of(i: jax.Array, ends: jax.Array) -> jax.Array:
+def group_of(i: jax.Array, ends: jax.Array) -> jax.Array:
     """The group of each position i given the groups' ends (searchsorted "right", as a
     count: jnp.searchsorted does not trace inside a shard_map here)."""
     return jnp.sum(i[:, None] >= ends[None, :], axis=1)
@@ -117,7 +117,7 @@ def _layout(M: int, sizes: jax.Array, shape: _Shape) -> _Layout:
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     i = jnp.arange(M)
-    g = _group_of(i, ends)  # G past the last group
+    g = group_of(i, ends)  # G past the last group
     gi = jnp.minimum(g, G - 1)
     rank = i - starts[gi]
     over = jnp.maximum(sizes - C, 0)
@@ -127,7 +127,7 @@ def _layout(M: int, sizes: jax.Array, shape: _Shape) -> _Layout:
     tile_of = jnp.where((g < G) & (rank >= C), tends[gi] - count[gi] + o // tile, T)
     slot = jnp.where((g < G) & (rank < C), gi * C + rank, G * C)
     t = jnp.arange(T)
-    group = _group_of(t, tends)
+    group = group_of(t, tends)
     tg = jnp.minimum(group, G - 1)
     start = ends[tg] - over[tg] + (t - tends[tg] + count[tg]) * tile
     length = jnp.where(group < G, jnp.clip(ends[tg] - start, 0, tile), 0)

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from plait.parallel.grouped import activate
+from plait.parallel.grouped import activate, group_of
 from plait.sharding import varying_like
 
 # The kernels' tiling (ragged: the forward products and the inputs' gradients;
@@ -101,10 +101,12 @@ def reference_kernels() -> Kernels:
         return jax.lax.ragged_dot(lhs, rhs, sizes)
 
     def transposed(lhs, rhs, sizes):
-        dims = jax.lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
-            rhs_group_dimensions=[])
-        return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims).astype(lhs.dtype)
+        # each row's group as a one-hot factor of one contraction over the rows (G x
+        # the FLOPs, but plain XLA on any backend)
+        group = group_of(jnp.arange(lhs.shape[0]), jnp.cumsum(sizes))
+        onehot = jax.nn.one_hot(group, sizes.shape[0], dtype=lhs.dtype)
+        return jnp.einsum("mg,mk,mn->gkn", onehot, lhs, rhs,
+                          preferred_element_type=jnp.float32).astype(lhs.dtype)
 
     return Kernels(ragged, transposed)
 
