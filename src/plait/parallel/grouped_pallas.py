@@ -17,8 +17,9 @@ rows and the first product's output (the activation is recomputed from it).
 
 The kernels write only the rows of the groups: rows past sum(sizes) would be left
 unwritten, so this path runs where every row belongs to a group (no `expert` mesh
-axis: `tasks.gpt_runtime.check_grouped` says so in one line). The kernels' block sizes
-are `BLOCKS` (chosen by `benchmarks/grouped_matmul.py --pallas-blocks` on a GPU);
+axis: "auto" takes the tiles there, and `tasks.gpt_runtime.check_grouped` refuses an
+explicit "pallas" in one line). The kernels' tiling is `BLOCKS`
+(`benchmarks/pallas_blocks.py` times candidates on a Hopper GPU; not yet tuned);
 `KERNELS` is where a test puts reference products in their place (the kernels run
 only on a Hopper GPU)."""
 
