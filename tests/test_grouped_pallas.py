@@ -159,15 +159,22 @@ def test_what_the_kernels_do_not_take_is_refused_on_a_hopper_gpu(change, message
         check_grouped(exp.model, exp.precision.compute, _Hopper(), change.get("mesh", {}))
 
 
-def test_the_hopper_kernels_trace_inside_a_data_parallel_shard_map(monkeypatch):
-    """The real kernels (not reference products) traced for a step's gradient where
-    dropless runs them, in a shard_map over a data axis: each kernel's result takes the
-    varying type of its operands, or the custom VJP's gradients would not match the
-    rows' and weights' types there (a data-parallel GPU run's failure, found by tracing
-    here; the kernels are traced, never run, on a CPU)."""
+@pytest.mark.parametrize("spec,model", [
+    ("data=2,fsdp=2,tensor=2", {}),
+    ("pipeline=2", {}),
+    ("data=2", {"scan_layers": True, "remat": "full"}),
+], ids=["data-fsdp-tensor", "pipeline", "data-stacked-remat"])
+def test_the_hopper_kernels_trace_in_the_train_step(monkeypatch, spec, model):
+    """The real kernels (not reference products) traced into the whole train step on
+    meshes "auto" would run them on: inside the rows' shard_map, a pipeline's stages,
+    scanned layers under remat. Each kernel's result must take the varying type of its
+    operands there, or the custom VJP's gradients do not type-check (a data-parallel
+    GPU run's failure, found by tracing here; the kernels are traced, never run, on a
+    CPU)."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+
+    from plait.tasks import gpt_runtime
+    from plait.tasks.gpt import GPTTask
 
     class Hopper:  # the transposed kernel sizes its grid by the device's SMs
         core_count = 132
@@ -178,24 +185,12 @@ def test_the_hopper_kernels_trace_inside_a_data_parallel_shard_map(monkeypatch):
         def __getattr__(self, name):
             return getattr(jax, name)
 
+    mesh = make_mesh(spec)
     monkeypatch.setattr(transposed_ragged_dot_mgpu, "jax", JaxOnHopper())
-    mesh = make_mesh("data=2")
-    M, K, F, G = 512, 128, 256, 4
-
-    def put(a, spec):
-        return jax.device_put(a, NamedSharding(mesh, spec))
-
-    x = put(jnp.ones((2 * M, K), jnp.bfloat16), P("data"))
-    w = put({"w13": jnp.ones((G, K, 2, F), jnp.bfloat16),
-             "w2": jnp.ones((G, F, K), jnp.bfloat16)}, P())
-    sizes = put(jnp.full((2 * G,), M // G, jnp.int32), P("data"))
-
-    def loss(x, w, sizes):
-        y = jax.shard_map(lambda x, w, s: grouped_pallas.pallas_mlp(x, w, s, "swiglu"),
-                          mesh=mesh, in_specs=(P("data"), P(), P("data")),
-                          out_specs=P("data"))(x, w, sizes)
-        return jnp.sum(y.astype(jnp.float32))
-
-    jaxpr = str(jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).jaxpr)
+    monkeypatch.setattr(gpt_runtime, "_pallas_obstacle", lambda *a: None)  # "a Hopper"
+    exp = tiny(model={**MODEL, "layers": 2, "d_model": 64, "d_ff": 128, **model,
+                      "moe": {**MOE, "grouped": "pallas"}}, precision={"compute": "bfloat16"})
+    task = GPTTask(exp, mesh)
+    jaxpr = str(task.step_fn.trace(task.layout.abstract(), task.abstract_batch()).jaxpr)
     # the kernels are there (their warpgroup matrix multiplies), not reference products
     assert "wgmma" in jaxpr and "ragged_dot" not in jaxpr
