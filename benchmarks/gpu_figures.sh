@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -19,7 +19,8 @@
 #   1. env pallas moepallas (~12 minutes, two commands: pallas, then moepallas): the
 #      kernels of model.moe.grouped = "pallas" ("auto" on Hopper) tuned and checked
 #      against reference products, then mixtral-mini on them beside the tiles and the
-#      twin (0.743 / 0.665 on an H200 on 2026-11-26, untuned, never on an H100).
+#      twin (0.743 / 0.665 on an H200 on 2026-11-26, untuned, never on an H100); then
+#      moepallasscan (its step compiled in 145-170 s unrolled: scanned, each kernel once).
 #   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
 #      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
 #      1% from step 100).
@@ -229,6 +230,15 @@ for stage in "$@"; do
         experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
         --variant 'tiles:model.moe.grouped="tiles"' "${blocks[@]}" \
         --json "$OUT/moe-pallas.json" ;;
+    moepallasscan)  # mixtral-mini on the Pallas kernels with its layers scanned (one
+      # body: each kernel compiled once, where the unrolled step compiled 16 of each in
+      # 145-170 s on an H200 on 2026-11-26) beside the unrolled one and the twin, one round
+      blocks=()
+      [ -s "$OUT/pallas-blocks.json" ] && blocks=(--pallas-blocks "$OUT/pallas-blocks.json")
+      run moe-pallas-scan 420 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
+        experiments/mixtral-mini.toml --rounds 1 --steps 12 --warmup 4 \
+        --variant 'scanned:model.scan_layers=true' "${blocks[@]}" \
+        --json "$OUT/moe-pallas-scan.json" ;;
     moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s,
       # dropless as shipped (model.moe.grouped = "auto": the Pallas kernels on a Hopper GPU)
       run moe-dropless 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
@@ -305,7 +315,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env pallas moepallas cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
