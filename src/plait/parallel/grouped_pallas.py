@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from plait.parallel.grouped import activate, group_of
+from plait.parallel.grouped import UP, activate, group_of
 from plait.sharding import varying_like
 
 # The kernels' tiling (ragged: the forward products and the inputs' gradients;
@@ -129,9 +129,6 @@ def reference_kernels() -> Kernels:
     return Kernels(ragged, transposed)
 
 
-_UP = {"swiglu": "w13", "gelu": "w1"}
-
-
 def _hidden(pre: jax.Array, activation: str) -> jax.Array:
     """The first product's output [M, (2 x) f] -> the hidden activations [M, f]."""
     if activation == "swiglu":
@@ -139,44 +136,44 @@ def _hidden(pre: jax.Array, activation: str) -> jax.Array:
     return activate(pre, activation)
 
 
+def _kernel(name: str, like: tuple, *args, **kw) -> jax.Array:
+    """KERNELS' `name` on args, its result typed as varying where any of `like` does:
+    inside a shard_map a kernel's result has no varying type of its own, and the VJP's
+    gradients must have their inputs' (the rows' and weights', which vary where the
+    rows do)."""
+    return varying_like(getattr(KERNELS, name)(*args, **kw), *like)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _mlp(x: jax.Array, up: jax.Array, w2: jax.Array, sizes: jax.Array, activation: str
          ) -> jax.Array:
+    """x [M, K] through each group's up [G, K, (2 x) f], activation and w2 [G, f, K]."""
     return _mlp_fwd(x, up, w2, sizes, activation)[0]
 
 
 def _mlp_fwd(x, up, w2, sizes, activation):
-    k = KERNELS
     like = (x, up, w2, sizes)
-    pre = varying_like(k.ragged(x, up.reshape(up.shape[0], up.shape[1], -1), sizes), *like)
-    y = varying_like(k.ragged(_hidden(pre, activation).astype(x.dtype), w2, sizes), *like)
+    pre = _kernel("ragged", like, x, up, sizes)
+    y = _kernel("ragged", like, _hidden(pre, activation).astype(x.dtype), w2, sizes)
     return y, (x, pre, up, w2, sizes)
 
 
 def _mlp_bwd(activation, res, dy):
     x, pre, up, w2, sizes = res
-    # inside a shard_map a kernel's result has no varying type of its own: each gets the
-    # rows' and weights' (which vary where the rows do)
     like = (x, up, w2, sizes, dy)
-
-    def kernel(name: str, *args, **kw) -> jax.Array:
-        return varying_like(getattr(KERNELS, name)(*args, **kw), *like)
-
-    G = up.shape[0]
     dy = dy.astype(x.dtype)
     h, pull = jax.vjp(lambda p: _hidden(p, activation), pre)
-    dh = kernel("ragged", dy, w2, sizes, transpose_rhs=True)
-    dw2 = kernel("transposed", h.astype(x.dtype), dy, sizes)
+    dh = _kernel("ragged", like, dy, w2, sizes, transpose_rhs=True)
+    dw2 = _kernel("transposed", like, h.astype(x.dtype), dy, sizes)
     (dpre,) = pull(dh.astype(h.dtype))
     dpre = dpre.astype(x.dtype)
-    dx = kernel("ragged", dpre, up.reshape(G, up.shape[1], -1), sizes, transpose_rhs=True)
-    dup = kernel("transposed", x, dpre, sizes)
+    dx = _kernel("ragged", like, dpre, up, sizes, transpose_rhs=True)
+    dup = _kernel("transposed", like, x, dpre, sizes)
     # a group with no rows: the transposed kernel skips it and stores its accumulator
     # as it began; its gradient is 0
     empty = (sizes == 0)[:, None, None]
-    dup = jnp.where(empty, 0, dup).reshape(up.shape).astype(up.dtype)
-    dw2 = jnp.where(empty, 0, dw2).astype(w2.dtype)
-    return dx, dup, dw2, None
+    return (dx, jnp.where(empty, 0, dup).astype(up.dtype),
+            jnp.where(empty, 0, dw2).astype(w2.dtype), None)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -187,10 +184,11 @@ def pallas_mlp(x: jax.Array, w: dict[str, jax.Array], sizes: jax.Array, activati
     """x [M, K] sorted by group, every row in one (sum(sizes) = M), weights w as
     `parallel.grouped.expert_mlp` takes them (w13 [G, K, 2, f] or w1 [G, K, f], w2
     [G, f, K]), sizes [G] -> [M, K]: each row through its group's MLP."""
-    if activation not in _UP:
+    if activation not in ("swiglu", "gelu"):
         raise ValueError(f"pallas_mlp runs a SwiGLU or GELU MLP, not {activation!r}")
     # the weights vary where the rows do before the custom VJP, whose backward then
     # gives their gradients per rank (as parallel.grouped's)
-    up, w2 = (varying_like(w[key], x, sizes) for key in (_UP[activation], "w2"))
+    up, w2 = (varying_like(w[key], x, sizes) for key in (UP[activation], "w2"))
+    up = up.reshape(up.shape[0], up.shape[1], -1)  # SwiGLU's [G, K, 2, f] as one product
     return _mlp(x, up.astype(x.dtype), w2.astype(x.dtype), sizes.astype(jnp.int32),
                 activation)
