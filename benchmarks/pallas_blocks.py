@@ -57,23 +57,6 @@ def relative_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _with(kernels, calls: dict):
-    """calls run with `kernels` in grouped_pallas.KERNELS' place (the calls read the
-    module's functions when traced)."""
-    from plait.parallel import grouped_pallas as gp
-
-    def swapped(f):
-        def g():
-            saved = gp._ragged, gp._transposed
-            gp._ragged, gp._transposed = kernels
-            try:
-                return f()
-            finally:
-                gp._ragged, gp._transposed = saved
-        return g
-    return [(kind, swapped(f)) for kind, f in calls.items()]
-
-
 def mlp_check(sizes, M: int, K: int, F: int, G: int) -> dict[str, float]:
     """The expert MLP's output and gradients on the kernels (as BLOCKS tiles them)
     against the same VJP on the reference products: relative errors, bf16."""
@@ -87,20 +70,24 @@ def mlp_check(sizes, M: int, K: int, F: int, G: int) -> dict[str, float]:
     w = {"w13": (jax.random.normal(keys[1], (G, K, 2, F)) / K ** 0.5).astype(jnp.bfloat16),
          "w2": (jax.random.normal(keys[2], (G, F, K)) / F ** 0.5).astype(jnp.bfloat16)}
 
-    def grads(x, w):
-        def loss(x, w):
-            y = gp.pallas_mlp(x, w, sizes, "swiglu")
-            return jnp.sum(jnp.sin(y.astype(jnp.float32))), y
-        (_, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
-        return {"y": y, "dx": dx, "dw13": dw["w13"], "dw2": dw["w2"]}
+    def on(kernels: gp.Kernels) -> dict:
+        """The MLP's output and gradients traced with `kernels` in KERNELS' place (a
+        function of its own each time: jax.jit would reuse an earlier trace of the same
+        function, kernels and all)."""
+        def grads(x, w):
+            def loss(x, w):
+                y = gp.pallas_mlp(x, w, sizes, "swiglu")
+                return jnp.sum(jnp.sin(y.astype(jnp.float32))), y
+            (_, y), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            return {"y": y, "dx": dx, "dw13": dw["w13"], "dw2": dw["w2"]}
 
-    got = jax.jit(grads)(x, w)
-    kernels = gp.KERNELS
-    gp.KERNELS = gp.reference_kernels()
-    try:
-        want = jax.jit(grads)(x, w)
-    finally:
-        gp.KERNELS = kernels
+        saved, gp.KERNELS = gp.KERNELS, kernels
+        try:
+            return jax.jit(grads)(x, w)
+        finally:
+            gp.KERNELS = saved
+
+    got, want = on(gp.KERNELS), on(gp.reference_kernels())
     return {k: relative_error(got[k], want[k]) for k in got}
 
 
@@ -136,14 +123,18 @@ def main() -> int:
     pre, dpre = normal(keys[2], (M, 2 * F)), normal(keys[3], (M, 2 * F))
     h = normal(keys[4], (M, F))
     up, w2 = normal(keys[5], (G, K, 2 * F)), normal(keys[5], (G, F, K))
-    calls = {
-        # the forward's two products and the backward's two by transposed weights
-        "ragged": lambda: (gp._ragged(x, up, sizes), gp._ragged(h, w2, sizes),
-                           gp._ragged(dy, w2, sizes, transpose_rhs=True),
-                           gp._ragged(dpre, up, sizes, transpose_rhs=True)),
-        # the weights' two gradients
-        "transposed": lambda: (gp._transposed(h, dy, sizes), gp._transposed(x, pre, sizes)),
-    }
+    def calls(k: gp.Kernels) -> dict:
+        """Every call of one expert MLP's forward and backward, by kernel, on kernels k
+        (the Hopper ones read BLOCKS when traced)."""
+        return {
+            # the forward's two products and the backward's two by transposed weights
+            "ragged": lambda: (k.ragged(x, up, sizes), k.ragged(h, w2, sizes),
+                               k.ragged(dy, w2, sizes, transpose_rhs=True),
+                               k.ragged(dpre, up, sizes, transpose_rhs=True)),
+            # the weights' two gradients
+            "transposed": lambda: (k.transposed(h, dy, sizes), k.transposed(x, pre, sizes)),
+        }
+
     flops = {"ragged": 2 * M * (K * 2 * F + F * K + K * F + 2 * F * K),
              "transposed": 2 * M * (F * K + K * 2 * F)}
     result = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
@@ -153,15 +144,15 @@ def main() -> int:
           f"{G} groups {result['sizes']}", flush=True)
     best = {}
     for kind, candidates in (("ragged", RAGGED), ("transposed", TRANSPOSED)):
-        rows, outputs = [], {}
-        for n, c in enumerate(candidates):
+        rows, outputs = [], []  # outputs: (a timed row, its results)
+        for c in candidates:
             blocks = dict(zip(NAMES, c, strict=True))
             gp.BLOCKS[kind] = blocks
             t0 = time.perf_counter()
             try:
-                f = jax.jit(calls[kind]).lower().compile()
+                f = jax.jit(calls(gp.KERNELS)[kind]).lower().compile()
                 compile_s = time.perf_counter() - t0
-                outputs[n] = f()
+                out = f()
                 ms = timed(f, args.repeat) * 1e3
             except Exception as e:  # a tiling the shared memory cannot hold, or refused
                 print(f"{kind} {c}: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
@@ -172,17 +163,16 @@ def main() -> int:
                   f"in {compile_s:.1f} s)", flush=True)
             rows.append({"blocks": blocks, "ms": ms, "tflops_per_s": flops[kind] / ms / 1e9,
                          "compile_s": compile_s})
+            outputs.append((rows[-1], out))
         # then every tiling's results against the reference products (after the timing:
         # a slow reference costs no tiling its time)
         print(f"{kind}: the reference products (jax.lax.ragged_dot) ...", flush=True)
         t0 = time.perf_counter()
-        (_, ref), = _with(gp.reference_kernels(), {kind: calls[kind]})
-        reference = jax.jit(ref)()
+        reference = jax.jit(calls(gp.reference_kernels())[kind])()
         print(f"{kind}: reference in {time.perf_counter() - t0:.1f} s", flush=True)
-        for n, row in zip([n for n in range(len(candidates)) if n in outputs],
-                          [r for r in rows if "ms" in r], strict=True):
+        for row, out in outputs:
             row["relative_error"] = max(relative_error(a, b) for a, b in
-                                        zip(outputs[n], reference, strict=True))
+                                        zip(out, reference, strict=True))
             print(f"{kind} {tuple(row['blocks'].values())}: relative error "
                   f"{row['relative_error']:.1e}", flush=True)
         del outputs, reference
