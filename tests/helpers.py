@@ -142,3 +142,21 @@ def wrap_gpt_step(monkeypatch, wrap) -> None:
         return wrapped
 
     monkeypatch.setattr(GPTTask, "compile", compile_wrapped)
+
+
+def ragged_dot_mlp(x, w, sizes, activation: str):
+    """An expert MLP (SwiGLU: w13 [G, K, 2, F]; GELU: w1 [G, K, F]; then w2 [G, F, K])
+    on rows x sorted by group, written with jax.lax.ragged_dot and differentiated by
+    JAX: what plait's grouped MLPs (tiles, Pallas kernels) are checked against."""
+    import jax
+
+    from plait.models.activations import gelu, swiglu
+
+    G, K = w["w2"].shape[0], x.shape[1]
+    if activation == "swiglu":
+        gu = jax.lax.ragged_dot(x, w["w13"].reshape(G, K, -1), sizes)
+        gu = gu.reshape(x.shape[0], 2, -1)
+        hidden = swiglu(gu[:, 0], gu[:, 1])
+    else:
+        hidden = gelu(jax.lax.ragged_dot(x, w["w1"], sizes))
+    return jax.lax.ragged_dot(hidden, w["w2"], sizes)

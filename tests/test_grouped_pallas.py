@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make_mesh, tiny, write_experiment
+from helpers import make_mesh, ragged_dot_mlp, tiny, write_experiment
 
 from plait.parallel import grouped_pallas
 
@@ -42,19 +42,6 @@ def _mlp_case(activation: str, dtype=jnp.float32, M=100, G=4, K=16, F=12, seed=1
     return x, w, jnp.asarray(sizes)
 
 
-def _ragged_dot_mlp(x, w, s, activation):
-    """The MLP written with jax.lax.ragged_dot, differentiated by JAX."""
-    from plait.models.activations import gelu, swiglu
-
-    G, K = w["w2"].shape[0], x.shape[1]
-    if activation == "swiglu":
-        gu = jax.lax.ragged_dot(x, w["w13"].reshape(G, K, -1), s).reshape(x.shape[0], 2, -1)
-        hidden = swiglu(gu[:, 0], gu[:, 1])
-    else:
-        hidden = gelu(jax.lax.ragged_dot(x, w["w1"], s))
-    return jax.lax.ragged_dot(hidden, w["w2"], s)
-
-
 def _value_and_grads(fn, x, w):
     def loss(x, w):
         y = fn(x, w)
@@ -69,7 +56,7 @@ def test_its_vjp_equals_autodiff_of_the_same_mlp(reference, activation):
     (_, got), got_g = _value_and_grads(
         lambda x, w: grouped_pallas.pallas_mlp(x, w, s, activation), x, w)
     (_, want), want_g = _value_and_grads(
-        lambda x, w: _ragged_dot_mlp(x, w, s, activation), x, w)
+        lambda x, w: ragged_dot_mlp(x, w, s, activation), x, w)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)

@@ -336,7 +336,8 @@ def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, spill, activat
     layout, each loop tile's forward recomputed in the backward): the values and the
     gradients of the rows and every weight of the same MLP written with ragged_dot,
     with groups over their share, under it, empty, and rows past the groups."""
-    from plait.models.activations import gelu, swiglu
+    from helpers import ragged_dot_mlp
+
     from plait.parallel.grouped import grouped_mlp
 
     rng = np.random.default_rng(1)
@@ -349,14 +350,6 @@ def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, spill, activat
         w["w1"] = jnp.asarray(rng.standard_normal((G, K, F)) / 4, jnp.float32)
     s = jnp.asarray([5, 0, 61, 24], jnp.int32)
 
-    def reference(x, w):
-        if activation == "swiglu":
-            gu = jax.lax.ragged_dot(x, w["w13"].reshape(G, K, -1), s).reshape(-1, 2, F)
-            hidden = swiglu(gu[:, 0], gu[:, 1])
-        else:
-            hidden = gelu(jax.lax.ragged_dot(x, w["w1"], s))
-        return jax.lax.ragged_dot(hidden, w["w2"], s)
-
     def f(fn):
         def loss(x, w):
             y = fn(x, w)
@@ -364,7 +357,7 @@ def test_grouped_mlp_equals_its_products_through_ragged_dot(bulk, spill, activat
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
 
     (_, got), got_g = f(lambda x, w: grouped_mlp(x, w, s, activation, 40, bulk, spill))
-    (_, want), want_g = f(reference)
+    (_, want), want_g = f(lambda x, w: ragged_dot_mlp(x, w, s, activation))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert not np.asarray(got[90:]).any()
     for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g), strict=True):
