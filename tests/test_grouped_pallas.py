@@ -108,7 +108,10 @@ def test_where_the_kernels_cannot_run_train_refuses_in_one_line(tmp_path, capsys
 
 
 class _Hopper:
+    """An H100 as plait and the kernels read one (the transposed kernel sizes its grid
+    by the device's SMs)."""
     platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
+    core_count = 132
 
 
 @pytest.mark.parametrize("grouped,compute,mesh,want,why", [
@@ -163,11 +166,8 @@ def test_the_hopper_kernels_trace_in_the_train_step(monkeypatch, spec, model):
     from plait.tasks import gpt_runtime
     from plait.tasks.gpt import GPTTask
 
-    class Hopper:  # the transposed kernel sizes its grid by the device's SMs
-        core_count = 132
-
     class JaxOnHopper:
-        devices = staticmethod(lambda *a: [Hopper()])
+        devices = staticmethod(lambda *a: [_Hopper()])
 
         def __getattr__(self, name):
             return getattr(jax, name)
