@@ -8,6 +8,7 @@ this module, so the text format's quirks live in one place.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import defaultdict
@@ -93,7 +94,10 @@ def _parse_instr(line: str) -> Instr | None:
         return None
     open_at = op.end() - 1
     close = _matching(rest, open_at)
-    operands = [p.split()[-1].lstrip("%") for p in _split_top(rest[open_at + 1 : close])]
+    inner = rest[open_at + 1 : close]
+    # operands printed without shapes (XLA's optimized text) need no bracket counting
+    parts = _split_top(inner) if any(c in inner for c in "([{") else inner.split(",")
+    operands = [p.split()[-1].lstrip("%") for p in parts if p.strip()]
     return Instr(name, shape, op.group(1), operands, rest[close + 1 :])
 
 
@@ -220,20 +224,32 @@ def _named(attrs: str, *keys: str) -> list[str]:
     return [c for key in keys for c in re.findall(rf"\b{key}=%?([\w.\-]+)", attrs)]
 
 
-def _callees(attrs: str) -> tuple[list[str], list[str], list[str]]:
+_CALLEE = re.compile(r"\b(body|condition|calls|true_computation|false_computation)"
+                     r"=%?([\w.\-]+)")
+_BRANCH_LIST = re.compile(r"branch_computations=\{([^}]*)\}")
+_LOOP_KEYS, _ONCE_KEYS = ("body", "condition"), ("calls", "true_computation",
+                                                  "false_computation")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _callees(attrs: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """The computations an instruction runs: (a loop's body and condition, those it
     calls once -- fusions, calls, a conditional's true/false --, a conditional's indexed
-    branches)."""
-    indexed = [c.strip().lstrip("%") for group in re.findall(
-        r"branch_computations=\{([^}]*)\}", attrs) for c in group.split(",")]
-    return (_named(attrs, "body", "condition"),
-            _named(attrs, "calls", "true_computation", "false_computation"), indexed)
+    branches). Cached: the checks of one program ask it of every instruction several
+    times (a pipelined step's checks before its first step took seconds on a CPU)."""
+    found: dict[str, list[str]] = defaultdict(list)
+    for key, name in _CALLEE.findall(attrs):
+        found[key].append(name)
+    indexed = tuple(c.strip().lstrip("%") for group in _BRANCH_LIST.findall(attrs)
+                    for c in group.split(","))
+    return (tuple(c for k in _LOOP_KEYS for c in found[k]),
+            tuple(c for k in _ONCE_KEYS for c in found[k]), indexed)
 
 
 def branches(attrs: str) -> list[str]:
     """The computations a conditional chooses between (true/false, or indexed)."""
     _, _, indexed = _callees(attrs)
-    return indexed or _named(attrs, "true_computation", "false_computation")
+    return list(indexed) or _named(attrs, "true_computation", "false_computation")
 
 
 def permute_pairs(attrs: str) -> list[list[int]]:
