@@ -19,8 +19,9 @@
 #   1. env pallas moepallas (~12 minutes, two commands: pallas, then moepallas): the
 #      kernels of model.moe.grouped = "pallas" ("auto" on Hopper) tuned and checked
 #      against reference products, then mixtral-mini on them beside the tiles and the
-#      twin (0.743 / 0.665 on an H200 on 2026-11-26, untuned, never on an H100); then
-#      moepallasscan (its step compiled in 145-170 s unrolled: scanned, each kernel once).
+#      twin (0.743 / 0.665 on an H200 on 2026-11-26, untuned, never on an H100; compiled
+#      for an H100 without one, the census puts an H100 at 0.69-0.72: issue 28's 0.70 on
+#      an H100 is this stage's to show).
 #   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
 #      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
 #      1% from step 100).
@@ -33,7 +34,12 @@
 #      ones on 2026-11-26, and command buffers are not why -- `cmdbuf` found the loop
 #      slower without them, 1.6% on gpt2-124m, 5.7% on gpt2-1.3b), nanogpt and gpt1p3b
 #      again after kernel changes (1.033x and 45.0% MFU on 2026-11-26), fp8curve,
-#      moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped.
+#      moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped; moepallasscan last (its
+#      question is compile time only: compiled for an H100 here, the scanned step's
+#      estimate is 39% longer than the unrolled one's, and XLA's own compile of the
+#      unrolled step takes 32 s on a 2-core CPU against 68 s for the tiles', so the
+#      GPU's 145-170 s go to work only a GPU does: autotuning, or the 96 Mosaic calls
+#      of 6 distinct kernels compiled when the program loads).
 #   A fresh machine's first compiles are slow (mixtral-mini's step took over 95 s on
 #   2026-11-26, 69.5 s the next time): leave a first run 150 s.
 #   ab124 (with .refs/plait-before holding an earlier commit's src and benchmarks) measures

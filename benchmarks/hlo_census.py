@@ -25,6 +25,7 @@ import collections
 import re
 from dataclasses import dataclass
 
+import numpy as np
 from kernel_profile import jax_op, kind_of  # benchmarks/ is the script's directory
 
 from plait import hlo
@@ -132,6 +133,25 @@ def _written_bytes(mod: hlo.Module, ins: hlo.Instr) -> float:
     return hlo.shape_bytes(ins.shape)
 
 
+# plait.parallel.grouped_pallas's calls of JAX's grouped GEMM kernels for Hopper (Mosaic
+# GPU custom calls, priced as products: a roofline by bytes alone put them at a tenth of
+# their FLOPs' time)
+_GROUPED_PALLAS = re.compile(r'op_name="[^"]*\((_ragged_call|_transposed_call)\)')
+
+
+def _grouped_flops(ins: hlo.Instr) -> float:
+    """2 x rows x contracted x output columns of a grouped product: the operands are
+    (group sizes, rows [M, K], ...) and the output [M, N] (ragged) or [G, K, N]
+    (transposed): 2 x the rows' elements x the output's last dimension either way."""
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", ins.attrs)
+    shapes = hlo._ARRAY.findall(layouts.group(1)) if layouts else []
+    out = hlo._dims(ins.shape)
+    if len(shapes) < 2 or not out:
+        return 0.0
+    rows = [int(d) for d in shapes[1][1].split(",") if d]
+    return 2.0 * float(np.prod(rows)) * out[-1]
+
+
 def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
     """Every kernel the optimized HLO `text` launches per step; a switch among sizes the
     data chooses (plait.hlo.SIZED_BY_DATA: dropless experts' spill) at its
@@ -152,6 +172,8 @@ def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
                 flops = _matmul_flops(mod, ins)
             elif "fmha" in name:
                 flops = _attention_flops(mod, ins, name)
+            elif name.startswith("mosaic_gpu") and _GROUPED_PALLAS.search(ins.attrs):
+                flops, name = _grouped_flops(ins), "mosaic_gpu grouped gemm"
         op = re.search(r'op_name="([^"]*)"', ins.attrs)
         out.append(Kernel(name=ins.name, kind=kind_of(name), launches=times,
                           bytes=_read_bytes(mod, ins) + _written_bytes(mod, ins),

@@ -324,6 +324,22 @@ def test_hlo_census_counts_a_gpu_programs_kernels_bytes_and_flops(monkeypatch):
     assert hlo_census.by_kind(list(found.values()))["matmul"]["launches"] == 8
 
 
+_PALLAS_HLO = (ROOT / "tests" / "data" / "gpu_pallas.hlo").read_text()
+
+
+def test_hlo_census_prices_the_pallas_grouped_products_by_their_flops(monkeypatch):
+    """The Mosaic GPU calls of model.moe.grouped = "pallas" are products: 2 x rows x
+    contracted x output columns, whichever of the two kernels (by their bytes alone the
+    roofline put them at a tenth of their time)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import hlo_census
+
+    found = {k.name: k for k in hlo_census.kernels(_PALLAS_HLO)}
+    assert set(found) == {"mpmd_map.1", "mpmd_map.2"}
+    for k in found.values():
+        assert (k.kind, k.launches, k.flops) == ("matmul", 1, 2 * 256 * 64 * 128)
+
+
 _FIRST_COLUMN_HLO = """HloModule first, is_scheduled=true
 
 %fused_first (param_0: bf16[64,32]) -> f32[64,1] {
