@@ -15,7 +15,11 @@ from plait.config import Experiment
 ROOT = Path(__file__).resolve().parent.parent
 # Compiled programs are cached per test worker (pytest-xdist runs two). One directory
 # for both needs JAX's cache lock (a size limit), and then every write scans the whole
-# directory: the cold suite took 18:50 instead of 15:19 (2026-11-24, 2 cores).
+# directory: the cold suite took 18:50 instead of 15:19 (2026-11-24, 2 cores). Without a
+# size limit JAX takes no lock, but sharing gained nothing either (test_moe + test_loss,
+# cold, alternated: 149 / 136 s per worker, 149 / 153 s shared; 2026-11-27); and two
+# directories never share a program: JAX's cache key holds the compile options, which
+# name XLA's GPU autotuning cache inside the cache directory.
 CACHE_DIR = os.environ.get(
     "PLAIT_TEST_CACHE",
     f"/tmp/plait-test-jax-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}")
