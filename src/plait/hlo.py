@@ -236,7 +236,7 @@ def _callees(attrs: str) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, .
     """The computations an instruction runs: (a loop's body and condition, those it
     calls once -- fusions, calls, a conditional's true/false --, a conditional's indexed
     branches). Cached: the checks of one program ask it of every instruction several
-    times (a pipelined step's checks before its first step took seconds on a CPU)."""
+    times (a pipelined step's checks before its first step took a second on a CPU)."""
     found: dict[str, list[str]] = defaultdict(list)
     for key, name in _CALLEE.findall(attrs):
         found[key].append(name)
