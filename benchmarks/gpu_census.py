@@ -28,6 +28,8 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 from report import report, run_script  # benchmarks/ is the script's directory
 
@@ -82,23 +84,16 @@ def _pallas_sees(sms: int):
         return
     import jax
 
-    class Target:
-        core_count = sms
-
     class SeenJax:
         def __getattr__(self, name):
             return getattr(jax, name)
 
         @staticmethod
         def devices(*args, **kw):
-            return [Target()]
+            return [SimpleNamespace(core_count=sms)]
 
-    real = kernel.jax
-    kernel.jax = SeenJax()
-    try:
+    with mock.patch.object(kernel, "jax", SeenJax()):
         yield
-    finally:
-        kernel.jax = real
 
 
 def main() -> int:

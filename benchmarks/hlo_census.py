@@ -22,10 +22,10 @@ measurement.
 from __future__ import annotations
 
 import collections
+import math
 import re
 from dataclasses import dataclass
 
-import numpy as np
 from kernel_profile import jax_op, kind_of  # benchmarks/ is the script's directory
 
 from plait import hlo
@@ -139,17 +139,13 @@ def _written_bytes(mod: hlo.Module, ins: hlo.Instr) -> float:
 _GROUPED_PALLAS = re.compile(r'op_name="[^"]*\((_ragged_call|_transposed_call)\)')
 
 
-def _grouped_flops(ins: hlo.Instr) -> float:
+def _grouped_flops(mod: hlo.Module, ins: hlo.Instr) -> float:
     """2 x rows x contracted x output columns of a grouped product: the operands are
     (group sizes, rows [M, K], ...) and the output [M, N] (ragged) or [G, K, N]
     (transposed): 2 x the rows' elements x the output's last dimension either way."""
-    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, api_version", ins.attrs)
-    shapes = hlo._ARRAY.findall(layouts.group(1)) if layouts else []
+    rows = hlo._dims(mod.shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
     out = hlo._dims(ins.shape)
-    if len(shapes) < 2 or not out:
-        return 0.0
-    rows = [int(d) for d in shapes[1][1].split(",") if d]
-    return 2.0 * float(np.prod(rows)) * out[-1]
+    return 2.0 * math.prod(rows) * out[-1] if rows and out else 0.0
 
 
 def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
@@ -173,7 +169,7 @@ def kernels(text: str, sized_branch: int = 0) -> list[Kernel]:
             elif "fmha" in name:
                 flops = _attention_flops(mod, ins, name)
             elif name.startswith("mosaic_gpu") and _GROUPED_PALLAS.search(ins.attrs):
-                flops, name = _grouped_flops(ins), "mosaic_gpu grouped gemm"
+                flops, name = _grouped_flops(mod, ins), "mosaic_gpu grouped gemm"
         op = re.search(r'op_name="([^"]*)"', ins.attrs)
         out.append(Kernel(name=ins.name, kind=kind_of(name), launches=times,
                           bytes=_read_bytes(mod, ins) + _written_bytes(mod, ins),
