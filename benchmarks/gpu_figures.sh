@@ -16,19 +16,21 @@
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close
 # (every stage's log ends with the GPU's SM clock and power while it ran):
-#   1. env pallas moepallas (~12 minutes, two commands: pallas, then moepallas): the
-#      kernels of model.moe.grouped = "pallas" ("auto" on Hopper) tuned and checked
-#      against reference products, then mixtral-mini on them beside the tiles and the
-#      twin (0.743 / 0.665 on an H200 on 2026-11-26, untuned, never on an H100; compiled
-#      for an H100 without one, the census puts an H100 at 0.69-0.72: issue 28's 0.70 on
-#      an H100 is this stage's to show).
+#   1. env moe (~6 minutes, one command, DEADLINE_S=420): mixtral-mini as shipped (on a
+#      Hopper GPU "auto" takes the Pallas kernels, default tiling) beside its dense twin,
+#      two rounds (0.743 on an H200 on 2026-11-26, never on an H100; compiled for an H100
+#      without one, the census puts an H100 at 0.69-0.72: issue 28's 0.70 on an H100 is
+#      this stage's to show). Without the tiles' variant `moepallas` adds (their compile
+#      took 93 s), so it fits beside step 2 in one session.
 #   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
 #      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
 #      1% from step 100).
-#   3. abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive 28e1e8a src
-#      benchmarks): SwiGLU keeping the fused product's output instead of its two halves
-#      (docs/architecture.md "SwiGLU's halves"; census -2.5% on mixtral-mini), never
-#      measured on a GPU; moebatch16 (mixtral-mini at 16 x 2048).
+#   3. pallas moepallas (~12 minutes, two commands): the kernels' tilings timed and
+#      checked against reference products, then mixtral-mini on the best beside the tiles
+#      and the twin; abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive
+#      28e1e8a src benchmarks): SwiGLU keeping the fused product's output instead of its
+#      two halves (docs/architecture.md "SwiGLU's halves"; census -2.5% on mixtral-mini),
+#      never measured on a GPU; moebatch16 (mixtral-mini at 16 x 2048).
 #   4. sweep124, sweep1p3b (issue 29's sweep item), then profiles (four traced steps,
 #      each program run's span: the loop's steps measured 3.5-4% longer than the traced
 #      ones on 2026-11-26, and command buffers are not why -- `cmdbuf` found the loop
@@ -246,8 +248,9 @@ for stage in "$@"; do
         --variant 'scanned:model.scan_layers=true' "${blocks[@]}" \
         --json "$OUT/moe-pallas-scan.json" ;;
     moe)  # a Mixtral-shaped MoE against its dense twin (same active weights), tokens/s,
-      # dropless as shipped (model.moe.grouped = "auto": the Pallas kernels on a Hopper GPU)
-      run moe-dropless 200 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
+      # dropless as shipped (model.moe.grouped = "auto": the Pallas kernels on a Hopper GPU,
+      # whose first compile took 145-170 s on an H200 on 2026-11-26)
+      run moe-dropless 400 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --rounds 2 --steps 12 --warmup 4 \
         --json "$OUT/moe-dropless.json" ;;
     moebatch16)  # the same at 16 x 2048 (56.5 GiB planned for an H100): AdamW over the
