@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -25,13 +25,17 @@
 #   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
 #      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
 #      1% from step 100).
-#   3. pallas moepallas (~12 minutes, two commands): the kernels' tilings timed and
+#   3. losskernel (~5 minutes): model.loss_kernel = "pallas", the loss's reductions in one
+#      Triton kernel, never run on a GPU: the kernel alone against XLA's reduction
+#      (2.67 ms a step on gpt2-124m, 37% of the bandwidth), then gpt2-124m's step with and
+#      without it (issue 29's 1.1x nanoGPT; at the full bandwidth -2.6%).
+#   4. pallas moepallas (~12 minutes, two commands): the kernels' tilings timed and
 #      checked against reference products, then mixtral-mini on the best beside the tiles
 #      and the twin; abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive
 #      28e1e8a src benchmarks): SwiGLU keeping the fused product's output instead of its
 #      two halves (docs/architecture.md "SwiGLU's halves"; census -2.5% on mixtral-mini),
 #      never measured on a GPU; moebatch16 (mixtral-mini at 16 x 2048).
-#   4. sweep124, sweep1p3b (issue 29's sweep item), then profiles (four traced steps,
+#   5. sweep124, sweep1p3b (issue 29's sweep item), then profiles (four traced steps,
 #      each program run's span: the loop's steps measured 3.5-4% longer than the traced
 #      ones on 2026-11-26, and command buffers are not why -- `cmdbuf` found the loop
 #      slower without them, 1.6% on gpt2-124m, 5.7% on gpt2-1.3b), nanogpt and gpt1p3b
@@ -160,6 +164,18 @@ for stage in "$@"; do
         experiments/gpt2-1.3b.toml --steps 16 --warmup 4 --json "$OUT/gpt1p3b-cmdbuf-off.json"
       run gpt1p3b-cmdbuf-on 200 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --json "$OUT/gpt1p3b-cmdbuf-on.json" ;;
+    losskernel)  # model.loss_kernel = "pallas" (the loss's log-sum-exp and label logit in
+      # one Triton kernel; XLA's reduction read gpt2-124m's logits at 1.24 TB/s on an H100
+      # on 2026-11-26, 2.67 ms a step): the kernel alone in its launch settings against
+      # XLA's, then gpt2-124m's step with and without it, alternating two rounds
+      run loss-kernel 150 python3 benchmarks/loss_kernel.py --json "$OUT/loss-kernel.json"
+      for round in 1 2; do
+        run "gpt124-lossxla-$round" 150 python3 benchmarks/throughput.py \
+          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-lossxla-$round.json"
+        run "gpt124-losskernel-$round" 150 python3 benchmarks/throughput.py \
+          experiments/gpt2-124m.toml --steps 30 --set 'model.loss_kernel="pallas"' \
+          --json "$OUT/gpt124-losskernel-$round.json"
+      done ;;
     gpt124scan)
       run gpt124-scan 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
         --steps 30 --set model.scan_layers=true --json "$OUT/gpt124-scan.json" ;;
@@ -324,7 +340,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac

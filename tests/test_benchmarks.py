@@ -78,6 +78,13 @@ def test_pallas_blocks_refuses_a_gpu_that_is_not_hopper_in_one_line():
     assert proc.stderr.strip().count("\n") == 0
 
 
+def test_loss_kernel_refuses_a_cpu_in_one_line():
+    """gpu_figures.sh's losskernel stage times a Triton kernel: off a GPU, one line."""
+    proc = _script("loss_kernel.py")
+    assert proc.returncode == 2 and "NVIDIA GPU, not cpu" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+
+
 @pytest.mark.parametrize("mlp", [[], ["--mlp"]], ids=["product", "mlp"])
 def test_grouped_matmul_variants_agree_and_are_timed(tmp_path, mlp):
     """gpu_figures.sh's grouped stage: every tiles variant computes what ragged_dot's

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import losses, make_mesh, run, tiny
+from helpers import losses, make_mesh, run, tiny, write_experiment
 
 from plait.models.loss import chunked_cross_entropy, cross_entropy
 
@@ -116,3 +116,65 @@ def test_one_pass_logsumexp_equals_jax_and_keeps_padding_out():
     # its derivative is the softmax
     grad = jax.grad(lambda x: jnp.sum(_logsumexp_one_pass(x)))(x[:5])
     np.testing.assert_allclose(grad, jax.nn.softmax(x[:5], axis=-1), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_loss_kernel_gives_the_loss_and_gradients_of_xlas_reductions(dtype):
+    """model.loss_kernel = "pallas" (parallel.loss_kernel, here in Pallas's interpreter):
+    the log-sum-exp and the label's logit in blocks of columns, a vocabulary padded past
+    `vocab` (37 of 40 ids) and logits far apart, all at once and in pieces."""
+    from plait.parallel.loss_kernel import lse_and_label
+
+    k = jax.random.split(jax.random.key(1), 3)
+    B, S, d, V, vocab = 2, 8, 8, 40, 37
+    dt = jnp.dtype(dtype)
+    h = jax.random.normal(k[0], (B, S, d), dt)
+    w = 4.0 * jax.random.normal(k[1], (V, d), dt)
+    t = jax.random.randint(k[2], (B, S), 0, vocab).at[0, 0].set(vocab - 1)
+
+    def project(h, w):
+        return jnp.einsum("bsd,vd->bsv", h, w)
+
+    # the kernel's blocks: 16 columns a block, the last one past the array
+    x = project(h, w)
+    lse, label = jax.jit(lambda x, t: lse_and_label(x, t, vocab, chunk=16))(x, t)
+    ref = np.asarray(x, np.float64)[..., :vocab]
+    np.testing.assert_allclose(lse, np.log(np.exp(ref).sum(-1)), rtol=1e-6)
+    np.testing.assert_array_equal(label, np.take_along_axis(ref, np.asarray(t)[..., None],
+                                                            -1)[..., 0].astype(np.float32))
+    for loss in (lambda h, w, kernel: cross_entropy(project(h, w), t, vocab, kernel),
+                 lambda h, w, kernel: chunked_cross_entropy(project, h, w, t, vocab, 4,
+                                                            kernel=kernel)):
+        want = jax.jit(jax.value_and_grad(lambda h, w, f=loss: f(h, w, "xla"), (0, 1)))(h, w)
+        got = jax.jit(jax.value_and_grad(lambda h, w, f=loss: f(h, w, "pallas"), (0, 1)))(h, w)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        for g, r in zip(got[1], want[1], strict=True):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                       rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(jax.jit(lambda h, w, f=loss: f(h, w, "pallas"))(h, w),
+                                   want[0], rtol=1e-6)
+
+
+def test_a_gpt_on_the_loss_kernel_trains_like_one_device_on_xlas(whole_loss, tmp_path,
+                                                                 monkeypatch, capsys):
+    """The kernel inside a shard_map over the token axes (batch over data x fsdp, sequence
+    over context), in pieces of the tokens, against one device on XLA's reductions; off a
+    GPU `plait train` refuses it in one line (the test lets it run interpreted)."""
+    from plait.cli import main
+
+    exp = tiny(train={"steps": 6}, model={"loss_kernel": "pallas", "loss_chunks": 4})
+    path = write_experiment(tmp_path / "kernel.toml", exp)
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
+                 str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "NVIDIA GPUs, not cpu" in err, err
+    assert not (tmp_path / "refused").exists()
+    from plait.parallel import loss_kernel
+
+    monkeypatch.setattr("plait.train.run.check_loss_kernel", lambda *a: None)
+    rows, traced = loss_kernel._rows, []
+    monkeypatch.setattr(loss_kernel, "_rows", lambda x, *a: traced.append(x.shape) or rows(x, *a))
+    got = losses(run(exp, "data=2,fsdp=2,context=2", tmp_path / "run"))
+    np.testing.assert_allclose(got, whole_loss, rtol=1e-5)
+    # each device's rows: a piece of 8 positions of 16 / 4 sequences, 256 ids
+    assert traced and set(traced) == {(16 // 4 * 8 // 2, 256)}, traced

@@ -138,6 +138,11 @@ class GPTConfig(ModelSection):
     # (models.loss): only one piece of the [tokens, vocabulary] logits is ever held.
     # 1 = all at once. Divides seq_len.
     loss_chunks: PosInt = 1
+    # How the loss's forward reduces over the vocabulary (each token's log-sum-exp and
+    # its label's logit): "xla", XLA's own reductions; "pallas", one pass of a Pallas
+    # (Triton) kernel per token (parallel.loss_kernel), on NVIDIA GPUs only. Where the
+    # vocabulary is split across devices, XLA's either way.
+    loss_kernel: Literal["xla", "pallas"] = "xla"
     # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
     # parameters, same results): compile time no longer grows with the number of
     # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 64 layers).

@@ -272,6 +272,7 @@ class GPT(nnx.Module):
         self.tied = cfg.tie_embeddings
         self.remat = cfg.remat
         self.vocab, self.loss_chunks = cfg.vocab, cfg.loss_chunks
+        self.loss_kernel = cfg.loss_kernel
 
     def _loop_blocks(self, x: jax.Array) -> tuple[jax.Array, dict]:
         total = no_stats()
@@ -317,7 +318,7 @@ class GPT(nnx.Module):
         targets [batch, seq], the logits formed in model.loss_chunks pieces of the
         tokens (models.loss) or all at once."""
         if self.loss_chunks == 1:
-            return cross_entropy(self.logits(x), targets, self.vocab)
+            return cross_entropy(self.logits(x), targets, self.vocab, self.loss_kernel)
         w = self.tok_embed if self.tied else self.head
 
         def project(h, value):
@@ -325,7 +326,7 @@ class GPT(nnx.Module):
 
         return chunked_cross_entropy(project, self.ln_f(x), gathered_weight(w), targets,
                                      self.vocab, self.loss_chunks,
-                                     weight_grad_by_shard(w, x.ndim))
+                                     weight_grad_by_shard(w, x.ndim), self.loss_kernel)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [batch, seq] -> logits [batch, seq, padded_vocab] in the compute dtype."""

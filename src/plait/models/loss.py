@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from plait.loss_mask import kept_scale, token_ids
+from plait.parallel import loss_kernel
 from plait.sharding import splits, varying_like
 
 
@@ -38,14 +39,21 @@ def _masked(logits: jax.Array, vocab: int | None) -> tuple[jax.Array, jax.Array]
     return logits, ids
 
 
-def _per_token(logits: jax.Array, targets: jax.Array, vocab: int | None):
+def _per_token(logits: jax.Array, targets: jax.Array, vocab: int | None,
+               kernel: str = "xla"):
     """(each token's cross-entropy, the float32 masked logits, their log-sum-exp, where
     the label is): the label logit is picked with a masked sum rather than a gather, so
     a vocabulary sharded over devices costs one small all-reduce, not a gather of the
-    logits."""
+    logits. kernel "pallas" (model.loss_kernel): the log-sum-exp and the label's logit
+    from one pass of parallel.loss_kernel's kernel where the vocabulary is whole on each
+    device (XLA's reductions where it is split)."""
     masked, ids = _masked(logits, vocab)
-    lse = _logsumexp(masked)
     hit = ids == targets[..., None]
+    if kernel == "pallas" and not splits("act_vocab") and loss_kernel.usable():
+        lse, label = loss_kernel.lse_and_label(
+            logits, targets, logits.shape[-1] if vocab is None else min(vocab, logits.shape[-1]))
+        return lse - label, masked, lse, hit
+    lse = _logsumexp(masked)
     return lse - jnp.sum(jnp.where(hit, masked, 0.0), axis=-1), masked, lse, hit
 
 
@@ -83,32 +91,35 @@ def _logsumexp_one_pass_jvp(primals, tangents):
     return lse, jnp.sum(jnp.exp(x - lse[..., None]) * dx, axis=-1)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None) -> jax.Array:
+def cross_entropy(logits: jax.Array, targets: jax.Array, vocab: int | None = None,
+                  kernel: str = "xla") -> jax.Array:
     """Mean token cross-entropy in float32. Logits at ids >= `vocab` (the padding of a
     vocabulary rounded up for sharding) are left out, so padding does not change the
-    loss. Inside `kept_targets`, the mean over the kept targets of the whole batch."""
+    loss. Inside `kept_targets`, the mean over the kept targets of the whole batch.
+    `kernel`: how the forward reduces over the vocabulary (`_per_token`)."""
     scale = kept_scale()
-    mean = jnp.mean(_kept(_token_losses(logits, token_ids(targets), vocab), targets))
+    mean = jnp.mean(_kept(_token_losses(logits, token_ids(targets), vocab, kernel), targets))
     return mean if scale is None else mean * scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _token_losses(logits: jax.Array, targets: jax.Array, vocab: int | None) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _token_losses(logits: jax.Array, targets: jax.Array, vocab: int | None,
+                  kernel: str) -> jax.Array:
     """Each token's cross-entropy. Its backward keeps only the logits in their own dtype
     and the log-sum-exp per token, and forms softmax - one-hot from them: autodiff kept
     three float32 and two boolean arrays of the logits' size (gpt2-124m at 32 x 1024:
     21.5 GiB against 3.1, docs/architecture.md "What a layer keeps for the backward"), and
     its backward repeats no reduction over the vocabulary (a collective when the
     vocabulary is split)."""
-    return _per_token(logits, targets, vocab)[0]
+    return _per_token(logits, targets, vocab, kernel)[0]
 
 
-def _token_losses_fwd(logits, targets, vocab):
-    per_token, _, lse, _ = _per_token(logits, targets, vocab)
+def _token_losses_fwd(logits, targets, vocab, kernel):
+    per_token, _, lse, _ = _per_token(logits, targets, vocab, kernel)
     return per_token, (logits, targets, lse)
 
 
-def _token_losses_bwd(vocab, kept, g):
+def _token_losses_bwd(vocab, kernel, kept, g):
     logits, targets, lse = kept
     masked, ids = _masked(logits, vocab)
     grad = (jnp.exp(masked - lse[..., None]) - (ids == targets[..., None])) * g[..., None]
@@ -119,18 +130,19 @@ _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
 def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
-                      scale: jax.Array | float) -> tuple[jax.Array, jax.Array]:
+                      scale: jax.Array | float, kernel: str) -> tuple[jax.Array, jax.Array]:
     """(the summed cross-entropy of these logits' kept targets, scale x its gradient in
     their dtype)."""
-    per_token, masked, lse, hit = _per_token(logits, token_ids(targets), vocab)
+    per_token, masked, lse, hit = _per_token(logits, token_ids(targets), vocab, kernel)
     grad = (jnp.exp(masked - lse[..., None]) - hit) * scale
     return (jnp.sum(_kept(per_token, targets)),
             _kept(grad, targets[..., None]).astype(logits.dtype))
 
 
-def _summed(logits: jax.Array, targets: jax.Array, vocab: int | None) -> jax.Array:
+def _summed(logits: jax.Array, targets: jax.Array, vocab: int | None,
+            kernel: str) -> jax.Array:
     """The summed cross-entropy of these logits' kept targets."""
-    return jnp.sum(_kept(_per_token(logits, token_ids(targets), vocab)[0], targets))
+    return jnp.sum(_kept(_per_token(logits, token_ids(targets), vocab, kernel)[0], targets))
 
 
 def _kept(values: jax.Array, targets: jax.Array) -> jax.Array:
@@ -153,8 +165,10 @@ def _zeros(shape: tuple[int, ...], *like: jax.Array) -> jax.Array:
 
 def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
                           h: jax.Array, w: jax.Array, targets: jax.Array,
-                          vocab: int | None, chunks: int, weight_grad=None) -> jax.Array:
-    """cross_entropy(project(h, w), targets, vocab), in `chunks` pieces of the tokens.
+                          vocab: int | None, chunks: int, weight_grad=None,
+                          kernel: str = "xla") -> jax.Array:
+    """cross_entropy(project(h, w), targets, vocab, kernel), in `chunks` pieces of the
+    tokens.
 
     h [batch, seq, d] (the final norm's output), w the head's weight as `project`
     takes it, targets [batch, seq]; seq divisible by `chunks`. The gradients of h
@@ -174,7 +188,7 @@ def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
     def loss_only(h_pieces, w, t_pieces, scale):
         def body(total, xs):
             hc, tc = xs
-            return total + _summed(project(hc, w), tc, vocab), None
+            return total + _summed(project(hc, w), tc, vocab, kernel), None
 
         init = _zeros((), h_pieces, w, t_pieces)
         total, _ = jax.lax.scan(body, init, (h_pieces, t_pieces))
@@ -188,7 +202,7 @@ def chunked_cross_entropy(project: Callable[[jax.Array, jax.Array], jax.Array],
                 logits, pull = jax.vjp(project, hc, w)
             else:
                 logits, pull_h = jax.vjp(lambda hc: project(hc, w), hc)
-            s, g = _sum_and_gradient(logits, tc, vocab, 1.0 / tokens * scale)
+            s, g = _sum_and_gradient(logits, tc, vocab, 1.0 / tokens * scale, kernel)
             if weight_grad is None:
                 dh, dwc = pull(g)
                 dw = dw + dwc.astype(jnp.float32)
