@@ -28,7 +28,7 @@ import argparse
 import statistics
 import time
 
-from report import report, run_script  # benchmarks/ is the script's directory
+from report import median_seconds, report, run_script  # benchmarks/ is the script's directory
 
 
 def group_sizes(rows: int, groups: int, skew: float):
@@ -83,13 +83,7 @@ def timed(f, x, w, dy, repeat: int) -> float:
     import jax
 
     step = jax.jit(lambda x, w: jax.vjp(f, x, w)[1](dy))
-    jax.block_until_ready(step(x, w))
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(x, w))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: step(x, w), repeat)
 
 
 def main() -> int:

@@ -13,26 +13,13 @@ model.loss_kernel=...` (gpu_figures.sh's losskernel stage runs both).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
-from report import report, run_script  # benchmarks/ is the script's directory
+from report import median_seconds, report, run_script  # benchmarks/ is the script's directory
 
 # (CHUNK, NUM_WARPS, NUM_STAGES)
 SETTINGS = [(2048, 4, 2), (2048, 8, 2), (4096, 8, 2), (1024, 4, 2), (2048, 4, 3),
             (4096, 4, 1), (8192, 8, 1)]
-
-
-def timed(f, repeat: int) -> float:
-    import jax
-
-    jax.block_until_ready(f())
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -65,7 +52,7 @@ def main() -> int:
     want_lse = want[1]
     result = {"date": time.strftime("%Y-%m-%d"), "device": device.device_kind,
               "rows": args.rows, "vocab": args.vocab, "padded": args.padded, "gb": gb}
-    s = timed(lambda: xla(x, t), args.repeat)
+    s = median_seconds(lambda: xla(x, t), args.repeat)
     result["xla"] = {"ms": s * 1e3, "tb_per_s": gb / s / 1e3}
     print(f"xla: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s", flush=True)
     runs = []
@@ -75,7 +62,7 @@ def main() -> int:
             def call(chunk=chunk, warps=warps, stages=stages):
                 return loss_kernel._rows(x, t, args.vocab, chunk, False, warps, stages)
             lse, label = call()
-            s = timed(call, args.repeat)
+            s = median_seconds(call, args.repeat)
         except Exception as e:  # a setting Triton cannot compile: say so, go on
             print(f"{name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
                   flush=True)

@@ -20,12 +20,11 @@ d_model 1024, d_ff 3584, 8 experts).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 from grouped_matmul import group_sizes
-from report import report, run_script  # benchmarks/ is the script's directory
+from report import median_seconds, report, run_script  # benchmarks/ is the script's directory
 
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
 RAGGED = [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (128, 128, 64, 2, 1),
@@ -36,18 +35,6 @@ TRANSPOSED = [(128, 128, 64, 4, 1), (128, 128, 64, 4, 4), (128, 128, 64, 2, 1),
               (64, 64, 128, 4, 1), (128, 128, 64, 1, 1)]
 TOLERANCE = 2e-2  # relative, bf16 products accumulated in float32 both ways
 NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
-
-
-def timed(f, repeat: int) -> float:
-    import jax
-
-    jax.block_until_ready(f())
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def relative_error(a, b) -> float:
@@ -153,7 +140,7 @@ def main() -> int:
                 f = jax.jit(calls(gp.KERNELS)[kind]).lower().compile()
                 compile_s = time.perf_counter() - t0
                 out = f()
-                ms = timed(f, args.repeat) * 1e3
+                ms = median_seconds(f, args.repeat) * 1e3
             except Exception as e:  # a tiling the shared memory cannot hold, or refused
                 print(f"{kind} {c}: {type(e).__name__}: {str(e).splitlines()[0][:160]}",
                       flush=True)

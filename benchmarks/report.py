@@ -47,6 +47,22 @@ def trees(args: argparse.Namespace) -> dict[str, Path]:
     return {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
 
 
+def median_seconds(f: Callable[[], object], repeat: int) -> float:
+    """Median wall seconds of `repeat` calls of f (JAX work, waited for), after one call
+    that compiles and warms up."""
+    import statistics
+
+    import jax
+
+    jax.block_until_ready(f())
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def report(result: dict, json_path: str | Path | None) -> None:
     """Print `result` as indented JSON; with a path, write the same text there."""
     text = json.dumps(result, indent=2)
