@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from plait.sharding import active, axes_tuple
+from plait.sharding import active, spec
 
 # Columns a program reads at once (Triton's blocks are powers of two), and the kernel's
 # launch settings; not yet tuned on a GPU.
@@ -103,21 +103,13 @@ def lse_and_label(logits: jax.Array, targets: jax.Array, vocab: int,
 
     if ctx is None:
         return local(logits, targets)
-    mesh = ctx[0]
-    spec = _token_spec(ctx, targets.ndim)
+    if targets.ndim > 2:
+        raise ValueError(f"targets of {targets.ndim} dimensions: [batch, seq] or [tokens] "
+                         "expected")
+    mesh, rules = ctx
+    # the tokens' layout as the logits are pinned to it (models.gpt's LOGITS)
+    tokens = spec(("act_batch", "act_seq")[:targets.ndim], rules, mesh)
     # check_vma off: Pallas's interpreter mistypes its loop's carry inside a shard_map
     # that checks it (JAX's own error message says so)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(*spec, None), P(*spec)),
-                         out_specs=(P(*spec), P(*spec)), check_vma=False)(logits, targets)
-
-
-def _token_spec(ctx, ndim: int) -> tuple:
-    """Per token dimension ([batch, seq] or [tokens]) the mesh axes that split it."""
-    mesh, rules = ctx
-    sizes = dict(mesh.shape)
-    if ndim > 2:
-        raise ValueError(f"targets of {ndim} dimensions: [batch, seq] or [tokens] expected")
-    names = ("act_batch", "act_seq")[:ndim]
-    per_dim = [tuple(a for a in axes_tuple(rules.get(n)) if sizes.get(a, 1) > 1)
-               for n in names]
-    return tuple((d if len(d) > 1 else d[0]) if d else None for d in per_dim)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(*tokens, None), tokens),
+                         out_specs=(tokens, tokens), check_vma=False)(logits, targets)
