@@ -161,6 +161,31 @@ def test_fused_projection_parts_equal_the_fused_products_slices(spec, products):
     assert counts["dot_general"] == products, counts
 
 
+def test_the_parts_input_gradients_are_summed_newest_first():
+    """dense_parts' products read x through parallel.ops.fan_out, which sums their input
+    gradients as g2 + (g1 + g0): each sum's left operand is a product, the form XLA:GPU
+    folds into the product as its addend (autodiff's own (g0 + g1) + g2 left one add
+    kernel per layer on an H100). The same gradient either way."""
+    from plait.parallel.ops import fan_out
+
+    x = jax.random.normal(jax.random.key(0), (6, 4))
+    ws = jax.random.normal(jax.random.key(1), (3, 4, 5))
+
+    def products(x, reader):
+        return sum(jnp.sum(jnp.sin(xi @ w)) for xi, w in zip(reader(x), ws, strict=True))
+
+    ours = jax.grad(lambda x: products(x, lambda x: fan_out(x, 3)))
+    np.testing.assert_allclose(ours(x), jax.grad(lambda x: products(x, lambda x: (x,) * 3))(x),
+                               rtol=1e-6)
+    eqns = jax.make_jaxpr(ours)(x).jaxpr.eqns
+    made_by = {v: e.primitive.name for e in eqns for v in e.outvars}
+    adds = [e for e in eqns if e.primitive.name in ("add", "add_any")
+            and e.outvars[0].aval.shape == x.shape]
+    assert len(adds) == 2, adds
+    for e in adds:  # the newest product on the left, the running sum on the right
+        assert made_by[e.invars[0]] == "dot_general", e
+
+
 @pytest.mark.parametrize("bias_shape", [(8,), (4, 8), (2, 4, 8)])
 def test_a_bias_of_several_dimensions_is_added_as_one_vector(bias_shape):
     """parallel.ops.add_bias adds a [heads, head] (or [2, kv_heads, head]) bias over the

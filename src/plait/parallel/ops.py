@@ -8,6 +8,8 @@ partitions; under 2-D / 2.5-D / 3-D they are the explicit shard_map layers of
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,8 +92,34 @@ def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = 
     part = tuple(n for n in logical if n != axis)
     eq = _equation(part, fan_in, x.ndim - len(fan_in))
     value = w[...]
-    return tuple(jnp.einsum(eq, x, jax.lax.index_in_dim(value, i, at, keepdims=False))
-                 for i in range(value.shape[at]))
+    xs = fan_out(x, value.shape[at])
+    return tuple(jnp.einsum(eq, xi, jax.lax.index_in_dim(value, i, at, keepdims=False))
+                 for i, xi in enumerate(xs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fan_out(x: jax.Array, n: int) -> tuple[jax.Array, ...]:
+    """n uses of x whose gradients are summed newest-first, g[n-1] + (... + (g[1] +
+    g[0])): each product's input gradient then takes the sum so far as its GEMM's
+    addend (cuBLASLt's beta = 1). Autodiff's own order, (g[0] + g[1]) + g[2], leaves
+    the last sum to an add kernel of its own, since XLA:GPU folds an add into the
+    product on its left only (dense_parts' q / k / v compiled for an H100: one such
+    add per layer, reading two and writing one array of the activations' size)."""
+    return (x,) * n
+
+
+def _fan_out_fwd(x: jax.Array, n: int):
+    return (x,) * n, None
+
+
+def _fan_out_bwd(n: int, _, grads: tuple[jax.Array, ...]):
+    total = grads[0]
+    for g in grads[1:]:
+        total = g + total
+    return (total,)
+
+
+fan_out.defvjp(_fan_out_fwd, _fan_out_bwd)
 
 
 def add_bias(y: jax.Array, b: jax.Array | float) -> jax.Array:
