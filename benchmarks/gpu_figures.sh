@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernels kernels1p3b losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -25,10 +25,13 @@
 #   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
 #      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
 #      1% from step 100).
-#   3. losskernel (~5 minutes): model.loss_kernel = "pallas", the loss's reductions in one
-#      Triton kernel, never run on a GPU: the kernel alone against XLA's reduction
-#      (2.67 ms a step on gpt2-124m, 37% of the bandwidth), then gpt2-124m's step with and
-#      without it (issue 29's 1.1x nanoGPT; at the full bandwidth -2.6%).
+#   3. kernels (~7 minutes, DEADLINE_S=540), then kernels1p3b (~6 minutes): the Triton
+#      kernels for the LayerNorms (model.norm_kernel, the attention's residual add folded
+#      in: census -3.6% on gpt2-124m) and for the loss's reductions (model.loss_kernel),
+#      never run on a GPU: gpt2-124m's step on XLA's fusions, on each and on both,
+#      alternating two rounds; then gpt2-1.3b on XLA's and on both (issue 29's 1.1x
+#      nanoGPT and 50% MFU). If they help, `nanogpt` with their --set next; losskernel
+#      (the loss kernel alone in its launch settings against XLA's reduction) after.
 #   4. pallas moepallas (~12 minutes, two commands): the kernels' tilings timed and
 #      checked against reference products, then mixtral-mini on the best beside the tiles
 #      and the twin; abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive
@@ -176,6 +179,29 @@ for stage in "$@"; do
           experiments/gpt2-124m.toml --steps 30 --set 'model.loss_kernel="pallas"' \
           --json "$OUT/gpt124-losskernel-$round.json"
       done ;;
+    kernels)  # model.norm_kernel and model.loss_kernel = "pallas" (Triton kernels for the
+      # LayerNorms with the attention's residual add, and for the loss's reductions; never
+      # run on a GPU): gpt2-124m's step on XLA's fusions, on each kernel and on both,
+      # alternating two rounds (compiled for an H100: 65.43, 63.08, ~65.4, ~63.0 ms)
+      for round in 1 2; do
+        for variant in xla norm loss both; do
+          case $variant in
+            xla) sets=() ;;
+            norm) sets=(--set 'model.norm_kernel="pallas"') ;;
+            loss) sets=(--set 'model.loss_kernel="pallas"') ;;
+            both) sets=(--set 'model.norm_kernel="pallas"' --set 'model.loss_kernel="pallas"') ;;
+          esac
+          run "gpt124-kernels-$variant-$round" 120 python3 benchmarks/throughput.py \
+            experiments/gpt2-124m.toml --steps 30 ${sets[@]+"${sets[@]}"} \
+            --json "$OUT/gpt124-kernels-$variant-$round.json"
+        done
+      done ;;
+    kernels1p3b)  # the same on gpt2-1.3b as shipped: XLA's fusions, then both kernels
+      run gpt1p3b-kernels-xla 240 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
+        --steps 16 --warmup 4 --json "$OUT/gpt1p3b-kernels-xla.json"
+      run gpt1p3b-kernels-both 240 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
+        --steps 16 --warmup 4 --set 'model.norm_kernel="pallas"' \
+        --set 'model.loss_kernel="pallas"' --json "$OUT/gpt1p3b-kernels-both.json" ;;
     gpt124scan)
       run gpt124-scan 150 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
         --steps 30 --set model.scan_layers=true --json "$OUT/gpt124-scan.json" ;;
@@ -340,7 +366,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernels kernels1p3b losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac

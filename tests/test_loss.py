@@ -171,7 +171,7 @@ def test_a_gpt_on_the_loss_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
     assert not (tmp_path / "refused").exists()
     from plait.parallel import loss_kernel
 
-    monkeypatch.setattr("plait.train.run.check_loss_kernel", lambda *a: None)
+    monkeypatch.setattr("plait.train.run.check_kernels", lambda *a: None)
     rows, traced = loss_kernel._rows, []
     monkeypatch.setattr(loss_kernel, "_rows", lambda x, *a: traced.append(x.shape) or rows(x, *a))
     got = losses(run(exp, "data=2,fsdp=2,context=2", tmp_path / "run"))

@@ -143,6 +143,11 @@ class GPTConfig(ModelSection):
     # (Triton) kernel per token (parallel.loss_kernel), on NVIDIA GPUs only. Where the
     # vocabulary is split across devices, XLA's either way.
     loss_kernel: Literal["xla", "pallas"] = "xla"
+    # How a LayerNorm runs: "xla", XLA's fusions; "pallas", one pass each way of a
+    # Pallas (Triton) kernel (parallel.norm_kernel), the attention's residual add folded
+    # into the norm after it, on NVIDIA GPUs only. Where the embedding is split across
+    # devices, inside a pipeline's body, and for RMSNorm, XLA's either way.
+    norm_kernel: Literal["xla", "pallas"] = "xla"
     # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
     # parameters, same results): compile time no longer grows with the number of
     # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 64 layers).

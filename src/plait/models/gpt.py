@@ -140,10 +140,13 @@ class Attention(nnx.Module):
         kv_names = HEADS if self.fused else KV_HEADS
         return constrain(q, HEADS), constrain(k, kv_names), constrain(v, kv_names)
 
-    def out(self, o: jax.Array) -> jax.Array:
-        return dense(constrain(o, HEADS), self.wo, _scaling(self, "wo")) + _bias(self, "bo")
+    def _projected(self, o: jax.Array) -> jax.Array:
+        return dense(constrain(o, HEADS), self.wo, _scaling(self, "wo"))
 
-    def __call__(self, x):
+    def out(self, o: jax.Array) -> jax.Array:
+        return self._projected(o) + _bias(self, "bo")
+
+    def _attended(self, x: jax.Array) -> jax.Array:
         # The position of each stored token: the natural order, or the balanced order of
         # a context axis (parallel.context), which the causal mask then follows.
         pos = sequence_positions(x.shape[1])
@@ -151,8 +154,17 @@ class Attention(nnx.Module):
         # Named for the remat policies that keep attention and recompute the rest
         # (models.remat_policy); no-ops without one.
         q, k, v = (checkpoint_name(a, ATTENTION_NAMES[0]) for a in (q, k, v))
-        o = checkpoint_name(attend(q, k, v, pos, self.implementation), ATTENTION_NAMES[1])
+        return checkpoint_name(attend(q, k, v, pos, self.implementation), ATTENTION_NAMES[1])
+
+    def __call__(self, x):
+        o = self._attended(x)
         return constrain(checkpoint_name(self.out(o), ATTENTION_NAMES[2]), BATCH_SEQ_EMBED)
+
+    def unbiased(self, x: jax.Array) -> tuple[jax.Array, jax.Array | float]:
+        """(the output before its bias, the bias): for a norm that adds both to the
+        residual stream itself (models.norms.LayerNorm.after_add)."""
+        h = checkpoint_name(self._projected(self._attended(x)), ATTENTION_NAMES[2])
+        return constrain(h, BATCH_SEQ_EMBED), _bias(self, "bo")
 
     def decode(self, x: jax.Array, cache: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
         """Attention of x [batch, T, d] at positions pos .. pos + T - 1 over themselves and
@@ -219,11 +231,15 @@ class Block(nnx.Module):
 
     def forward(self, x: jax.Array) -> tuple[jax.Array, dict | None]:
         """x -> (the block's output, its router figures; None for a dense block)."""
-        x = x + self.attn(self.ln1(x))
+        if self.ln2.kernel_here():  # the attention's residual add and ln2 in one kernel
+            x, y = self.ln2.after_add(x, *self.attn.unbiased(self.ln1(x)))
+        else:
+            x = x + self.attn(self.ln1(x))
+            y = self.ln2(x)
         if self.sparse:
-            h, stats = self.mlp(self.ln2(x))
+            h, stats = self.mlp(y)
             return x + h, stats
-        return x + self.mlp(self.ln2(x)), None
+        return x + self.mlp(y), None
 
     def __call__(self, x):
         return self.forward(x)[0]

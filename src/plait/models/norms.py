@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from plait.config import GPTConfig
 from plait.models.keys import ParamKeys
 from plait.models.params import param as _param
+from plait.parallel import norm_kernel
 from plait.sharding import splits
 
 # A norm keeps for the backward its input and its per-token statistics (two or three
@@ -90,32 +91,60 @@ def _moments_jvp(primals, tangents):
 
 class LayerNorm(nnx.Module):
     """LayerNorm with statistics in float32 whatever the compute dtype (a bias unless the
-    model has none)."""
+    model has none). kernel "pallas" (model.norm_kernel): parallel.norm_kernel's one
+    pass each way where it can run (`kernel_here`)."""
 
-    def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = True):
+    def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = True,
+                 kernel: str = "xla"):
         self.scale = _param(rngs, (d,), ("norm",), None)
         if bias:
             self.bias = _param(rngs, (d,), ("norm",), 0.0)
         self.eps = eps
+        self.kernel = kernel
+
+    def kernel_here(self) -> bool:
+        """Whether the kernel runs in this trace: asked for, the embedding whole on each
+        device (the statistics need no sum across devices), not in a pipeline's body."""
+        return self.kernel == "pallas" and not splits("act_embed") and norm_kernel.usable()
+
+    def _bias_or_zeros(self) -> jax.Array:
+        return self.bias[...] if hasattr(self, "bias") else jnp.zeros_like(self.scale[...])
 
     def __call__(self, x):
+        if self.kernel_here():
+            return norm_kernel.layer_norm(x, self.scale[...], self._bias_or_zeros(), self.eps)
         bias = self.bias[...] if hasattr(self, "bias") else None
         return jax.checkpoint(_layer_norm, policy=_KEEP_STATS, static_argnums=(3,))(
             x, self.scale[...], bias, self.eps)
+
+    def after_add(self, x: jax.Array, h: jax.Array, h_bias: jax.Array | float
+                  ) -> tuple[jax.Array, jax.Array]:
+        """(s, self(s)) for s = x + h + h_bias (a residual add of a projection's output h
+        and its bias): one kernel where `kernel_here`, else the add and the norm."""
+        if not self.kernel_here():
+            s = x + h + h_bias
+            return s, self(s)
+        scale = self.scale[...]
+        hb = jnp.broadcast_to(jnp.asarray(h_bias, scale.dtype), scale.shape)
+        return norm_kernel.add_layer_norm(x, h, hb, scale, self._bias_or_zeros(), self.eps)
 
 
 class RMSNorm(nnx.Module):
     """Root-mean-square norm (Llama)."""
 
-    def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = False):
-        del bias  # an RMS norm has none
+    def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = False,
+                 kernel: str = "xla"):
+        del bias, kernel  # an RMS norm has no bias, and no kernel yet
         self.scale = _param(rngs, (d,), ("norm",), None)
         self.eps = eps
 
     def __call__(self, x):
         return rms(x, self.scale, self.eps)
 
+    def kernel_here(self) -> bool:
+        return False
+
 
 def norm(cfg: GPTConfig, rngs: ParamKeys) -> LayerNorm | RMSNorm:
     cls = RMSNorm if cfg.norm == "rmsnorm" else LayerNorm
-    return cls(cfg.d_model, cfg.norm_eps, rngs, bias=cfg.bias)
+    return cls(cfg.d_model, cfg.norm_eps, rngs, bias=cfg.bias, kernel=cfg.norm_kernel)

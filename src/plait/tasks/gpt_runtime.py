@@ -107,17 +107,19 @@ def grouped_for(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]
     return cfg.model_copy(update={"moe": moe.model_copy(update={"grouped": pick})}), why
 
 
-def check_loss_kernel(cfg, device) -> None:
-    """Refuse `model.loss_kernel = "pallas"` off an NVIDIA GPU, in one line (its Triton
-    kernel runs there; elsewhere only Pallas's interpreter would, far slower than XLA)."""
-    if getattr(cfg, "loss_kernel", "xla") != "pallas":
-        return
-    if device.platform == "gpu" and getattr(device, "compute_capability", None):
-        return
-    kind = device.device_kind
-    where = kind if kind == device.platform else f"{kind} ({device.platform})"
-    raise UserError(f"model.loss_kernel = \"pallas\" runs a Triton kernel on NVIDIA GPUs, not "
-                    f"{where}; use model.loss_kernel = \"xla\"")
+def check_kernels(cfg, device) -> None:
+    """Refuse `model.loss_kernel` or `model.norm_kernel` = "pallas" off an NVIDIA GPU, in
+    one line (their Triton kernels run there; elsewhere only Pallas's interpreter would,
+    far slower than XLA)."""
+    for key in ("loss_kernel", "norm_kernel"):
+        if getattr(cfg, key, "xla") != "pallas":
+            continue
+        if device.platform == "gpu" and getattr(device, "compute_capability", None):
+            return
+        kind = device.device_kind
+        where = kind if kind == device.platform else f"{kind} ({device.platform})"
+        raise UserError(f"model.{key} = \"pallas\" runs a Triton kernel on NVIDIA GPUs, not "
+                        f"{where}; use model.{key} = \"xla\"")
 
 
 def check_grouped(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]) -> None:

@@ -1,0 +1,103 @@
+"""parallel.norm_kernel: LayerNorm, and the residual add before it, in one Pallas
+(Triton) pass each way (`model.norm_kernel = "pallas"`), run here in Pallas's
+interpreter against XLA's form."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import losses, run, tiny, write_experiment
+
+from plait.parallel import norm_kernel
+
+
+def _reference_norm(x, w, b, eps):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * w + b).astype(x.dtype)
+
+
+def _reference_add_norm(x, h, hb, w, b, eps):
+    s = (x.astype(jnp.float32) + h.astype(jnp.float32) + hb).astype(x.dtype)
+    return s, _reference_norm(s, w, b, eps)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_the_kernels_give_a_layer_norms_values_and_gradients(dtype, tol):
+    """Rows not a multiple of the kernel's blocks (21 of 4), a width not a power of two
+    (24 of 32 columns loaded), a mean far from zero; the norm alone and after a residual
+    add, values and every gradient against XLA's form; and the backward's column sums the
+    same however many programs share the rows."""
+    k = jax.random.split(jax.random.key(0), 7)
+    shape, eps = (3, 7, 24), 1e-5
+    x = (jax.random.normal(k[0], shape) * 2 + 30).astype(dtype)
+    h = jax.random.normal(k[1], shape).astype(dtype)
+    hb, b = (jax.random.normal(k[i], (24,)) for i in (2, 3))
+    w = 1 + 0.1 * jax.random.normal(k[4], (24,))
+    dy, ds = (jax.random.normal(k[i], shape).astype(dtype) for i in (5, 6))
+
+    def close(a, c, scale=1):
+        np.testing.assert_allclose(np.float32(a), np.float32(c), rtol=tol * scale,
+                                   atol=tol * scale)
+
+    def against(cot):
+        return lambda f: lambda *a: sum(jnp.sum(o.astype(jnp.float32) * c.astype(jnp.float32))
+                                        for o, c in zip(f(*a), cot, strict=True))
+
+    ours, theirs = (lambda *a: (norm_kernel.layer_norm(*a, eps),),
+                    lambda *a: (_reference_norm(*a, eps),))
+    close(ours(x, w, b)[0], theirs(x, w, b)[0])
+    got, want = (jax.grad(against((dy,))(f), (0, 1, 2))(x, w, b) for f in (ours, theirs))
+    jax.tree.map(lambda a, c: close(a, c, 5), got, want)
+
+    ours, theirs = (lambda *a: norm_kernel.add_layer_norm(*a, eps),
+                    lambda *a: _reference_add_norm(*a, eps))
+    jax.tree.map(close, ours(x, h, hb, w, b), theirs(x, h, hb, w, b))
+    got, want = (jax.grad(against((ds, dy))(f), (0, 1, 2, 3, 4))(x, h, hb, w, b)
+                 for f in (ours, theirs))
+    jax.tree.map(lambda a, c: close(a, c, 5), got, want)
+
+    rows = [a.reshape(-1, 24) for a in (x, dy, ds)]
+    at = norm_kernel._placement(2)
+    _, mean, rstd = norm_kernel._run_forward(at, False, eps, (rows[0], w, b))
+    one, many = (norm_kernel._backward(*rows, mean, rstd, w, True, programs=p) for p in (2, 528))
+    jax.tree.map(lambda a, c: np.testing.assert_allclose(np.float32(a), np.float32(c),
+                                                         rtol=1e-5, atol=1e-5), one, many)
+
+
+def test_a_gpt_on_the_norm_kernel_trains_like_one_device_on_xlas(tmp_path, monkeypatch,
+                                                                 capsys):
+    """Off a GPU `plait train` refuses the kernel in one line; let run interpreted, a
+    two-layer GPT with its norms in the kernel (in a shard_map over the tokens: batch
+    over data, sequence over context, replicated over tensor) trains like one device on
+    XLA's norms, and every norm of the model runs in it on each device's rows, forward
+    and backward: each ln2 after the attention's residual add, ln1 and ln_f alone."""
+    from plait.cli import main
+
+    exp = tiny(train={"steps": 4})
+    kernel = exp.model_copy(update={"model": exp.model.model_copy(
+        update={"norm_kernel": "pallas"})})
+    path = write_experiment(tmp_path / "kernel.toml", kernel)
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
+                 str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model.norm_kernel" in err and "not cpu" in err, err
+    assert not (tmp_path / "refused").exists()
+
+    want = losses(run(exp, "data=1", tmp_path / "xla"))
+    monkeypatch.setattr("plait.train.run.check_kernels", lambda *a: None)
+    forward, backward, traced, back = norm_kernel._forward, norm_kernel._backward, [], []
+    monkeypatch.setattr(norm_kernel, "_forward", lambda x, h, *a: traced.append(
+        (x.shape, h is not None)) or forward(x, h, *a))
+    monkeypatch.setattr(norm_kernel, "_backward", lambda x, dy, ds, *a: back.append(
+        (x.shape, ds is not None)) or backward(x, dy, ds, *a))
+    got = losses(run(kernel, "data=2,context=2,tensor=2", tmp_path / "kernel"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # each device: 16 sequences / 2 x 32 positions / 2 = 128 rows of 64
+    assert set(traced) == set(back) == {((128, 64), False), ((128, 64), True)}, (traced, back)
+    for calls in (traced, back):  # per model: ln2 after an add, ln1 and ln_f alone
+        added = sum(residual for _, residual in calls)
+        assert added * 3 == (len(calls) - added) * 2, calls
