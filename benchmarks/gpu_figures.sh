@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernels kernels1p3b losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -30,8 +30,9 @@
 #      in: census -3.6% on gpt2-124m) and for the loss's reductions (model.loss_kernel),
 #      never run on a GPU: gpt2-124m's step on XLA's fusions, on each and on both,
 #      alternating two rounds; then gpt2-1.3b on XLA's and on both (issue 29's 1.1x
-#      nanoGPT and 50% MFU). If they help, `nanogpt` with their --set next; losskernel
-#      (the loss kernel alone in its launch settings against XLA's reduction) after.
+#      nanoGPT and 50% MFU). If they help, `nanogpt` with their --set next; normkernel
+#      and losskernel (each kernel alone in its launch settings against XLA's form, to
+#      tune them) after.
 #   4. pallas moepallas (~12 minutes, two commands): the kernels' tilings timed and
 #      checked against reference products, then mixtral-mini on the best beside the tiles
 #      and the twin; abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive
@@ -196,6 +197,11 @@ for stage in "$@"; do
             --json "$OUT/gpt124-kernels-$variant-$round.json"
         done
       done ;;
+    normkernel)  # the norm kernels alone in their launch settings against XLA's form, at
+      # gpt2-124m's and gpt2-1.3b's streams (values compared, the best setting printed)
+      run norm-kernel-124m 150 python3 benchmarks/norm_kernel.py --json "$OUT/norm-kernel-124m.json"
+      run norm-kernel-1p3b 150 python3 benchmarks/norm_kernel.py --rows 16384 --width 1280 \
+        --json "$OUT/norm-kernel-1p3b.json" ;;
     kernels1p3b)  # the same on gpt2-1.3b as shipped: XLA's fusions, then both kernels
       run gpt1p3b-kernels-xla 240 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --json "$OUT/gpt1p3b-kernels-xla.json"
@@ -366,7 +372,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernels kernels1p3b losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac

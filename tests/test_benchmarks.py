@@ -78,9 +78,11 @@ def test_pallas_blocks_refuses_a_gpu_that_is_not_hopper_in_one_line():
     assert proc.stderr.strip().count("\n") == 0
 
 
-def test_loss_kernel_refuses_a_cpu_in_one_line():
-    """gpu_figures.sh's losskernel stage times a Triton kernel: off a GPU, one line."""
-    proc = _script("loss_kernel.py")
+@pytest.mark.parametrize("script", ["loss_kernel.py", "norm_kernel.py"])
+def test_the_kernel_benchmarks_refuse_a_cpu_in_one_line(script):
+    """gpu_figures.sh's losskernel and normkernel stages time Triton kernels: off a GPU,
+    one line."""
+    proc = _script(script)
     assert proc.returncode == 2 and "NVIDIA GPU, not cpu" in proc.stderr, proc.stderr
     assert proc.stderr.strip().count("\n") == 0
 

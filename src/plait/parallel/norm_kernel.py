@@ -142,7 +142,7 @@ def _bwd_kernel(n: int, total: int, rows: int, width: int, programs: int, residu
         plt.store(ref.at[p, pl.ds(0, width)], value, mask=cols)
 
 
-def _call(kernel, args, out_shape, grid: int, interpret: bool):
+def _call(kernel, args, out_shape, grid: int, interpret: bool, num_warps: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -150,12 +150,13 @@ def _call(kernel, args, out_shape, grid: int, interpret: bool):
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(grid,), in_specs=[anywhere] * len(args),
         out_specs=tuple(anywhere for _ in out_shape),
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=NUM_STAGES),
         interpret=interpret)(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "rows"))
-def _forward(x, h, hb, w, b, eps: float, interpret: bool, rows: int = ROWS):
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "rows", "num_warps"))
+def _forward(x, h, hb, w, b, eps: float, interpret: bool, rows: int = ROWS,
+             num_warps: int = NUM_WARPS):
     """x, h [tokens, n] (h None: no residual add), hb, w, b [n] -> (s = x + h + hb or
     None, y [tokens, n], mean, rstd [tokens])."""
     total, n = x.shape
@@ -165,13 +166,14 @@ def _forward(x, h, hb, w, b, eps: float, interpret: bool, rows: int = ROWS):
     kernel = functools.partial(_fwd_kernel, n, total, rows, _pow2(n), eps, residual)
     grid = _cdiv(total, rows)
     if residual:
-        return _call(kernel, (x, h, hb, w, b), (act, act, stat, stat), grid, interpret)
-    return (None, *_call(kernel, (x, w, b), (act, stat, stat), grid, interpret))
+        return _call(kernel, (x, h, hb, w, b), (act, act, stat, stat), grid, interpret,
+                     num_warps)
+    return (None, *_call(kernel, (x, w, b), (act, stat, stat), grid, interpret, num_warps))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "rows", "programs"))
+@functools.partial(jax.jit, static_argnames=("interpret", "rows", "programs", "num_warps"))
 def _backward(x, dy, ds, mean, rstd, w, interpret: bool, rows: int = ROWS,
-              programs: int = PROGRAMS):
+              programs: int = PROGRAMS, num_warps: int = NUM_WARPS):
     """-> (d [tokens, n], dw, db, dhb [n] float32; dhb None without ds)."""
     total, n = x.shape
     residual = ds is not None
@@ -181,7 +183,7 @@ def _backward(x, dy, ds, mean, rstd, w, interpret: bool, rows: int = ROWS,
     d_shape = jax.ShapeDtypeStruct(x.shape, dy.dtype)
     args = (x, dy, ds, mean, rstd, w) if residual else (x, dy, mean, rstd, w)
     outs = _call(kernel, args, (d_shape, part, part) + ((part,) if residual else ()),
-                 programs, interpret)
+                 programs, interpret, num_warps)
     sums = [o.sum(0) for o in outs[1:]]
     return outs[0], sums[0], sums[1], sums[2] if residual else None
 
