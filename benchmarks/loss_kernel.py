@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from report import median_seconds, report, run_script  # benchmarks/ is the script's directory
+# benchmarks/ is the script's directory
+from report import median_seconds, nvidia_gpu, report, run_script
 
 # (CHUNK, NUM_WARPS, NUM_STAGES)
 SETTINGS = [(2048, 4, 2), (2048, 8, 2), (4096, 8, 2), (1024, 4, 2), (2048, 4, 3),
@@ -35,13 +36,10 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from plait.errors import UserError
     from plait.models.loss import _per_token
     from plait.parallel import loss_kernel
 
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        raise UserError(f"the kernel runs on an NVIDIA GPU, not {device.device_kind}")
+    device = nvidia_gpu("the kernel runs")
     keys = jax.random.split(jax.random.key(0), 2)
     x = (4.0 * jax.random.normal(keys[0], (args.rows, args.padded))).astype(jnp.bfloat16)
     t = jax.random.randint(keys[1], (args.rows,), 0, args.vocab)

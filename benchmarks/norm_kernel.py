@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from report import median_seconds, report, run_script  # benchmarks/ is the script's directory
+# benchmarks/ is the script's directory
+from report import median_seconds, nvidia_gpu, report, run_script
 
 # (ROWS, NUM_WARPS, PROGRAMS)
 SETTINGS = [(4, 4, 528), (1, 4, 528), (2, 4, 528), (8, 8, 528), (4, 8, 528),
@@ -34,13 +35,10 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from plait.errors import UserError
     from plait.models.norms import _KEEP_STATS, _layer_norm
     from plait.parallel import norm_kernel
 
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        raise UserError(f"the kernels run on an NVIDIA GPU, not {device.device_kind}")
+    device = nvidia_gpu("the kernels run")
     k = jax.random.split(jax.random.key(0), 6)
     shape, n = (args.rows, args.width), args.width
     x, h, dy, ds = (jax.random.normal(k[i], shape).astype(jnp.bfloat16) for i in range(4))

@@ -63,6 +63,19 @@ def median_seconds(f: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
+def nvidia_gpu(what: str):
+    """The first device if it is an NVIDIA GPU; else a plait UserError, `what` ("the
+    kernel runs") on an NVIDIA GPU, not this device: a kernel benchmark's one line."""
+    import jax
+
+    from plait.errors import UserError
+
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        raise UserError(f"{what} on an NVIDIA GPU, not {device.device_kind}")
+    return device
+
+
 def report(result: dict, json_path: str | Path | None) -> None:
     """Print `result` as indented JSON; with a path, write the same text there."""
     text = json.dumps(result, indent=2)

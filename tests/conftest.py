@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -32,3 +33,12 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Start the backend now: every test then sees the same fixed 8-device process,
 # whatever order the tests run in.
 assert len(jax.devices()) == 8
+
+
+@pytest.fixture(scope="session")
+def whole_loss(tmp_path_factory):
+    """The losses of `helpers.tiny` over 6 steps on one device, XLA's loss and norms: the
+    reference of the tests that train it in pieces or on a kernel."""
+    from helpers import losses, run, tiny
+
+    return losses(run(tiny(train={"steps": 6}), "data=1", tmp_path_factory.mktemp("ref")))

@@ -50,11 +50,6 @@ def test_pieces_give_the_loss_and_gradients_of_all_logits(layout, dtype):
     np.testing.assert_allclose(jax.jit(pieces)(h, w), want[0], rtol=tol)
 
 
-@pytest.fixture(scope="module")
-def whole_loss(tmp_path_factory):
-    return losses(run(tiny(train={"steps": 6}), "data=1", tmp_path_factory.mktemp("ref")))
-
-
 @pytest.mark.parametrize("spec", ["data=2,fsdp=2,tensor=2", "data=2,fsdp=2,context=2",
                                   "tensor_x=2,tensor_y=2,tensor_z=2"],
                          ids=["1d", "context", "3d"])
