@@ -21,6 +21,23 @@ def _script(name: str, *args: str, env: dict | None = None) -> subprocess.Comple
                           capture_output=True, text=True, cwd=ROOT, env=e, timeout=300)
 
 
+def _here(monkeypatch, capsys, name: str, *args: str) -> tuple[int, str, str]:
+    """(status, stdout, stderr) of `python benchmarks/NAME ARGS` run in this process (its
+    directory first on the path, its path as argv[0]): for the runs that end before any
+    work, where a process of its own would spend seconds importing JAX to say one line."""
+    import runpy
+
+    path = ROOT / "benchmarks" / name
+    monkeypatch.setattr(sys, "argv", [str(path), *args])
+    monkeypatch.syspath_prepend(str(path.parent))
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as end:
+        runpy.run_path(str(path), run_name="__main__")
+    out = capsys.readouterr()
+    return end.value.code, out.out, out.err
+
+
 def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
@@ -71,20 +88,16 @@ def test_moe_against_its_dense_twin(tmp_path):
     assert got["params"]["moe"] > 2 * got["params"]["dense"]
 
 
-def test_pallas_blocks_refuses_a_gpu_that_is_not_hopper_in_one_line():
-    """gpu_figures.sh's pallas stage times Hopper kernels: elsewhere one line, status 2."""
-    proc = _script("pallas_blocks.py")
-    assert proc.returncode == 2 and "run on a Hopper GPU, not cpu" in proc.stderr, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0
-
-
-@pytest.mark.parametrize("script", ["loss_kernel.py", "norm_kernel.py"])
-def test_the_kernel_benchmarks_refuse_a_cpu_in_one_line(script):
-    """gpu_figures.sh's losskernel and normkernel stages time Triton kernels: off a GPU,
-    one line."""
-    proc = _script(script)
-    assert proc.returncode == 2 and "NVIDIA GPU, not cpu" in proc.stderr, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0
+@pytest.mark.parametrize("script,says", [
+    ("pallas_blocks.py", "run on a Hopper GPU, not cpu"),
+    ("loss_kernel.py", "runs on an NVIDIA GPU, not cpu"),
+    ("norm_kernel.py", "run on an NVIDIA GPU, not cpu")])
+def test_the_kernel_benchmarks_refuse_a_cpu_in_one_line(script, says, monkeypatch, capsys):
+    """gpu_figures.sh's pallas, losskernel and normkernel stages time GPU kernels: on
+    this CPU each script ends in one line, status 2."""
+    code, _, err = _here(monkeypatch, capsys, script)
+    err = err.strip()
+    assert code == 2 and says in err and err.count("\n") == 0, err
 
 
 @pytest.mark.parametrize("mlp", [[], ["--mlp"]], ids=["product", "mlp"])
@@ -125,9 +138,13 @@ def test_fp8_against_bf16_emulated_and_refused(tmp_path):
     assert refused.stderr.startswith("fp8_vs_bf16.py: error: precision.matmul = \"fp8\" needs")
     assert "step " not in refused.stdout  # nothing trained first
 
-    bad = _script("throughput.py", "experiments/quickstart.toml", "--set", "model.layerz=2")
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip() == ("throughput.py: error: unknown config key 'model.layerz' "
+
+def test_a_benchmark_refuses_an_unknown_key_in_one_line(monkeypatch, capsys):
+    """A mistyped --set key: one line naming the key and the fix, status 2."""
+    code, _, err = _here(monkeypatch, capsys, "throughput.py", "experiments/quickstart.toml",
+                         "--set", "model.layerz=2")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip() == ("throughput.py: error: unknown config key 'model.layerz' "
                                   "(a gpt model) in --set model.layerz; did you mean "
                                   "'model.layers'?")
 
@@ -161,10 +178,13 @@ def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
     assert got["plait_nobias_sets"] == [*small[1::2], "model.bias=false"]
     assert (got["batch"], got["seq"], got["device"]) == (2, 32, "cpu")
 
-    missing = _script("gpt_vs_nanogpt.py", "--reference", str(tmp_path))
-    assert missing.returncode == 2
-    assert missing.stderr.strip() == (f"gpt_vs_nanogpt.py: error: {tmp_path} has no bench.py; "
-                                      "pass a nanoGPT checkout with --reference")
+
+def test_plait_against_nanogpt_needs_bench_py(tmp_path, monkeypatch, capsys):
+    """Without nanoGPT's bench.py under --reference: one line, status 2."""
+    code, _, err = _here(monkeypatch, capsys, "gpt_vs_nanogpt.py", "--reference", str(tmp_path))
+    assert code == 2
+    assert err.strip() == (f"gpt_vs_nanogpt.py: error: {tmp_path} has no bench.py; "
+                           "pass a nanoGPT checkout with --reference")
 
 
 # Two profiled steps of a GPU: cuBLAS and cuDNN kernels, a copy, fusions, the host
@@ -384,16 +404,16 @@ def test_hlo_census_counts_a_slice_read_through_a_cast_as_the_slice(monkeypatch)
     assert hlo_census.tiny_launches([k]) == 1
 
 
-def test_gpu_census_needs_jax_cuda_plugin_without_a_gpu(monkeypatch):
+def test_gpu_census_needs_jax_cuda_plugin_without_a_gpu(monkeypatch, capsys):
     """Without JAX's CUDA plugin, gpu_census.py says how to get it in one line."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_census
 
     if gpu_census.cuda_plugin():
         pytest.skip("the CUDA plugin is installed here")
-    proc = _script("gpu_census.py", "experiments/quickstart.toml")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == ('gpu_census.py: error: JAX\'s CUDA plugin is not '
+    code, _, err = _here(monkeypatch, capsys, "gpu_census.py", "experiments/quickstart.toml")
+    assert code == 2
+    assert err.strip() == ('gpu_census.py: error: JAX\'s CUDA plugin is not '
                                    'installed: pip install "jax[cuda13]" (no GPU needed) to '
                                    'compile for a GPU here')
 
@@ -410,7 +430,7 @@ def test_hlo_census_prices_a_data_sized_switch_at_the_size_asked(monkeypatch):
     assert launched == {0: ["c0"], 1: ["n1"], 2: ["e2", "n2"], 9: ["e2", "n2"]}
 
 
-def test_ops_compare_puts_the_census_beside_a_profile(tmp_path):
+def test_ops_compare_puts_the_census_beside_a_profile(tmp_path, monkeypatch, capsys):
     """ops_compare.py: the census's estimated and a profile's measured ms a step per JAX
     operation, the largest measured first, an operation one side lacks at 0 there;
     a JSON without ops is refused in one line."""
@@ -420,7 +440,9 @@ def test_ops_compare_puts_the_census_beside_a_profile(tmp_path):
     profile.write_text(json.dumps({"ops": [{"op": "add", "ms_per_step": 3.0},
                                            {"op": "dot", "ms_per_step": 2.2},
                                            {"op": "(no op_name)", "ms_per_step": 0.1}]}))
-    _ok(_script("ops_compare.py", str(census), str(profile), "--json", str(out)))
+    code, _, err = _here(monkeypatch, capsys, "ops_compare.py", str(census), str(profile),
+                         "--json", str(out))
+    assert code == 0, err
     got = json.loads(out.read_text())
     assert (got["estimated_ms"], got["measured_ms"]) == (3.5, 5.3)
     assert got["rows"] == [
@@ -429,7 +451,7 @@ def test_ops_compare_puts_the_census_beside_a_profile(tmp_path):
         {"op": "(no op_name)", "estimated_ms": 0.0, "measured_ms": 0.1, "ratio": None},
         {"op": "reduce_sum", "estimated_ms": 0.5, "measured_ms": 0.0, "ratio": None}]
     census.write_text("{}")
-    proc = _script("ops_compare.py", str(census), str(profile))
-    assert proc.returncode == 2
-    (line,) = proc.stderr.strip().splitlines()
+    code, _, err = _here(monkeypatch, capsys, "ops_compare.py", str(census), str(profile))
+    assert code == 2
+    (line,) = err.strip().splitlines()
     assert "has no ops" in line
