@@ -16,7 +16,7 @@ import argparse
 import time
 
 # benchmarks/ is the script's directory
-from report import median_seconds, nvidia_gpu, report, run_script
+from report import failed_setting, median_seconds, nvidia_gpu, report, run_script
 
 # (CHUNK, NUM_WARPS, NUM_STAGES)
 SETTINGS = [(2048, 4, 2), (2048, 8, 2), (4096, 8, 2), (1024, 4, 2), (2048, 4, 3),
@@ -55,21 +55,18 @@ def main() -> int:
     runs = []
     for chunk, warps, stages in SETTINGS:
         name = f"chunk {chunk}, {warps} warps, {stages} stages"
+        setting = {"chunk": chunk, "num_warps": warps, "num_stages": stages}
         try:
             def call(chunk=chunk, warps=warps, stages=stages):
                 return loss_kernel._rows(x, t, args.vocab, chunk, False, warps, stages)
             lse, label = call()
             s = median_seconds(call, args.repeat)
         except Exception as e:  # a setting Triton cannot compile: say so, go on
-            print(f"{name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
-                  flush=True)
-            runs.append({"chunk": chunk, "num_warps": warps, "num_stages": stages,
-                         "error": str(e).splitlines()[0][:300]})
+            runs.append(failed_setting(name, setting, e))
             continue
         err = float(np.max(np.abs(np.asarray(lse) - want_lse)))
         loss_err = float(np.max(np.abs(np.asarray(lse - label) - want_loss)))
-        runs.append({"chunk": chunk, "num_warps": warps, "num_stages": stages,
-                     "ms": s * 1e3, "tb_per_s": gb / s / 1e3, "max_abs_lse_diff": err,
+        runs.append({**setting, "ms": s * 1e3, "tb_per_s": gb / s / 1e3, "max_abs_lse_diff": err,
                      "max_abs_loss_diff": loss_err})
         print(f"{name}: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s, largest difference "
               f"from XLA's: log-sum-exp {err:.2e}, loss {loss_err:.2e}", flush=True)

@@ -16,7 +16,7 @@ import argparse
 import time
 
 # benchmarks/ is the script's directory
-from report import median_seconds, nvidia_gpu, report, run_script
+from report import failed_setting, median_seconds, nvidia_gpu, report, run_script
 
 # (ROWS, NUM_WARPS, PROGRAMS)
 SETTINGS = [(4, 4, 528), (1, 4, 528), (2, 4, 528), (8, 8, 528), (4, 8, 528),
@@ -82,9 +82,7 @@ def main() -> int:
             f_s = median_seconds(forward, args.repeat)
             b_s = median_seconds(backward, args.repeat)
         except Exception as e:  # a setting Triton cannot compile: say so, go on
-            print(f"{name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
-                  flush=True)
-            runs.append({**setting, "error": str(e).splitlines()[0][:300]})
+            runs.append(failed_setting(name, setting, e))
             continue
         diff = max(float(np.max(np.abs(np.float32(a) - c)))
                    for a, c in ((s, s_want), (y, y_want), (d, d_want)))

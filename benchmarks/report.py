@@ -76,6 +76,14 @@ def nvidia_gpu(what: str):
     return device
 
 
+def failed_setting(name: str, setting: dict, error: Exception) -> dict:
+    """A kernel's launch setting that would not compile or run: said in one line, and its
+    record for the JSON (the benchmark goes on with the next setting)."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    print(f"{name}: failed ({type(error).__name__}: {first[:120]})", flush=True)
+    return {**setting, "error": first[:300]}
+
+
 def report(result: dict, json_path: str | Path | None) -> None:
     """Print `result` as indented JSON; with a path, write the same text there."""
     text = json.dumps(result, indent=2)

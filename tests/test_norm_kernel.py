@@ -61,7 +61,7 @@ def test_the_kernels_give_a_layer_norms_values_and_gradients(dtype, tol):
     jax.tree.map(lambda a, c: close(a, c, 5), got, want)
 
     rows = [a.reshape(-1, 24) for a in (x, dy, ds)]
-    at = norm_kernel._placement(2)
+    at = norm_kernel.placement(2)
     _, mean, rstd = norm_kernel._run_forward(at, False, eps, (rows[0], w, b))
     one, many = (norm_kernel._backward(*rows, mean, rstd, w, True, programs=p) for p in (2, 528))
     jax.tree.map(lambda a, c: np.testing.assert_allclose(np.float32(a), np.float32(c),

@@ -120,10 +120,8 @@ class LayerNorm(nnx.Module):
     def after_add(self, x: jax.Array, h: jax.Array, h_bias: jax.Array | float
                   ) -> tuple[jax.Array, jax.Array]:
         """(s, self(s)) for s = x + h + h_bias (a residual add of a projection's output h
-        and its bias): one kernel where `kernel_here`, else the add and the norm."""
-        if not self.kernel_here():
-            s = x + h + h_bias
-            return s, self(s)
+        and its bias) in one kernel; for where `kernel_here` (elsewhere the model adds
+        the bias to h first, as its products do, and then the residual)."""
         scale = self.scale[...]
         hb = jnp.broadcast_to(jnp.asarray(h_bias, scale.dtype), scale.shape)
         return norm_kernel.add_layer_norm(x, h, hb, scale, self._bias_or_zeros(), self.eps)

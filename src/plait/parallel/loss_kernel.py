@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from plait.sharding import active, spec
+from plait.parallel.kernel_place import placement, usable
+
+__all__ = ["lse_and_label", "usable"]
 
 # Columns a program reads at once (Triton's blocks are powers of two), and the kernel's
 # launch settings; not yet tuned on a GPU.
@@ -77,14 +79,6 @@ def _rows(x: jax.Array, targets: jax.Array, vocab: int, chunk: int, interpret: b
         interpret=interpret)(x, targets.astype(jnp.int32))
 
 
-def usable() -> bool:
-    """Whether the kernel runs here: not inside another shard_map (a pipeline's body),
-    where models.loss keeps XLA's reductions (a Pallas call nested in a partly manual
-    shard_map is not tested, and its interpreter's types there are not JAX's)."""
-    context = jax.sharding.get_abstract_mesh()
-    return context.empty or not context.manual_axes
-
-
 def lse_and_label(logits: jax.Array, targets: jax.Array, vocab: int,
                   chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
     """logits [..., V] (the vocabulary whole on each device), targets [...] ->
@@ -92,24 +86,20 @@ def lse_and_label(logits: jax.Array, targets: jax.Array, vocab: int,
     Not differentiable: models.loss's rules give the derivatives. Inside plait's step
     (sharding.use) it runs in a shard_map over the mesh, each device on its own tokens
     (replicated over the axes that split neither the batch nor the sequence)."""
-    ctx = active()
-    # Compiled for the step's devices (a CPU may compile for a GPU: gpu_census.py).
-    platform = ctx[0].devices.flat[0].platform if ctx else jax.default_backend()
-    interpret = platform == "cpu"
+    at = placement(logits.ndim)
 
     def local(x, t):
-        lse, label = _rows(x.reshape(-1, x.shape[-1]), t.reshape(-1), vocab, chunk, interpret)
+        lse, label = _rows(x.reshape(-1, x.shape[-1]), t.reshape(-1), vocab, chunk,
+                           at.interpret)
         return lse.reshape(t.shape), label.reshape(t.shape)
 
-    if ctx is None:
+    if at.mesh is None:
         return local(logits, targets)
     if targets.ndim > 2:
         raise ValueError(f"targets of {targets.ndim} dimensions: [batch, seq] or [tokens] "
                          "expected")
-    mesh, rules = ctx
-    # the tokens' layout as the logits are pinned to it (models.gpt's LOGITS)
-    tokens = spec(("act_batch", "act_seq")[:targets.ndim], rules, mesh)
+    # the tokens' layout as the logits are pinned to it (models.gpt's LOGITS);
     # check_vma off: Pallas's interpreter mistypes its loop's carry inside a shard_map
     # that checks it (JAX's own error message says so)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(*tokens, None), tokens),
-                         out_specs=(tokens, tokens), check_vma=False)(logits, targets)
+    return jax.shard_map(local, mesh=at.mesh, in_specs=(P(*at.tokens, None), at.tokens),
+                         out_specs=(at.tokens, at.tokens), check_vma=False)(logits, targets)

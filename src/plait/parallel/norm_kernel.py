@@ -26,15 +26,12 @@ body, models.norms keeps XLA's form. Off a GPU the kernels run in Pallas's inter
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from plait.parallel.loss_kernel import usable
-from plait.sharding import active, spec
+from plait.parallel.kernel_place import Placement, placement, usable
 
 __all__ = ["add_layer_norm", "layer_norm", "usable"]
 
@@ -192,39 +189,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class _Placement:
-    """Where the kernels run, fixed when the forward is traced (the backward is traced
-    after plait's step has left `sharding.use`): the mesh and the tokens' axes of the
-    residual stream (None outside plait's step), and whether in Pallas's interpreter."""
-    mesh: Mesh | None
-    tokens: P | None
-    interpret: bool
-
-
-def _placement(ndim: int) -> _Placement:
-    ctx = active()
-    # compiled for the step's devices (a CPU may compile for a GPU: gpu_census.py)
-    platform = ctx[0].devices.flat[0].platform if ctx else jax.default_backend()
-    if ctx is None:
-        return _Placement(None, None, platform == "cpu")
-    mesh, rules = ctx
-    return _Placement(mesh, spec(("act_batch", "act_seq")[:ndim - 1], rules, mesh),
-                      platform == "cpu")
-
-
 def _rows_of(a):
     return a.reshape(-1, a.shape[-1])
 
 
 def _fwd_local(residual: bool, eps: float, interpret: bool):
-    def f(*args):
-        if residual:
-            x, h, hb, w, b = args
-            s, y, mean, rstd = _forward(_rows_of(x), _rows_of(h), hb, w, b, eps, interpret)
-        else:
-            x, w, b = args
-            s, y, mean, rstd = _forward(_rows_of(x), None, None, w, b, eps, interpret)
+    """The forward on one device's arrays: (x, [h, hb,] w, b) -> ([s,] y, mean, rstd)."""
+    def f(x, *rest):
+        h, hb = (_rows_of(rest[0]), rest[1]) if residual else (None, None)
+        s, y, mean, rstd = _forward(_rows_of(x), h, hb, *rest[-2:], eps, interpret)
         lead = x.shape[:-1]
         outs = (y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead))
         return ((s.reshape(x.shape),) if residual else ()) + outs
@@ -232,21 +205,18 @@ def _fwd_local(residual: bool, eps: float, interpret: bool):
 
 
 def _bwd_local(residual: bool, interpret: bool):
-    def f(*args):
-        if residual:
-            x, dy, ds, mean, rstd, w = args
-            d, dw, db, dhb = _backward(_rows_of(x), _rows_of(dy), _rows_of(ds),
-                                       mean.reshape(-1), rstd.reshape(-1), w, interpret)
-            # the column sums are per device: summed across the devices outside
-            return d.reshape(x.shape), dw[None], db[None], dhb[None]
-        x, dy, mean, rstd, w = args
-        d, dw, db, _ = _backward(_rows_of(x), _rows_of(dy), None, mean.reshape(-1),
-                                 rstd.reshape(-1), w, interpret)
-        return d.reshape(x.shape), dw[None], db[None]
+    """The backward on one device's arrays: (x, dy, [ds,] mean, rstd, w) -> (d, this
+    device's column sums [1, n] each; summed across the devices by the caller)."""
+    def f(x, dy, *rest):
+        ds = _rows_of(rest[0]) if residual else None
+        mean, rstd, w = rest[-3:]
+        d, *sums = _backward(_rows_of(x), _rows_of(dy), ds, mean.reshape(-1),
+                             rstd.reshape(-1), w, interpret)
+        return (d.reshape(x.shape), *(c[None] for c in sums if c is not None))
     return f
 
 
-def _run_forward(at: _Placement, residual: bool, eps: float, args):
+def _run_forward(at: Placement, residual: bool, eps: float, args):
     local = _fwd_local(residual, eps, at.interpret)
     if at.mesh is None:
         return local(*args)
@@ -260,7 +230,7 @@ def _run_forward(at: _Placement, residual: bool, eps: float, args):
                          check_vma=False)(*args)
 
 
-def _run_backward(at: _Placement, residual: bool, args):
+def _run_backward(at: Placement, residual: bool, args):
     local = _bwd_local(residual, at.interpret)
     if at.mesh is None:
         outs = local(*args)
@@ -281,18 +251,18 @@ def _run_backward(at: _Placement, residual: bool, args):
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
     """LayerNorm of x [..., n] over its last axis (statistics in float32), scaled and
     shifted by scale, bias [n], in x's dtype."""
-    return _layer_norm(x, scale, bias, eps, _placement(x.ndim))
+    return _layer_norm(x, scale, bias, eps, placement(x.ndim))
 
 
 def add_layer_norm(x: jax.Array, h: jax.Array, h_bias: jax.Array, scale: jax.Array,
                    bias: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """(s, LayerNorm(s)) for s = x + h + h_bias: a residual add (h a projection's output,
     h_bias its bias [n]) and the norm after it, in one pass."""
-    return _add_layer_norm(x, h, h_bias, scale, bias, eps, _placement(x.ndim))
+    return _add_layer_norm(x, h, h_bias, scale, bias, eps, placement(x.ndim))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _layer_norm(x, scale, bias, eps: float, at: _Placement):
+def _layer_norm(x, scale, bias, eps: float, at: Placement):
     return _run_forward(at, False, eps, (x, scale, bias))[0]
 
 
@@ -311,7 +281,7 @@ _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _add_layer_norm(x, h, h_bias, scale, bias, eps: float, at: _Placement):
+def _add_layer_norm(x, h, h_bias, scale, bias, eps: float, at: Placement):
     s, y, _, _ = _run_forward(at, True, eps, (x, h, h_bias, scale, bias))
     return s, y
 
