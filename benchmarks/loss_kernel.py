@@ -1,11 +1,14 @@
-"""The loss's reductions over the vocabulary on a GPU: `model.loss_kernel = "pallas"`'s
-Triton kernel (parallel.loss_kernel) in a few launch settings against XLA's reduction
-(models.loss's "xla" path), each token's log-sum-exp and its label's logit, at
-gpt2-124m's logits ([32 x 1024, 50304] bf16, 50257 ids). The median of `--repeat` calls
-of each, the bytes read per second, and each setting's largest difference from XLA's
-values; the best setting is printed as the one to use (CHUNK, NUM_WARPS, NUM_STAGES).
-Times the reductions alone: the step's own figure is `throughput.py --set
-model.loss_kernel=...` (gpu_figures.sh's losskernel stage runs both).
+"""The loss's kernels on a GPU (`model.loss_kernel = "pallas"`, parallel.loss_kernel) in
+a few launch settings against XLA's form (models.loss's "xla" path), at gpt2-124m's
+logits ([32 x 1024, 50304] bf16, 50257 ids): each token's log-sum-exp and its label's
+logit (`lse_and_label`, the loss alone), then the loss and its gradient together
+(`loss_and_gradient`, a training step's: XLA reads the logits twice from memory, the
+kernel reads them twice, the second time from L2 if few enough programs run at once, and
+writes the gradient over them). The median of `--repeat` calls of each, the logits' bytes
+read per second, and each setting's largest difference from XLA's values; the best
+setting of each is printed as the one to use (CHUNK, NUM_WARPS, NUM_STAGES; GRAD_CHUNK,
+GRAD_PROGRAMS, GRAD_NUM_WARPS). Times the kernels alone: the step's own figure is
+`throughput.py --set model.loss_kernel=...` (gpu_figures.sh's losskernel stage runs both).
 
     python benchmarks/loss_kernel.py [--rows 32768 --vocab 50257 --padded 50304] [--json F]
 """
@@ -13,6 +16,7 @@ model.loss_kernel=...` (gpu_figures.sh's losskernel stage runs both).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 # benchmarks/ is the script's directory
@@ -21,6 +25,10 @@ from report import failed_setting, median_seconds, nvidia_gpu, report, run_scrip
 # (CHUNK, NUM_WARPS, NUM_STAGES)
 SETTINGS = [(2048, 4, 2), (2048, 8, 2), (4096, 8, 2), (1024, 4, 2), (2048, 4, 3),
             (4096, 4, 1), (8192, 8, 1)]
+# loss_and_gradient's (GRAD_CHUNK, GRAD_PROGRAMS, GRAD_NUM_WARPS, NUM_STAGES): programs
+# from one an SM to one a row (no second read from L2)
+GRAD_SETTINGS = [(4096, 264, 8, 2), (2048, 264, 4, 2), (4096, 132, 8, 2), (4096, 528, 8, 2),
+                 (8192, 132, 16, 1), (2048, 1056, 4, 2), (4096, 32768, 8, 2)]
 
 
 def main() -> int:
@@ -71,17 +79,65 @@ def main() -> int:
         print(f"{name}: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s, largest difference "
               f"from XLA's: log-sum-exp {err:.2e}, loss {loss_err:.2e}", flush=True)
     result["kernel"] = runs
-    ok = [r for r in runs if "ms" in r]
-    if ok:
-        best = min(ok, key=lambda r: r["ms"])
-        result["best"] = best
-        result["speedup_over_xla"] = result["xla"]["ms"] / best["ms"]
-        if max(r["max_abs_loss_diff"] for r in ok) > 1e-3:
-            print("the kernel's values differ from XLA's by more than 1e-3", flush=True)
-            report(result, args.json)
-            return 1
+    bad = _best(result, runs, result["xla"]["ms"], "max_abs_loss_diff", "")
+
+    # the loss and its gradient (weights 1 / tokens, as a step's mean); the kernel writes
+    # over its input, so each call gets a fresh copy of the logits, not timed
+    from plait.models.loss import _sum_and_gradient
+
+    scale = 1.0 / args.rows
+    weights = jnp.full((args.rows,), scale, jnp.float32)
+    xla_grad = jax.jit(lambda x, t: _sum_and_gradient(x, t, args.vocab, scale, "xla"))
+    want_sum, want_grad = xla_grad(x, t)
+    want_grad = np.asarray(want_grad, np.float32)
+    s = median_seconds(lambda: xla_grad(x, t), args.repeat)
+    result["xla_gradient"] = {"ms": s * 1e3, "tb_per_s": gb / s / 1e3}
+    print(f"xla, loss and gradient: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s", flush=True)
+    fresh = jax.jit(lambda x: x.copy())
+    grad_runs = []
+    for chunk, programs, warps, stages in GRAD_SETTINGS:
+        name = f"chunk {chunk}, {programs} programs, {warps} warps, {stages} stages"
+        setting = {"chunk": chunk, "programs": programs, "num_warps": warps,
+                   "num_stages": stages}
+        try:
+            call = jax.jit(functools.partial(
+                loss_kernel._rows_with_gradient, vocab=args.vocab, chunk=chunk,
+                programs=programs, interpret=False, num_warps=warps, num_stages=stages),
+                donate_argnums=0)
+            loss, grad = call(fresh(x), t, weights)
+            s = median_seconds(lambda y, call=call: call(y, t, weights), args.repeat,
+                               fresh=lambda: fresh(x))
+        except Exception as e:  # a setting Triton cannot compile: say so, go on
+            grad_runs.append(failed_setting(name, setting, e))
+            continue
+        loss_err = abs(float(jnp.sum(loss)) - float(want_sum)) / args.rows
+        grad_err = float(np.max(np.abs(np.asarray(grad, np.float32) - want_grad)))
+        del grad
+        grad_runs.append({**setting, "ms": s * 1e3, "tb_per_s": gb / s / 1e3,
+                          "mean_loss_diff": loss_err, "max_abs_grad_diff": grad_err})
+        print(f"{name}: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s, largest difference "
+              f"from XLA's: mean loss {loss_err:.2e}, gradient {grad_err:.2e}", flush=True)
+    result["kernel_gradient"] = grad_runs
+    bad |= _best(result, grad_runs, result["xla_gradient"]["ms"], "mean_loss_diff", "_gradient")
     report(result, args.json)
-    return 0
+    return 1 if bad else 0
+
+
+def _best(result: dict, runs: list[dict], xla_ms: float, diff: str, suffix: str) -> bool:
+    """Record the fastest setting that ran and its speed-up over XLA; True (said) if any
+    setting's loss differs from XLA's by more than 1e-3."""
+    ok = [r for r in runs if "ms" in r]
+    if not ok:
+        return False
+    best = min(ok, key=lambda r: r["ms"])
+    result["best" + suffix] = best
+    result["speedup_over_xla" + suffix] = xla_ms / best["ms"]
+    print(f"best{suffix.replace('_', ' ')}: {best}, {xla_ms / best['ms']:.2f}x XLA's",
+          flush=True)
+    if max(r[diff] for r in ok) > 1e-3:
+        print("the kernel's values differ from XLA's by more than 1e-3", flush=True)
+        return True
+    return False
 
 
 if __name__ == "__main__":

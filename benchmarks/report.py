@@ -47,20 +47,23 @@ def trees(args: argparse.Namespace) -> dict[str, Path]:
     return {"this": HERE} | ({"compare": args.compare.resolve()} if args.compare else {})
 
 
-def median_seconds(f: Callable[[], object], repeat: int) -> float:
+def median_seconds(f: Callable[..., object], repeat: int,
+                   fresh: Callable[[], object] | None = None) -> float:
     """Median wall seconds of `repeat` calls of f (JAX work, waited for), after one call
-    that compiles and warms up."""
+    that compiles and warms up. With `fresh`, each call is f(fresh()) and only f is timed:
+    for an f that consumes (donates) its input."""
     import statistics
 
     import jax
 
-    jax.block_until_ready(f())
-    times = []
-    for _ in range(repeat):
+    def one() -> float:
+        args = () if fresh is None else (jax.block_until_ready(fresh()),)
         t0 = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        jax.block_until_ready(f(*args))
+        return time.perf_counter() - t0
+
+    one()
+    return statistics.median(one() for _ in range(repeat))
 
 
 def nvidia_gpu(what: str):

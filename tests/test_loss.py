@@ -117,8 +117,10 @@ def test_one_pass_logsumexp_equals_jax_and_keeps_padding_out():
 def test_the_loss_kernel_gives_the_loss_and_gradients_of_xlas_reductions(dtype):
     """model.loss_kernel = "pallas" (parallel.loss_kernel, here in Pallas's interpreter):
     the log-sum-exp and the label's logit in blocks of columns, a vocabulary padded past
-    `vocab` (37 of 40 ids) and logits far apart, all at once and in pieces."""
-    from plait.parallel.loss_kernel import lse_and_label
+    `vocab` (37 of 40 ids) and logits far apart, all at once and in pieces; the pieces'
+    loss and gradient from one kernel (loss_and_gradient: fewer programs than rows, rows
+    the loss leaves out), a single piece as model.loss_kernel's GPT forms it."""
+    from plait.parallel.loss_kernel import loss_and_gradient, lse_and_label
 
     k = jax.random.split(jax.random.key(1), 3)
     B, S, d, V, vocab = 2, 8, 8, 40, 37
@@ -137,8 +139,23 @@ def test_the_loss_kernel_gives_the_loss_and_gradients_of_xlas_reductions(dtype):
     np.testing.assert_allclose(lse, np.log(np.exp(ref).sum(-1)), rtol=1e-6)
     np.testing.assert_array_equal(label, np.take_along_axis(ref, np.asarray(t)[..., None],
                                                             -1)[..., 0].astype(np.float32))
+    weights = jnp.where(jnp.arange(S) % 3 == 0, 0.0, 0.5) * jnp.ones((B, 1))
+    loss, grad = jax.jit(lambda x, t, w: loss_and_gradient(x, t, w, vocab, chunk=16,
+                                                           programs=3))(x, t, weights)
+    lse_ref = np.log(np.exp(ref).sum(-1))
+    np.testing.assert_allclose(loss, lse_ref - np.take_along_axis(
+        ref, np.asarray(t)[..., None], -1)[..., 0], rtol=1e-5)
+    want_grad = np.zeros(x.shape)
+    want_grad[..., :vocab] = np.exp(ref - lse_ref[..., None]) - (
+        np.arange(vocab) == np.asarray(t)[..., None])
+    want_grad *= np.asarray(weights)[..., None]
+    assert grad.dtype == dt
+    np.testing.assert_allclose(np.asarray(grad, np.float64), want_grad,
+                               atol=1e-6 if dtype == "float32" else 2e-3)
     for loss in (lambda h, w, kernel: cross_entropy(project(h, w), t, vocab, kernel),
                  lambda h, w, kernel: chunked_cross_entropy(project, h, w, t, vocab, 4,
+                                                            kernel=kernel),
+                 lambda h, w, kernel: chunked_cross_entropy(project, h, w, t, vocab, 1,
                                                             kernel=kernel)):
         want = jax.jit(jax.value_and_grad(lambda h, w, f=loss: f(h, w, "xla"), (0, 1)))(h, w)
         got = jax.jit(jax.value_and_grad(lambda h, w, f=loss: f(h, w, "pallas"), (0, 1)))(h, w)
@@ -157,7 +174,7 @@ def test_a_gpt_on_the_loss_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
     GPU `plait train` refuses it in one line (the test lets it run interpreted)."""
     from plait.cli import main
 
-    exp = tiny(train={"steps": 6}, model={"loss_kernel": "pallas", "loss_chunks": 4})
+    exp = tiny(train={"steps": 6}, model={"loss_kernel": "pallas"})
     path = write_experiment(tmp_path / "kernel.toml", exp)
     assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
                  str(tmp_path / "refused")]) == 2
@@ -167,9 +184,10 @@ def test_a_gpt_on_the_loss_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
     from plait.parallel import loss_kernel
 
     monkeypatch.setattr("plait.train.run.check_kernels", lambda *a: None)
-    rows, traced = loss_kernel._rows, []
-    monkeypatch.setattr(loss_kernel, "_rows", lambda x, *a: traced.append(x.shape) or rows(x, *a))
+    rows, traced = loss_kernel._rows_with_gradient, []
+    monkeypatch.setattr(loss_kernel, "_rows_with_gradient",
+                        lambda x, *a: traced.append(x.shape) or rows(x, *a))
     got = losses(run(exp, "data=2,fsdp=2,context=2", tmp_path / "run"))
     np.testing.assert_allclose(got, whole_loss, rtol=1e-5)
-    # each device's rows: a piece of 8 positions of 16 / 4 sequences, 256 ids
-    assert traced and set(traced) == {(16 // 4 * 8 // 2, 256)}, traced
+    # each device's rows: 32 positions of 16 / 4 sequences, split over context 2; 256 ids
+    assert traced and set(traced) == {(16 // 4 * 32 // 2, 256)}, traced

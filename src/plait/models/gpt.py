@@ -332,8 +332,10 @@ class GPT(nnx.Module):
     def loss(self, x: jax.Array, targets: jax.Array) -> jax.Array:
         """The residual stream after the last block -> mean cross-entropy against
         targets [batch, seq], the logits formed in model.loss_chunks pieces of the
-        tokens (models.loss) or all at once."""
-        if self.loss_chunks == 1:
+        tokens (models.loss) or all at once. With model.loss_kernel = "pallas" a single
+        piece is formed as the pieces are: its loss and gradient come from one kernel
+        that writes the gradient over the logits (models.loss._sum_and_gradient)."""
+        if self.loss_chunks == 1 and self.loss_kernel != "pallas":
             return cross_entropy(self.logits(x), targets, self.vocab, self.loss_kernel)
         w = self.tok_embed if self.tied else self.head
 

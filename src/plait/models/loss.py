@@ -132,7 +132,17 @@ _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
                       scale: jax.Array | float, kernel: str) -> tuple[jax.Array, jax.Array]:
     """(the summed cross-entropy of these logits' kept targets, scale x its gradient in
-    their dtype)."""
+    their dtype). kernel "pallas" where the vocabulary is whole on each device: both from
+    one kernel that reads the logits twice and writes the gradient over them
+    (parallel.loss_kernel.loss_and_gradient), where XLA's reduction and the gradient's
+    elementwise pass each read them from memory."""
+    if kernel == "pallas" and not splits("act_vocab") and loss_kernel.usable():
+        weights = _kept(jnp.broadcast_to(jnp.asarray(scale, jnp.float32), targets.shape),
+                        targets)
+        per_token, grad = loss_kernel.loss_and_gradient(
+            logits, token_ids(targets), weights,
+            logits.shape[-1] if vocab is None else min(vocab, logits.shape[-1]))
+        return jnp.sum(_kept(per_token, targets)), grad
     per_token, masked, lse, hit = _per_token(logits, token_ids(targets), vocab, kernel)
     grad = (jnp.exp(masked - lse[..., None]) - hit) * scale
     return (jnp.sum(_kept(per_token, targets)),

@@ -28,13 +28,19 @@ from jax.sharding import PartitionSpec as P
 
 from plait.parallel.kernel_place import placement, usable
 
-__all__ = ["lse_and_label", "usable"]
+__all__ = ["lse_and_label", "loss_and_gradient", "usable"]
 
 # Columns a program reads at once (Triton's blocks are powers of two), and the kernel's
 # launch settings; not yet tuned on a GPU.
 CHUNK = 2048
 NUM_WARPS = 4
 NUM_STAGES = 2
+# loss_and_gradient's programs, each taking rows p, p + PROGRAMS, ...: few enough that
+# the rows they read at once (~100 KB each at gpt2's 50304 columns) stay in an H100's
+# 50 MB L2 for the second pass over them; not yet tuned on a GPU.
+GRAD_PROGRAMS = 264  # 2 x an H100's 132 SMs
+GRAD_CHUNK = 4096
+GRAD_NUM_WARPS = 8
 
 
 def _kernel(vocab: int, chunk: int, x_ref, t_ref, lse_ref, label_ref):
@@ -77,6 +83,112 @@ def _rows(x: jax.Array, targets: jax.Array, vocab: int, chunk: int, interpret: b
         in_specs=[anywhere, anywhere], out_specs=(anywhere, anywhere),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret)(x, targets.astype(jnp.int32))
+
+
+def _grad_kernel(vocab: int, width: int, chunk: int, rows: int, programs: int,
+                 x_ref, t_ref, w_ref, loss_ref, g_ref):
+    """Rows p, p + programs, ...: each row's log-sum-exp and label logit from a first
+    pass, then its gradient w * (softmax - one-hot) over all `width` columns (0 past
+    `vocab`) from a second, written over the logits (aliased: each block is read before
+    it is written), and its loss lse - label."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    p = pl.program_id(0)
+    blocks = pl.cdiv(width, chunk)
+
+    def one(i, carry):
+        row_at = p + i * programs
+        live = row_at < rows
+        row = jnp.minimum(row_at, rows - 1)  # past the end: the last row, nothing stored
+
+        def top(j, ms):
+            m, s = ms
+            cols = j * chunk + jnp.arange(chunk)
+            x = plt.load(x_ref.at[row, pl.ds(j * chunk, chunk)], mask=cols < vocab,
+                         other=-jnp.inf).astype(jnp.float32)
+            new = jnp.maximum(m, jnp.max(x))
+            return new, s * jnp.exp(m - new) + jnp.sum(jnp.exp(x - new))
+
+        m, s = jax.lax.fori_loop(0, pl.cdiv(vocab, chunk), top,
+                                 (jnp.float32(-jnp.inf), jnp.float32(0.0)))
+        lse = m + jnp.log(s)
+        target = plt.load(t_ref.at[pl.ds(row, 1)])
+        label = plt.load(x_ref.at[row, pl.ds(target[0], 1)],
+                         mask=(target >= 0) & (target < vocab), other=0).astype(jnp.float32)
+        weight = plt.load(w_ref.at[pl.ds(row, 1)])
+
+        def down(j, c):
+            cols = j * chunk + jnp.arange(chunk)
+            x = plt.load(x_ref.at[row, pl.ds(j * chunk, chunk)], mask=cols < vocab,
+                         other=-jnp.inf).astype(jnp.float32)
+            g = (jnp.exp(x - lse) - (cols == target).astype(jnp.float32)) * weight
+            plt.store(g_ref.at[row, pl.ds(j * chunk, chunk)], g.astype(g_ref.dtype),
+                      mask=(cols < width) & live)
+            return c
+
+        jax.lax.fori_loop(0, blocks, down, 0)
+        plt.store(loss_ref.at[pl.ds(row, 1)], (lse - label), mask=live[None])
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(rows, programs), one, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("vocab", "chunk", "programs", "interpret",
+                                             "num_warps", "num_stages"))
+def _rows_with_gradient(x: jax.Array, targets: jax.Array, weights: jax.Array, vocab: int,
+                        chunk: int, programs: int, interpret: bool,
+                        num_warps: int = GRAD_NUM_WARPS, num_stages: int = NUM_STAGES):
+    """x [rows, width], targets, weights [rows] -> (loss [rows] float32, gradient [rows,
+    width] in x's dtype, in x's buffer)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    rows, width = x.shape
+    programs = min(programs, rows)
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_grad_kernel, vocab, width, min(chunk, _pow2(width)), rows,
+                          programs),
+        out_shape=(jax.ShapeDtypeStruct((rows,), jnp.float32),
+                   jax.ShapeDtypeStruct(x.shape, x.dtype)),
+        grid=(programs,), in_specs=[anywhere] * 3, out_specs=(anywhere, anywhere),
+        input_output_aliases={0: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret)(x, targets.astype(jnp.int32), weights.astype(jnp.float32))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def loss_and_gradient(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+                      vocab: int, chunk: int = GRAD_CHUNK,
+                      programs: int = GRAD_PROGRAMS) -> tuple[jax.Array, jax.Array]:
+    """logits [..., V] (whole on each device), targets and weights [...] -> (each
+    token's cross-entropy over the first `vocab` logits, float32 [...]; the gradient
+    weights x (softmax - one-hot) [..., V] in the logits' dtype, 0 past `vocab`).
+
+    For a loss whose weight per token is known before its backward (models.loss's
+    pieces): the logits are read twice in one kernel (the second time from L2) and the
+    gradient written over them, where computing it apart reads them from memory again.
+    Placed as lse_and_label."""
+    at = placement(logits.ndim)
+
+    def local(x, t, w):
+        loss, grad = _rows_with_gradient(x.reshape(-1, x.shape[-1]), t.reshape(-1),
+                                         w.reshape(-1), vocab, chunk, programs,
+                                         at.interpret)
+        return loss.reshape(t.shape), grad.reshape(x.shape)
+
+    if at.mesh is None:
+        return local(logits, targets, weights)
+    if targets.ndim > 2:
+        raise ValueError(f"targets of {targets.ndim} dimensions: [batch, seq] or [tokens] "
+                         "expected")
+    act = P(*at.tokens, None)
+    return jax.shard_map(local, mesh=at.mesh, in_specs=(act, at.tokens, at.tokens),
+                         out_specs=(at.tokens, act), check_vma=False)(logits, targets, weights)
 
 
 def lse_and_label(logits: jax.Array, targets: jax.Array, vocab: int,
