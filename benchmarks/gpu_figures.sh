@@ -27,7 +27,8 @@
 #      1% from step 100).
 #   3. kernels (~7 minutes, DEADLINE_S=540), then kernels1p3b (~6 minutes): the Triton
 #      kernels for the LayerNorms (model.norm_kernel, the attention's residual add folded
-#      in: census -3.6% on gpt2-124m) and for the loss's reductions (model.loss_kernel),
+#      in: census -3.6% on gpt2-124m) and for the loss and its gradient (model.loss_kernel:
+#      census -2.4% more; both 61.50 ms against XLA's 65.43),
 #      never run on a GPU: gpt2-124m's step on XLA's fusions, on each and on both,
 #      alternating two rounds; then gpt2-1.3b on XLA's and on both (issue 29's 1.1x
 #      nanoGPT and 50% MFU). If they help, `nanogpt` with their --set next; normkernel
@@ -183,7 +184,8 @@ for stage in "$@"; do
     kernels)  # model.norm_kernel and model.loss_kernel = "pallas" (Triton kernels for the
       # LayerNorms with the attention's residual add, and for the loss's reductions; never
       # run on a GPU): gpt2-124m's step on XLA's fusions, on each kernel and on both,
-      # alternating two rounds (compiled for an H100: 65.43, 63.08, ~65.4, ~63.0 ms)
+      # alternating two rounds (compiled for an H100: 65.43, 63.08, 63.85, 61.50 ms
+      # since the loss kernel writes the gradient too)
       for round in 1 2; do
         for variant in xla norm loss both; do
           case $variant in
