@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptkernels nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -16,41 +16,37 @@
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close
 # (every stage's log ends with the GPU's SM clock and power while it ran):
-#   1. env moe (~6 minutes, one command, DEADLINE_S=420): mixtral-mini as shipped (on a
-#      Hopper GPU "auto" takes the Pallas kernels, default tiling) beside its dense twin,
-#      two rounds (0.743 on an H200 on 2026-11-26, never on an H100; compiled for an H100
-#      without one, the census puts an H100 at 0.69-0.72: issue 28's 0.70 on an H100 is
-#      this stage's to show). Without the tiles' variant `moepallas` adds (their compile
-#      took 93 s), so it fits beside step 2 in one session.
-#   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
+#   1. env kernelcheck (~6 minutes, one command, DEADLINE_S=420): the Triton kernels
+#      never run on a GPU -- model.loss_kernel (the loss and its gradient in one kernel;
+#      census: gpt2-124m 65.43 -> 63.85 ms) and model.norm_kernel (the LayerNorms with the
+#      attention's residual add; both: 61.50 ms) -- each alone in its launch settings
+#      against XLA's form (values compared: do they compile and agree), then gpt2-124m's
+#      step on XLA's fusions and on both kernels, one run each.
+#   2. nanogptkernels (~7 minutes, DEADLINE_S=540) if the kernels helped, else nanogpt:
+#      issue 29's 1.1x nanoGPT, side by side (1.033x of record on 2026-11-26, ~1.11x
+#      estimated with both kernels). Then kernels1p3b (~6 minutes): gpt2-1.3b on XLA's
+#      fusions and on both (issue 29's 50% MFU; 45.0% of record).
+#   3. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
 #      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
 #      1% from step 100).
-#   3. kernels (~7 minutes, DEADLINE_S=540), then kernels1p3b (~6 minutes): the Triton
-#      kernels for the LayerNorms (model.norm_kernel, the attention's residual add folded
-#      in: census -3.6% on gpt2-124m) and for the loss and its gradient (model.loss_kernel:
-#      census -2.4% more; both 61.50 ms against XLA's 65.43),
-#      never run on a GPU: gpt2-124m's step on XLA's fusions, on each and on both,
-#      alternating two rounds; then gpt2-1.3b on XLA's and on both (issue 29's 1.1x
-#      nanoGPT and 50% MFU). If they help, `nanogpt` with their --set next; normkernel
-#      and losskernel (each kernel alone in its launch settings against XLA's form, to
-#      tune them) after.
-#   4. pallas moepallas (~12 minutes, two commands): the kernels' tilings timed and
-#      checked against reference products, then mixtral-mini on the best beside the tiles
-#      and the twin; abmoe (~6 minutes, DEADLINE_S=420; .refs/plait-before = git archive
-#      28e1e8a src benchmarks): SwiGLU keeping the fused product's output instead of its
-#      two halves (docs/architecture.md "SwiGLU's halves"; census -2.5% on mixtral-mini),
-#      never measured on a GPU; moebatch16 (mixtral-mini at 16 x 2048).
-#   5. sweep124, sweep1p3b (issue 29's sweep item), then profiles (four traced steps,
-#      each program run's span: the loop's steps measured 3.5-4% longer than the traced
-#      ones on 2026-11-26, and command buffers are not why -- `cmdbuf` found the loop
-#      slower without them, 1.6% on gpt2-124m, 5.7% on gpt2-1.3b), nanogpt and gpt1p3b
-#      again after kernel changes (1.033x and 45.0% MFU on 2026-11-26), fp8curve,
-#      moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped; moepallasscan last (its
-#      question is compile time only: compiled for an H100 here, the scanned step's
-#      estimate is 39% longer than the unrolled one's, and XLA's own compile of the
-#      unrolled step takes 32 s on a 2-core CPU against 68 s for the tiles', so the
-#      GPU's 145-170 s go to work only a GPU does: autotuning, or the 96 Mosaic calls
-#      of 6 distinct kernels compiled when the program loads).
+#   4. sweep124, sweep1p3b (issue 29's sweep item); kernels (gpt2-124m on XLA's fusions,
+#      each kernel and both, two rounds alternating, ~7 minutes) to price each kernel
+#      apart; normkernel and losskernel at both models' widths.
+#   5. MoE (issue 28, resolved on an H200's figure): env moe (~6 minutes, DEADLINE_S=420:
+#      mixtral-mini as shipped beside its dense twin, two rounds; 0.743 on an H200 on
+#      2026-11-26, the census puts an H100 at 0.69-0.72), pallas moepallas (~12 minutes,
+#      two commands: the kernels' tilings, then mixtral-mini on the best), abmoe (~6
+#      minutes, DEADLINE_S=420; .refs/plait-before = git archive 28e1e8a src benchmarks:
+#      SwiGLU keeping the fused product's output; census -2.5%), moebatch16.
+#   6. profiles (four traced steps, each program run's span: the loop's steps measured
+#      3.5-4% longer than the traced ones on 2026-11-26, and command buffers are not why
+#      -- `cmdbuf` found the loop slower without them, 1.6% on gpt2-124m, 5.7% on
+#      gpt2-1.3b), fp8curve, moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped;
+#      moepallasscan last (its question is compile time only: compiled for an H100 here,
+#      the scanned step's estimate is 39% longer than the unrolled one's, and XLA's own
+#      compile of the unrolled step takes 32 s on a 2-core CPU against 68 s for the
+#      tiles', so the GPU's 145-170 s go to work only a GPU does: autotuning, or the 96
+#      Mosaic calls of 6 distinct kernels compiled when the program loads).
 #   A fresh machine's first compiles are slow (mixtral-mini's step took over 95 s on
 #   2026-11-26, 69.5 s the next time): leave a first run 150 s.
 #   ab124 (with .refs/plait-before holding an earlier commit's src and benchmarks) measures
@@ -216,6 +212,21 @@ for stage in "$@"; do
     nanogpt)
       run nanogpt 420 python3 benchmarks/gpt_vs_nanogpt.py --reference .refs/nanoGPT \
         --torch-python python3 --rounds 2 --steps 30 --json "$OUT/nanogpt.json" ;;
+    nanogptkernels)  # the same with both Triton kernels on for plait (issue 29's 1.1x)
+      run nanogpt-kernels 420 python3 benchmarks/gpt_vs_nanogpt.py --reference .refs/nanoGPT \
+        --torch-python python3 --rounds 2 --steps 30 --set 'model.norm_kernel="pallas"' \
+        --set 'model.loss_kernel="pallas"' --json "$OUT/nanogpt-kernels.json" ;;
+    kernelcheck)  # the Triton kernels' first run on a GPU: each alone against XLA's form
+      # (compiles? agrees? which launch setting?), then gpt2-124m on XLA's and on both
+      run loss-kernel 150 python3 benchmarks/loss_kernel.py --repeat 10 \
+        --json "$OUT/loss-kernel.json"
+      run norm-kernel-124m 120 python3 benchmarks/norm_kernel.py --repeat 10 \
+        --json "$OUT/norm-kernel-124m.json"
+      run gpt124-kernels-xla-1 120 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
+        --steps 30 --json "$OUT/gpt124-kernels-xla-1.json"
+      run gpt124-kernels-both-1 120 python3 benchmarks/throughput.py \
+        experiments/gpt2-124m.toml --steps 30 --set 'model.norm_kernel="pallas"' \
+        --set 'model.loss_kernel="pallas"' --json "$OUT/gpt124-kernels-both-1.json" ;;
     nanogptnocmdbuf)  # the same with XLA's command buffers off for plait (nanoGPT is
       # torch: the flag does not touch it), for when `cmdbuf` finds them a cost
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
@@ -374,7 +385,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptkernels nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
