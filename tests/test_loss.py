@@ -169,9 +169,10 @@ def test_the_loss_kernel_gives_the_loss_and_gradients_of_xlas_reductions(dtype):
 
 def test_a_gpt_on_the_loss_kernel_trains_like_one_device_on_xlas(whole_loss, tmp_path,
                                                                  monkeypatch, capsys):
-    """The kernel inside a shard_map over the token axes (batch over data x fsdp, sequence
-    over context), in pieces of the tokens, against one device on XLA's reductions; off a
-    GPU `plait train` refuses it in one line (the test lets it run interpreted)."""
+    """The loss and its gradient from the kernel inside a shard_map over the token axes
+    (batch over data x fsdp, sequence over context), all at once (formed as one piece)
+    and in pieces of the tokens, against one device on XLA's reductions; off a GPU `plait
+    train` refuses it in one line (the test lets it run interpreted)."""
     from plait.cli import main
 
     exp = tiny(train={"steps": 6}, model={"loss_kernel": "pallas"})
@@ -187,7 +188,11 @@ def test_a_gpt_on_the_loss_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
     rows, traced = loss_kernel._rows_with_gradient, []
     monkeypatch.setattr(loss_kernel, "_rows_with_gradient",
                         lambda x, *a: traced.append(x.shape) or rows(x, *a))
-    got = losses(run(exp, "data=2,fsdp=2,context=2", tmp_path / "run"))
-    np.testing.assert_allclose(got, whole_loss, rtol=1e-5)
-    # each device's rows: 32 positions of 16 / 4 sequences, split over context 2; 256 ids
-    assert traced and set(traced) == {(16 // 4 * 32 // 2, 256)}, traced
+    for chunks in (1, 4):
+        traced.clear()
+        exp = tiny(train={"steps": 6}, model={"loss_kernel": "pallas", "loss_chunks": chunks})
+        got = losses(run(exp, "data=2,fsdp=2,context=2", tmp_path / f"run{chunks}"))
+        np.testing.assert_allclose(got, whole_loss, rtol=1e-5, err_msg=f"{chunks} pieces")
+        # each device's rows: a piece of 32 / chunks positions of 16 / 4 sequences, split
+        # over context 2; 256 ids
+        assert traced and set(traced) == {(16 // 4 * 32 // chunks // 2, 256)}, traced
