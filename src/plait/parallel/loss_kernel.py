@@ -43,18 +43,25 @@ GRAD_CHUNK = 4096
 GRAD_NUM_WARPS = 8
 
 
-def _kernel(vocab: int, chunk: int, x_ref, t_ref, lse_ref, label_ref):
-    """One row: log-sum-exp of its first `vocab` logits, and the logit at its target."""
+def _columns(x_ref, row, j, chunk: int, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Block j of `chunk` columns of a row, float32, -inf past `vocab`; and their ids."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    row = pl.program_id(0)
+    cols = j * chunk + jnp.arange(chunk)
+    return plt.load(x_ref.at[row, pl.ds(j * chunk, chunk)], mask=cols < vocab,
+                    other=-jnp.inf).astype(jnp.float32), cols
 
-    def block(i, carry):
+
+def _row_stats(x_ref, t_ref, row, vocab: int, chunk: int):
+    """One row's log-sum-exp over its first `vocab` logits (a running max, the sum
+    rescaled once a block), its target [1] and the logit at its target [1], float32."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    def block(j, carry):
         m, s = carry
-        cols = i * chunk + jnp.arange(chunk)
-        x = plt.load(x_ref.at[row, pl.ds(i * chunk, chunk)], mask=cols < vocab,
-                     other=-jnp.inf).astype(jnp.float32)
+        x, _ = _columns(x_ref, row, j, chunk, vocab)
         new = jnp.maximum(m, jnp.max(x))
         return new, s * jnp.exp(m - new) + jnp.sum(jnp.exp(x - new))
 
@@ -63,7 +70,17 @@ def _kernel(vocab: int, chunk: int, x_ref, t_ref, lse_ref, label_ref):
     target = plt.load(t_ref.at[pl.ds(row, 1)])
     label = plt.load(x_ref.at[row, pl.ds(target[0], 1)], mask=(target >= 0) & (target < vocab),
                      other=0).astype(jnp.float32)
-    plt.store(lse_ref.at[pl.ds(row, 1)], (m + jnp.log(s))[None])
+    return m + jnp.log(s), target, label
+
+
+def _kernel(vocab: int, chunk: int, x_ref, t_ref, lse_ref, label_ref):
+    """One row: log-sum-exp of its first `vocab` logits, and the logit at its target."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    row = pl.program_id(0)
+    lse, _, label = _row_stats(x_ref, t_ref, row, vocab, chunk)
+    plt.store(lse_ref.at[pl.ds(row, 1)], lse[None])
     plt.store(label_ref.at[pl.ds(row, 1)], label)
 
 
@@ -95,39 +112,22 @@ def _grad_kernel(vocab: int, width: int, chunk: int, rows: int, programs: int,
     from jax.experimental.pallas import triton as plt
 
     p = pl.program_id(0)
-    blocks = pl.cdiv(width, chunk)
 
     def one(i, carry):
         row_at = p + i * programs
         live = row_at < rows
         row = jnp.minimum(row_at, rows - 1)  # past the end: the last row, nothing stored
-
-        def top(j, ms):
-            m, s = ms
-            cols = j * chunk + jnp.arange(chunk)
-            x = plt.load(x_ref.at[row, pl.ds(j * chunk, chunk)], mask=cols < vocab,
-                         other=-jnp.inf).astype(jnp.float32)
-            new = jnp.maximum(m, jnp.max(x))
-            return new, s * jnp.exp(m - new) + jnp.sum(jnp.exp(x - new))
-
-        m, s = jax.lax.fori_loop(0, pl.cdiv(vocab, chunk), top,
-                                 (jnp.float32(-jnp.inf), jnp.float32(0.0)))
-        lse = m + jnp.log(s)
-        target = plt.load(t_ref.at[pl.ds(row, 1)])
-        label = plt.load(x_ref.at[row, pl.ds(target[0], 1)],
-                         mask=(target >= 0) & (target < vocab), other=0).astype(jnp.float32)
+        lse, target, label = _row_stats(x_ref, t_ref, row, vocab, chunk)
         weight = plt.load(w_ref.at[pl.ds(row, 1)])
 
         def down(j, c):
-            cols = j * chunk + jnp.arange(chunk)
-            x = plt.load(x_ref.at[row, pl.ds(j * chunk, chunk)], mask=cols < vocab,
-                         other=-jnp.inf).astype(jnp.float32)
+            x, cols = _columns(x_ref, row, j, chunk, vocab)
             g = (jnp.exp(x - lse) - (cols == target).astype(jnp.float32)) * weight
             plt.store(g_ref.at[row, pl.ds(j * chunk, chunk)], g.astype(g_ref.dtype),
                       mask=(cols < width) & live)
             return c
 
-        jax.lax.fori_loop(0, blocks, down, 0)
+        jax.lax.fori_loop(0, pl.cdiv(width, chunk), down, 0)
         plt.store(loss_ref.at[pl.ds(row, 1)], (lse - label), mask=live[None])
         return carry
 
