@@ -16,22 +16,24 @@
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close
 # (every stage's log ends with the GPU's SM clock and power while it ran):
-#   1. env kernelcheck (~6 minutes, one command, DEADLINE_S=420): the Triton kernels
-#      never run on a GPU -- model.loss_kernel (the loss and its gradient in one kernel;
-#      census: gpt2-124m 65.43 -> 63.85 ms) and model.norm_kernel (the LayerNorms with the
+#   1. env kernelcheck (~3 minutes, DEADLINE_S=240): the Triton kernels never run on a
+#      GPU -- model.loss_kernel (the loss and its gradient in one kernel; census:
+#      gpt2-124m 65.43 -> 63.85 ms) and model.norm_kernel (the LayerNorms with the
 #      attention's residual add; both: 61.50 ms) -- each alone in its launch settings
-#      against XLA's form (values compared: do they compile and agree), then gpt2-124m's
-#      step on XLA's fusions and on both kernels, one run each.
-#   2. nanogptkernels (~7 minutes, DEADLINE_S=540) if the kernels helped, else nanogpt:
-#      issue 29's 1.1x nanoGPT, side by side (1.033x of record on 2026-11-26, ~1.11x
-#      estimated with both kernels). Then kernels1p3b (~6 minutes): gpt2-1.3b on XLA's
-#      fusions and on both (issue 29's 50% MFU; 45.0% of record).
+#      against XLA's form: do they compile, agree with XLA's values, beat it, and in
+#      which setting.
+#   2. nanogptkernels (~6 minutes, DEADLINE_S=500) if both kernels agree and are faster,
+#      else nanogpt: issue 29's 1.1x nanoGPT side by side (1.033x of record on
+#      2026-11-26 on XLA's fusions, ~1.11x estimated with both kernels). With a session's
+#      15 minutes that is the second and last command; the next session: kernels1p3b
+#      (~6 minutes: gpt2-1.3b on XLA's fusions and on both; issue 29's 50% MFU, 45.0% of
+#      record) and `kernels` (gpt2-124m on XLA's, each kernel and both, two rounds
+#      alternating, ~7 minutes: each kernel's share).
 #   3. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
 #      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
 #      1% from step 100).
-#   4. sweep124, sweep1p3b (issue 29's sweep item); kernels (gpt2-124m on XLA's fusions,
-#      each kernel and both, two rounds alternating, ~7 minutes) to price each kernel
-#      apart; normkernel and losskernel at both models' widths.
+#   4. sweep124, sweep1p3b (issue 29's sweep item); normkernel and losskernel at both
+#      models' widths.
 #   5. MoE (issue 28, resolved on an H200's figure): env moe (~6 minutes, DEADLINE_S=420:
 #      mixtral-mini as shipped beside its dense twin, two rounds; 0.743 on an H200 on
 #      2026-11-26, the census puts an H100 at 0.69-0.72), pallas moepallas (~12 minutes,
@@ -217,16 +219,11 @@ for stage in "$@"; do
         --torch-python python3 --rounds 2 --steps 30 --set 'model.norm_kernel="pallas"' \
         --set 'model.loss_kernel="pallas"' --json "$OUT/nanogpt-kernels.json" ;;
     kernelcheck)  # the Triton kernels' first run on a GPU: each alone against XLA's form
-      # (compiles? agrees? which launch setting?), then gpt2-124m on XLA's and on both
-      run loss-kernel 150 python3 benchmarks/loss_kernel.py --repeat 10 \
+      # at gpt2-124m's sizes (compiles? agrees? faster? which launch setting?)
+      run loss-kernel 120 python3 benchmarks/loss_kernel.py --repeat 10 \
         --json "$OUT/loss-kernel.json"
-      run norm-kernel-124m 120 python3 benchmarks/norm_kernel.py --repeat 10 \
-        --json "$OUT/norm-kernel-124m.json"
-      run gpt124-kernels-xla-1 120 python3 benchmarks/throughput.py experiments/gpt2-124m.toml \
-        --steps 30 --json "$OUT/gpt124-kernels-xla-1.json"
-      run gpt124-kernels-both-1 120 python3 benchmarks/throughput.py \
-        experiments/gpt2-124m.toml --steps 30 --set 'model.norm_kernel="pallas"' \
-        --set 'model.loss_kernel="pallas"' --json "$OUT/gpt124-kernels-both-1.json" ;;
+      run norm-kernel-124m 100 python3 benchmarks/norm_kernel.py --repeat 10 \
+        --json "$OUT/norm-kernel-124m.json" ;;
     nanogptnocmdbuf)  # the same with XLA's command buffers off for plait (nanoGPT is
       # torch: the flag does not touch it), for when `cmdbuf` finds them a cost
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
