@@ -100,6 +100,44 @@ def test_the_kernel_benchmarks_refuse_a_cpu_in_one_line(script, says, monkeypatc
     assert code == 2 and says in err and err.count("\n") == 0, err
 
 
+@pytest.mark.parametrize("script,args,runs", [
+    ("loss_kernel.py", ["--rows", "40", "--vocab", "100", "--padded", "128"],
+     ("kernel", "kernel_gradient")),
+    ("norm_kernel.py", ["--rows", "40", "--width", "48"], ("kernel",))])
+def test_the_kernel_benchmarks_time_and_check_their_settings(script, args, runs, monkeypatch,
+                                                             tmp_path):
+    """The losskernel and normkernel stages' scripts as the GPU would run them, here with
+    every Pallas call in its interpreter and on tiny arrays (two launch settings of each
+    list): each setting timed and its values equal to XLA's, the best one recorded, so a
+    GPU's first minutes on them are not spent finding the script broken."""
+    import importlib.util
+    import types
+
+    from jax.experimental import pallas as pl
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import report
+
+    pallas_call = pl.pallas_call
+    monkeypatch.setattr(pl, "pallas_call",
+                        lambda *a, **k: pallas_call(*a, **{**k, "interpret": True}))
+    monkeypatch.setattr(report, "nvidia_gpu",
+                        lambda what: types.SimpleNamespace(device_kind="interpreter"))
+    spec = importlib.util.spec_from_file_location(script[:-3], ROOT / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ("SETTINGS", "GRAD_SETTINGS"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, getattr(module, name)[:2])
+    out = tmp_path / "kernel.json"
+    monkeypatch.setattr(sys, "argv", [script, *args, "--repeat", "1", "--json", str(out)])
+    assert module.main() == 0
+    got = json.loads(out.read_text())
+    for key in runs:
+        assert len(got[key]) == 2 and all("error" not in r for r in got[key]), got[key]
+        assert got["best" + key[len("kernel"):]] in got[key]
+
+
 @pytest.mark.parametrize("mlp", [[], ["--mlp"]], ids=["product", "mlp"])
 def test_grouped_matmul_variants_agree_and_are_timed(tmp_path, mlp):
     """gpu_figures.sh's grouped stage: every tiles variant computes what ragged_dot's
