@@ -100,3 +100,27 @@ def test_a_gpt_on_the_norm_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
     for calls in (traced, back):  # per model: ln2 after an add, ln1 and ln_f alone
         added = sum(residual for _, residual in calls)
         assert added * 3 == (len(calls) - added) * 2, calls
+
+
+def test_both_kernels_train_local_sgd_replicas_like_xlas_forms(tmp_path, monkeypatch):
+    """Under Sync EASGD each data replica trains on its own: the step maps the model over
+    the replicas (vmap) inside the mesh, and the norm and loss kernels run batched there
+    (interpreted), a local step and a meeting, as XLA's forms do."""
+    from plait.parallel import loss_kernel
+
+    monkeypatch.setattr("plait.train.run.check_kernels", lambda *a: None)
+    calls = []
+    for module, name in ((norm_kernel, "_forward"), (norm_kernel, "_backward"),
+                         (loss_kernel, "_rows_with_gradient")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda x, *a, kernel=kernel, name=name: (
+            calls.append((name, type(x).__name__)) or kernel(x, *a)))
+    sync = {"method": "easgd", "period": 2, "alpha": 0.2}
+    want = losses(run(tiny(train={"steps": 3}, sync=sync), "data=2,fsdp=2", tmp_path / "xla"))
+    got = losses(run(tiny(train={"steps": 3}, sync=sync,
+                          model={"norm_kernel": "pallas", "loss_kernel": "pallas"}),
+                     "data=2,fsdp=2", tmp_path / "kernels"))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # each ran, the norms' on the replicas' batch (the loss's inside its scan's body)
+    assert {name for name, _ in calls} == {"_forward", "_backward", "_rows_with_gradient"}
+    assert {("_forward", "BatchTracer"), ("_backward", "BatchTracer")} <= set(calls), calls
