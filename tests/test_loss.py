@@ -152,6 +152,17 @@ def test_the_loss_kernel_gives_the_loss_and_gradients_of_xlas_reductions(dtype):
     assert grad.dtype == dt
     np.testing.assert_allclose(np.asarray(grad, np.float64), want_grad,
                                atol=1e-6 if dtype == "float32" else 2e-3)
+    # a piece's loss and gradient as models.loss forms them, targets left out (~id)
+    from plait import loss_mask
+    from plait.models.loss import _sum_and_gradient
+
+    left_out = jnp.where(jnp.arange(S) % 3 == 0, ~t, t)
+    with loss_mask.kept_targets(left_out):
+        pieces = [_sum_and_gradient(x, left_out, vocab, 0.25, kernel)
+                  for kernel in ("pallas", "xla")]
+    np.testing.assert_allclose(pieces[0][0], pieces[1][0], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(pieces[0][1], np.float32),
+                               np.asarray(pieces[1][1], np.float32), atol=1e-6)
     for loss in (lambda h, w, kernel: cross_entropy(project(h, w), t, vocab, kernel),
                  lambda h, w, kernel: chunked_cross_entropy(project, h, w, t, vocab, 4,
                                                             kernel=kernel),
