@@ -319,9 +319,13 @@ class GPT(nnx.Module):
         # the broadcast's gradient, a sum over the batch, made XLA:GPU lay the whole
         # residual stream out batch-minor, and every matmul then transposed its input
         # (docs/architecture.md, "Position rows by gather"). Gathered from float32 so
-        # that the gradient's scatter-add sums the batch's rows in float32.
+        # that the gradient's scatter-add sums the batch's rows in float32. The table
+        # whole on each device for the lookup (it is [seq, embed]): left sharded over
+        # fsdp, XLA's SPMD partitioner warned on a data x fsdp mesh (the quickstart's)
+        # that it could not partition the gather, for the same compiled program.
         pos = jnp.broadcast_to(jnp.asarray(pos), tokens.shape)
-        rows = jnp.take(self.pos_embed[...].astype(jnp.float32), pos, axis=0, mode="clip")
+        table = constrain(self.pos_embed[...].astype(jnp.float32), (None, None))
+        rows = jnp.take(table, pos, axis=0, mode="clip")
         return constrain(x + rows.astype(x.dtype), BATCH_SEQ_EMBED)
 
     def logits(self, x: jax.Array) -> jax.Array:
