@@ -39,6 +39,17 @@ def _masked(logits: jax.Array, vocab: int | None) -> tuple[jax.Array, jax.Array]
     return logits, ids
 
 
+def _kernel_here(kernel: str) -> bool:
+    """Whether model.loss_kernel's kernels run in this trace: asked for, the vocabulary
+    whole on each device, and not inside a pipeline's body (parallel.kernel_place)."""
+    return kernel == "pallas" and not splits("act_vocab") and loss_kernel.usable()
+
+
+def _ids(logits: jax.Array, vocab: int | None) -> int:
+    """How many of the logits' columns are ids (the rest: the vocabulary's padding)."""
+    return logits.shape[-1] if vocab is None else min(vocab, logits.shape[-1])
+
+
 def _per_token(logits: jax.Array, targets: jax.Array, vocab: int | None,
                kernel: str = "xla"):
     """(each token's cross-entropy, the float32 masked logits, their log-sum-exp, where
@@ -49,9 +60,8 @@ def _per_token(logits: jax.Array, targets: jax.Array, vocab: int | None,
     device (XLA's reductions where it is split)."""
     masked, ids = _masked(logits, vocab)
     hit = ids == targets[..., None]
-    if kernel == "pallas" and not splits("act_vocab") and loss_kernel.usable():
-        lse, label = loss_kernel.lse_and_label(
-            logits, targets, logits.shape[-1] if vocab is None else min(vocab, logits.shape[-1]))
+    if _kernel_here(kernel):
+        lse, label = loss_kernel.lse_and_label(logits, targets, _ids(logits, vocab))
         return lse - label, masked, lse, hit
     lse = _logsumexp(masked)
     return lse - jnp.sum(jnp.where(hit, masked, 0.0), axis=-1), masked, lse, hit
@@ -136,12 +146,11 @@ def _sum_and_gradient(logits: jax.Array, targets: jax.Array, vocab: int | None,
     one kernel that reads the logits twice and writes the gradient over them
     (parallel.loss_kernel.loss_and_gradient), where XLA's reduction and the gradient's
     elementwise pass each read them from memory."""
-    if kernel == "pallas" and not splits("act_vocab") and loss_kernel.usable():
+    if _kernel_here(kernel):
         weights = _kept(jnp.broadcast_to(jnp.asarray(scale, jnp.float32), targets.shape),
                         targets)
-        per_token, grad = loss_kernel.loss_and_gradient(
-            logits, token_ids(targets), weights,
-            logits.shape[-1] if vocab is None else min(vocab, logits.shape[-1]))
+        per_token, grad = loss_kernel.loss_and_gradient(logits, token_ids(targets), weights,
+                                                        _ids(logits, vocab))
         return jnp.sum(_kept(per_token, targets)), grad
     per_token, masked, lse, hit = _per_token(logits, token_ids(targets), vocab, kernel)
     grad = (jnp.exp(masked - lse[..., None]) - hit) * scale
