@@ -116,9 +116,11 @@ def test_both_kernels_train_local_sgd_replicas_like_xlas_forms(tmp_path, monkeyp
         monkeypatch.setattr(module, name, lambda x, *a, kernel=kernel, name=name: (
             calls.append((name, type(x).__name__)) or kernel(x, *a)))
     sync = {"method": "easgd", "period": 2, "alpha": 0.2}
-    want = losses(run(tiny(train={"steps": 3}, sync=sync), "data=2,fsdp=2", tmp_path / "xla"))
+    one = {"layers": 1}  # a layer has each kind of norm: ln1 alone, ln2 after an add
+    want = losses(run(tiny(train={"steps": 3}, sync=sync, model=one), "data=2,fsdp=2",
+                      tmp_path / "xla"))
     got = losses(run(tiny(train={"steps": 3}, sync=sync,
-                          model={"norm_kernel": "pallas", "loss_kernel": "pallas"}),
+                          model={**one, "norm_kernel": "pallas", "loss_kernel": "pallas"}),
                      "data=2,fsdp=2", tmp_path / "kernels"))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     # each ran, the norms' on the replicas' batch (the loss's inside its scan's body)
