@@ -1,6 +1,7 @@
 """Where a Pallas kernel of plait's step runs (parallel.loss_kernel, parallel.norm_kernel):
 whether it can run in this trace at all, and the mesh and the tokens' layout its
-shard_map takes, with whether Pallas's interpreter stands in for the GPU."""
+shard_map takes, with whether Pallas's interpreter stands in for the GPU; and the block
+width its Triton lowering takes."""
 
 from __future__ import annotations
 
@@ -43,3 +44,9 @@ def placement(ndim: int) -> Placement:
     mesh, rules = ctx
     return Placement(mesh, spec(("act_batch", "act_seq")[:ndim - 1], rules, mesh),
                      platform == "cpu")
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n: a block's width (Triton's blocks are powers of
+    two; the columns past n are masked)."""
+    return 1 << max(0, (n - 1).bit_length())

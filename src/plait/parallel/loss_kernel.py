@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from plait.parallel.kernel_place import placement, usable
+from plait.parallel.kernel_place import Placement, placement, pow2, usable
 
 __all__ = ["lse_and_label", "loss_and_gradient", "usable"]
 
@@ -148,7 +148,7 @@ def _rows_with_gradient(x: jax.Array, targets: jax.Array, weights: jax.Array, vo
     programs = min(programs, rows)
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_grad_kernel, vocab, width, min(chunk, _pow2(width)), rows,
+        functools.partial(_grad_kernel, vocab, width, min(chunk, pow2(width)), rows,
                           programs),
         out_shape=(jax.ShapeDtypeStruct((rows,), jnp.float32),
                    jax.ShapeDtypeStruct(x.shape, x.dtype)),
@@ -158,8 +158,22 @@ def _rows_with_gradient(x: jax.Array, targets: jax.Array, weights: jax.Array, vo
         interpret=interpret)(x, targets.astype(jnp.int32), weights.astype(jnp.float32))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def _on_tokens(local, at: Placement, args: tuple, rows_out: tuple[bool, ...]):
+    """local(logits [..., V], *per-token arrays [...]) run where `at` places it: as it is
+    outside plait's step; inside it, in a shard_map over the mesh, each device on its own
+    tokens (the layout the logits are pinned to: models.gpt's LOGITS). rows_out: which
+    outputs are [..., V] like the logits (the others: one value a token)."""
+    if at.mesh is None:
+        return local(*args)
+    if args[1].ndim > 2:
+        raise ValueError(f"targets of {args[1].ndim} dimensions: [batch, seq] or [tokens] "
+                         "expected")
+    rows, tokens = P(*at.tokens, None), at.tokens
+    # check_vma off: Pallas's interpreter mistypes its loop's carry inside a shard_map
+    # that checks it (JAX's own error message says so)
+    return jax.shard_map(local, mesh=at.mesh, in_specs=(rows,) + (tokens,) * (len(args) - 1),
+                         out_specs=tuple(rows if r else tokens for r in rows_out),
+                         check_vma=False)(*args)
 
 
 def loss_and_gradient(logits: jax.Array, targets: jax.Array, weights: jax.Array,
@@ -172,7 +186,7 @@ def loss_and_gradient(logits: jax.Array, targets: jax.Array, weights: jax.Array,
     For a loss whose weight per token is known before its backward (models.loss's
     pieces): the logits are read twice in one kernel (the second time from L2) and the
     gradient written over them, where computing it apart reads them from memory again.
-    Placed as lse_and_label."""
+    Placed as lse_and_label (`_on_tokens`)."""
     at = placement(logits.ndim)
 
     def local(x, t, w):
@@ -181,14 +195,7 @@ def loss_and_gradient(logits: jax.Array, targets: jax.Array, weights: jax.Array,
                                          at.interpret)
         return loss.reshape(t.shape), grad.reshape(x.shape)
 
-    if at.mesh is None:
-        return local(logits, targets, weights)
-    if targets.ndim > 2:
-        raise ValueError(f"targets of {targets.ndim} dimensions: [batch, seq] or [tokens] "
-                         "expected")
-    act = P(*at.tokens, None)
-    return jax.shard_map(local, mesh=at.mesh, in_specs=(act, at.tokens, at.tokens),
-                         out_specs=(at.tokens, act), check_vma=False)(logits, targets, weights)
+    return _on_tokens(local, at, (logits, targets, weights), rows_out=(False, True))
 
 
 def lse_and_label(logits: jax.Array, targets: jax.Array, vocab: int,
@@ -205,13 +212,4 @@ def lse_and_label(logits: jax.Array, targets: jax.Array, vocab: int,
                            at.interpret)
         return lse.reshape(t.shape), label.reshape(t.shape)
 
-    if at.mesh is None:
-        return local(logits, targets)
-    if targets.ndim > 2:
-        raise ValueError(f"targets of {targets.ndim} dimensions: [batch, seq] or [tokens] "
-                         "expected")
-    # the tokens' layout as the logits are pinned to it (models.gpt's LOGITS);
-    # check_vma off: Pallas's interpreter mistypes its loop's carry inside a shard_map
-    # that checks it (JAX's own error message says so)
-    return jax.shard_map(local, mesh=at.mesh, in_specs=(P(*at.tokens, None), at.tokens),
-                         out_specs=(at.tokens, at.tokens), check_vma=False)(logits, targets)
+    return _on_tokens(local, at, (logits, targets), rows_out=(False, False))

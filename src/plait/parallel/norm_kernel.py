@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from plait.parallel.kernel_place import Placement, placement, usable
+from plait.parallel.kernel_place import Placement, placement, pow2, usable
 
 __all__ = ["add_layer_norm", "layer_norm", "usable"]
 
@@ -41,10 +41,6 @@ ROWS = 4
 PROGRAMS = 528  # 4 x an H100's 132 SMs
 NUM_WARPS = 4
 NUM_STAGES = 1
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _block(ref, r0, rows: int, n: int, total: int, width: int):
@@ -160,7 +156,7 @@ def _forward(x, h, hb, w, b, eps: float, interpret: bool, rows: int = ROWS,
     stat = jax.ShapeDtypeStruct((total,), jnp.float32)
     act = jax.ShapeDtypeStruct(x.shape, x.dtype)
     residual = h is not None
-    kernel = functools.partial(_fwd_kernel, n, total, rows, _pow2(n), eps, residual)
+    kernel = functools.partial(_fwd_kernel, n, total, rows, pow2(n), eps, residual)
     grid = _cdiv(total, rows)
     if residual:
         return _call(kernel, (x, h, hb, w, b), (act, act, stat, stat), grid, interpret,
@@ -175,7 +171,7 @@ def _backward(x, dy, ds, mean, rstd, w, interpret: bool, rows: int = ROWS,
     total, n = x.shape
     residual = ds is not None
     programs = max(1, min(programs, _cdiv(total, rows)))
-    kernel = functools.partial(_bwd_kernel, n, total, rows, _pow2(n), programs, residual)
+    kernel = functools.partial(_bwd_kernel, n, total, rows, pow2(n), programs, residual)
     part = jax.ShapeDtypeStruct((programs, n), jnp.float32)
     d_shape = jax.ShapeDtypeStruct(x.shape, dy.dtype)
     args = (x, dy, ds, mean, rstd, w) if residual else (x, dy, mean, rstd, w)
