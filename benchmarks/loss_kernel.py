@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from operator import itemgetter
 
 # benchmarks/ is the script's directory
-from report import failed_setting, median_seconds, nvidia_gpu, report, run_script
+from report import best_setting, failed_setting, median_seconds, nvidia_gpu, report, run_script
 
 # (CHUNK, NUM_WARPS, NUM_STAGES)
 SETTINGS = [(2048, 4, 2), (2048, 8, 2), (4096, 8, 2), (1024, 4, 2), (2048, 4, 3),
@@ -79,7 +80,8 @@ def main() -> int:
         print(f"{name}: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s, largest difference "
               f"from XLA's: log-sum-exp {err:.2e}, loss {loss_err:.2e}", flush=True)
     result["kernel"] = runs
-    bad = _best(result, runs, result["xla"]["ms"], "max_abs_loss_diff", "")
+    bad = best_setting(result, runs, result["xla"]["ms"], itemgetter("ms"),
+                       "max_abs_loss_diff", 1e-3)
 
     # the loss and its gradient (weights 1 / tokens, as a step's mean); the kernel writes
     # over its input, so each call gets a fresh copy of the logits, not timed
@@ -120,26 +122,10 @@ def main() -> int:
         print(f"{name}: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s, largest difference "
               f"from XLA's: mean loss {loss_err:.2e}, gradient {grad_err:.2e}", flush=True)
     result["kernel_gradient"] = grad_runs
-    bad |= _best(result, grad_runs, result["xla_gradient"]["ms"], "mean_loss_diff", "_gradient")
+    bad |= best_setting(result, grad_runs, result["xla_gradient"]["ms"], itemgetter("ms"),
+                        "mean_loss_diff", 1e-3, "_gradient")
     report(result, args.json)
     return 1 if bad else 0
-
-
-def _best(result: dict, runs: list[dict], xla_ms: float, diff: str, suffix: str) -> bool:
-    """Record the fastest setting that ran and its speed-up over XLA; True (said) if any
-    setting's loss differs from XLA's by more than 1e-3."""
-    ok = [r for r in runs if "ms" in r]
-    if not ok:
-        return False
-    best = min(ok, key=lambda r: r["ms"])
-    result["best" + suffix] = best
-    result["speedup_over_xla" + suffix] = xla_ms / best["ms"]
-    print(f"best{suffix.replace('_', ' ')}: {best}, {xla_ms / best['ms']:.2f}x XLA's",
-          flush=True)
-    if max(r[diff] for r in ok) > 1e-3:
-        print("the kernel's values differ from XLA's by more than 1e-3", flush=True)
-        return True
-    return False
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 import time
 
 # benchmarks/ is the script's directory
-from report import failed_setting, median_seconds, nvidia_gpu, report, run_script
+from report import best_setting, failed_setting, median_seconds, nvidia_gpu, report, run_script
 
 # (ROWS, NUM_WARPS, PROGRAMS)
 SETTINGS = [(4, 4, 528), (1, 4, 528), (2, 4, 528), (8, 8, 528), (4, 8, 528),
@@ -94,18 +94,10 @@ def main() -> int:
               f"backward {b_s * 1e3:.3f} ms ({4 * stream / b_s / 1e3:.2f} TB/s), largest "
               f"difference from XLA's {diff:.2e}", flush=True)
     result["kernel"] = runs
-    ok = [r for r in runs if "forward_ms" in r]
-    if ok:
-        best = min(ok, key=lambda r: r["forward_ms"] + r["backward_ms"])
-        result["best"] = best
-        result["speedup_over_xla"] = (result["xla"]["forward_and_backward_ms"]
-                                      / (best["forward_ms"] + best["backward_ms"]))
-        if max(r["max_abs_diff"] for r in ok) > 0.1:
-            print("the kernels' values differ from XLA's by more than 0.1 (bf16)", flush=True)
-            report(result, args.json)
-            return 1
+    bad = best_setting(result, runs, result["xla"]["forward_and_backward_ms"],
+                       lambda r: r["forward_ms"] + r["backward_ms"], "max_abs_diff", 0.1)
     report(result, args.json)
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -87,6 +87,26 @@ def failed_setting(name: str, setting: dict, error: Exception) -> dict:
     return {**setting, "error": first[:300]}
 
 
+def best_setting(result: dict, runs: list[dict], xla_ms: float, took: Callable[[dict], float],
+                 diff: str, tolerance: float, suffix: str = "") -> bool:
+    """A kernel benchmark's verdict on its launch settings (runs: their records, a failed
+    one has "error"): the fastest that ran, by took(record) in ms, recorded in `result`
+    as "best" + suffix with its speed-up over XLA's xla_ms, and said; True, said too, if
+    any setting's `diff` from XLA's values exceeds `tolerance`."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return False
+    best = min(ok, key=took)
+    result["best" + suffix] = best
+    result["speedup_over_xla" + suffix] = xla_ms / took(best)
+    print(f"best{suffix.replace('_', ' ')}: {best}, {xla_ms / took(best):.2f}x XLA's",
+          flush=True)
+    if max(r[diff] for r in ok) > tolerance:
+        print(f"the kernel's values differ from XLA's by more than {tolerance:g}", flush=True)
+        return True
+    return False
+
+
 def report(result: dict, json_path: str | Path | None) -> None:
     """Print `result` as indented JSON; with a path, write the same text there."""
     text = json.dumps(result, indent=2)
