@@ -1,6 +1,7 @@
-"""The loss's two reductions over the vocabulary -- each token's log-sum-exp of its
-logits and the logit of its label -- in one pass of a Pallas (Triton) kernel on NVIDIA
-GPUs (`model.loss_kernel = "pallas"`).
+"""The loss's reductions over the vocabulary in Pallas (Triton) kernels on NVIDIA GPUs
+(`model.loss_kernel`): each token's log-sum-exp and the logit of its label
+(`lse_and_label`: evaluation, and the loss's forward where its weights come later), and
+in training the loss and its gradient together (`loss_and_gradient`).
 
 XLA:GPU's reduction of gpt2-124m's [32768, 50304] bf16 logits ran at 1.24 TB/s on an
 H100, 37% of its bandwidth (2.67 ms of a 66 ms step; docs/benchmarks.md, "Without a
@@ -8,14 +9,14 @@ GPU: leads checked and left"): it splits each row into 128 pieces of 393 columns
 odd width read one element at a time, and pays a rescaling per element for its running
 maximum. Here one program reads one row in blocks of `CHUNK` columns (vector loads), takes
 each block's maximum and its sum of exponentials against it, and rescales once per
-block; the label's logit is one more load. Only the forward's reductions: the backward
-(softmax minus one-hot, from the logits and the log-sum-exp) stays XLA's elementwise
-pass (models.loss).
+block; the label's logit is one more load. On an H200 (2026-11-27) that read the logits
+in 1.36 ms against XLA's 2.85, and the loss with its gradient (a second pass over the
+row writing weight x (softmax - one-hot) over it) took 3.56 ms against XLA's 5.69.
 
-The kernel sees whole rows, so inside plait's step it runs in a shard_map over the mesh,
-each device on its own tokens; where the vocabulary is split (a sum across devices per
-token) or inside a pipeline's body, models.loss keeps XLA's reductions. Off a GPU the
-kernel runs in Pallas's interpreter (tests; `plait train` refuses the setting there).
+The kernels see whole rows, so inside plait's step they run in a shard_map over the
+mesh, each device on its own tokens; where the vocabulary is split (a sum across devices
+per token) or inside a pipeline's body, models.loss keeps XLA's reductions. Off a GPU
+the kernels run in Pallas's interpreter (tests; `plait train` refuses "pallas" there).
 """
 
 from __future__ import annotations
@@ -30,17 +31,20 @@ from plait.parallel.kernel_place import Placement, placement, pow2, usable
 
 __all__ = ["lse_and_label", "loss_and_gradient", "usable"]
 
-# Columns a program reads at once (Triton's blocks are powers of two), and the kernel's
-# launch settings; not yet tuned on a GPU.
+# Columns a program reads at once (Triton's blocks are powers of two) and the kernels'
+# launch settings: the fastest of benchmarks/loss_kernel.py's on an H200 at gpt2-124m's
+# logits (2026-11-27, benchmarks/results/h200-2026-11-27).
 CHUNK = 2048
 NUM_WARPS = 4
-NUM_STAGES = 2
-# loss_and_gradient's programs, each taking rows p, p + PROGRAMS, ...: few enough that
-# the rows they read at once (~100 KB each at gpt2's 50304 columns) stay in an H100's
-# 50 MB L2 for the second pass over them; not yet tuned on a GPU.
-GRAD_PROGRAMS = 264  # 2 x an H100's 132 SMs
+NUM_STAGES = 3  # 1.36 ms; 2 stages 1.51
+# loss_and_gradient's programs, each taking rows p, p + programs, ...; None: one a row.
+# Fewer programs were to keep the rows in flight in L2 for the second pass over them
+# (~100 KB a row at gpt2's 50304 columns); measured, more programs ran faster all the
+# way to one a row: 132 programs 7.43 ms, 264 4.84, 528 3.97, one a row 3.56 (XLA 5.69).
+GRAD_PROGRAMS: int | None = None
 GRAD_CHUNK = 4096
 GRAD_NUM_WARPS = 8
+GRAD_NUM_STAGES = 2
 
 
 def _columns(x_ref, row, j, chunk: int, vocab: int) -> tuple[jax.Array, jax.Array]:
@@ -137,15 +141,16 @@ def _grad_kernel(vocab: int, width: int, chunk: int, rows: int, programs: int,
 @functools.partial(jax.jit, static_argnames=("vocab", "chunk", "programs", "interpret",
                                              "num_warps", "num_stages"))
 def _rows_with_gradient(x: jax.Array, targets: jax.Array, weights: jax.Array, vocab: int,
-                        chunk: int, programs: int, interpret: bool,
-                        num_warps: int = GRAD_NUM_WARPS, num_stages: int = NUM_STAGES):
+                        chunk: int, programs: int | None, interpret: bool,
+                        num_warps: int = GRAD_NUM_WARPS,
+                        num_stages: int = GRAD_NUM_STAGES):
     """x [rows, width], targets, weights [rows] -> (loss [rows] float32, gradient [rows,
-    width] in x's dtype, in x's buffer)."""
+    width] in x's dtype, in x's buffer). programs None: one a row."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     rows, width = x.shape
-    programs = min(programs, rows)
+    programs = rows if programs is None else min(programs, rows)
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_grad_kernel, vocab, width, min(chunk, pow2(width)), rows,
@@ -178,14 +183,16 @@ def _on_tokens(local, at: Placement, args: tuple, rows_out: tuple[bool, ...]):
 
 def loss_and_gradient(logits: jax.Array, targets: jax.Array, weights: jax.Array,
                       vocab: int, chunk: int = GRAD_CHUNK,
-                      programs: int = GRAD_PROGRAMS) -> tuple[jax.Array, jax.Array]:
+                      programs: int | None = GRAD_PROGRAMS
+                      ) -> tuple[jax.Array, jax.Array]:
     """logits [..., V] (whole on each device), targets and weights [...] -> (each
     token's cross-entropy over the first `vocab` logits, float32 [...]; the gradient
     weights x (softmax - one-hot) [..., V] in the logits' dtype, 0 past `vocab`).
 
     For a loss whose weight per token is known before its backward (models.loss's
-    pieces): the logits are read twice in one kernel (the second time from L2) and the
-    gradient written over them, where computing it apart reads them from memory again.
+    pieces): the logits are read twice in one kernel (the second time partly from L2)
+    and the gradient written over them, where XLA's loss and gradient apart take 1.6x
+    as long (an H200, gpt2-124m's logits).
     Placed as lse_and_label (`_on_tokens`)."""
     at = placement(logits.ndim)
 
