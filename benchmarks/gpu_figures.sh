@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptkernels nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -16,31 +16,27 @@
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close
 # (every stage's log ends with the GPU's SM clock and power while it ran):
-#   1. env kernelcheck (~3 minutes, DEADLINE_S=240): the Triton kernels never run on a
-#      GPU -- model.loss_kernel (the loss and its gradient in one kernel; census:
-#      gpt2-124m 65.43 -> 63.85 ms) and model.norm_kernel (the LayerNorms with the
-#      attention's residual add; both: 61.50 ms) -- each alone in its launch settings
-#      against XLA's form: do they compile, agree with XLA's values, beat it, and in
-#      which setting.
-#   2. nanogptkernels (~6 minutes, DEADLINE_S=500) if both kernels agree and are faster,
-#      else nanogpt: issue 29's 1.1x nanoGPT side by side (1.033x of record on
-#      2026-11-26 on XLA's fusions, ~1.11x estimated with both kernels). With a session's
-#      15 minutes that is the second and last command; the next session: kernels1p3b
-#      (~6 minutes: gpt2-1.3b on XLA's fusions and on both; issue 29's 50% MFU, 45.0% of
-#      record) and `kernels` (gpt2-124m on XLA's, each kernel and both, two rounds
-#      alternating, ~7 minutes: each kernel's share).
-#   3. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps, never measured there:
-#      the speed-up (issue 29 asks 1.3x; the census says ~1.02x) and the curve (within
-#      1% from step 100).
-#   4. sweep124, sweep1p3b (issue 29's sweep item); normkernel and losskernel at both
-#      models' widths.
-#   5. MoE (issue 28, resolved on an H200's figure): env moe (~6 minutes, DEADLINE_S=420:
+#   1. env nanogpt kernels1p3b losskernel (~6 minutes, DEADLINE_S=560): issue 29's 1.1x
+#      nanoGPT side by side with the Triton kernels as now shipped ("auto" takes them on
+#      a Hopper GPU; their first GPU run, an H200 on 2026-11-27, gave 1.073x, and 1.036x on
+#      XLA's fusions: `nanogptxla`), the loss-and-gradient kernel since in its faster
+#      launch setting (one program a row: 3.56 ms alone against the 4.84 ms the 1.073x ran
+#      with), never timed in the step; gpt2-1.3b on XLA's fusions and on both kernels
+#      (issue 29's 50% MFU: 47.8% on the H200 with both, 45.0% of record on an H100);
+#      then the loss kernel's own share of gpt2-124m's step, alternating two rounds.
+#   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps: the curve (within 1%
+#      from step 100) is what is left to see; the speed-up measured 0.943x over 20 steps
+#      on the H200 (issue 29 asks 1.3x).
+#   3. sweep124, sweep1p3b (issue 29's sweep item); `kernels` (each kernel's share on
+#      gpt2-124m, ~2 minutes) and kernelcheck (the kernels alone in their launch settings,
+#      ~1 minute: the norm kernel's best setting changed between two runs on the H200).
+#   4. MoE (issue 28, resolved on an H200's figure): env moe (~6 minutes, DEADLINE_S=420:
 #      mixtral-mini as shipped beside its dense twin, two rounds; 0.743 on an H200 on
 #      2026-11-26, the census puts an H100 at 0.69-0.72), pallas moepallas (~12 minutes,
 #      two commands: the kernels' tilings, then mixtral-mini on the best), abmoe (~6
 #      minutes, DEADLINE_S=420; .refs/plait-before = git archive 28e1e8a src benchmarks:
 #      SwiGLU keeping the fused product's output; census -2.5%), moebatch16.
-#   6. profiles (four traced steps, each program run's span: the loop's steps measured
+#   5. profiles (four traced steps, each program run's span: the loop's steps measured
 #      3.5-4% longer than the traced ones on 2026-11-26, and command buffers are not why
 #      -- `cmdbuf` found the loop slower without them, 1.6% on gpt2-124m, 5.7% on
 #      gpt2-1.3b), fp8curve, moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped;
@@ -174,7 +170,8 @@ for stage in "$@"; do
       run loss-kernel 150 python3 benchmarks/loss_kernel.py --json "$OUT/loss-kernel.json"
       for round in 1 2; do
         run "gpt124-lossxla-$round" 150 python3 benchmarks/throughput.py \
-          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-lossxla-$round.json"
+          experiments/gpt2-124m.toml --steps 30 --set 'model.loss_kernel="xla"' \
+          --json "$OUT/gpt124-lossxla-$round.json"
         run "gpt124-losskernel-$round" 150 python3 benchmarks/throughput.py \
           experiments/gpt2-124m.toml --steps 30 --set 'model.loss_kernel="pallas"' \
           --json "$OUT/gpt124-losskernel-$round.json"
@@ -187,9 +184,9 @@ for stage in "$@"; do
       for round in 1 2; do
         for variant in xla norm loss both; do
           case $variant in
-            xla) sets=() ;;
-            norm) sets=(--set 'model.norm_kernel="pallas"') ;;
-            loss) sets=(--set 'model.loss_kernel="pallas"') ;;
+            xla) sets=(--set 'model.norm_kernel="xla"' --set 'model.loss_kernel="xla"') ;;
+            norm) sets=(--set 'model.norm_kernel="pallas"' --set 'model.loss_kernel="xla"') ;;
+            loss) sets=(--set 'model.norm_kernel="xla"' --set 'model.loss_kernel="pallas"') ;;
             both) sets=(--set 'model.norm_kernel="pallas"' --set 'model.loss_kernel="pallas"') ;;
           esac
           run "gpt124-kernels-$variant-$round" 120 python3 benchmarks/throughput.py \
@@ -204,7 +201,8 @@ for stage in "$@"; do
         --json "$OUT/norm-kernel-1p3b.json" ;;
     kernels1p3b)  # the same on gpt2-1.3b as shipped: XLA's fusions, then both kernels
       run gpt1p3b-kernels-xla 240 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
-        --steps 16 --warmup 4 --json "$OUT/gpt1p3b-kernels-xla.json"
+        --steps 16 --warmup 4 --set 'model.norm_kernel="xla"' --set 'model.loss_kernel="xla"' \
+        --json "$OUT/gpt1p3b-kernels-xla.json"
       run gpt1p3b-kernels-both 240 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
         --steps 16 --warmup 4 --set 'model.norm_kernel="pallas"' \
         --set 'model.loss_kernel="pallas"' --json "$OUT/gpt1p3b-kernels-both.json" ;;
@@ -214,12 +212,13 @@ for stage in "$@"; do
     nanogpt)
       run nanogpt 420 python3 benchmarks/gpt_vs_nanogpt.py --reference .refs/nanoGPT \
         --torch-python python3 --rounds 2 --steps 30 --json "$OUT/nanogpt.json" ;;
-    nanogptkernels)  # the same with both Triton kernels on for plait (issue 29's 1.1x)
-      run nanogpt-kernels 420 python3 benchmarks/gpt_vs_nanogpt.py --reference .refs/nanoGPT \
-        --torch-python python3 --rounds 2 --steps 30 --set 'model.norm_kernel="pallas"' \
-        --set 'model.loss_kernel="pallas"' --json "$OUT/nanogpt-kernels.json" ;;
-    kernelcheck)  # the Triton kernels' first run on a GPU: each alone against XLA's form
-      # at gpt2-124m's sizes (compiles? agrees? faster? which launch setting?)
+    nanogptxla)  # the same with XLA's fusions for the norms and the loss (the default
+      # before 2026-11-27: 1.036x on an H200 that day, 1.073x with the kernels)
+      run nanogpt-xla 420 python3 benchmarks/gpt_vs_nanogpt.py --reference .refs/nanoGPT \
+        --torch-python python3 --rounds 2 --steps 30 --set 'model.norm_kernel="xla"' \
+        --set 'model.loss_kernel="xla"' --json "$OUT/nanogpt-xla.json" ;;
+    kernelcheck)  # the Triton kernels alone against XLA's form at gpt2-124m's sizes in
+      # their launch settings (agree? faster? which setting? first run: an H200, 2026-11-27)
       run loss-kernel 120 python3 benchmarks/loss_kernel.py --repeat 10 \
         --json "$OUT/loss-kernel.json"
       run norm-kernel-124m 100 python3 benchmarks/norm_kernel.py --repeat 10 \
@@ -382,7 +381,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware h100-node --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptkernels nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac

@@ -126,3 +126,48 @@ def test_both_kernels_train_local_sgd_replicas_like_xlas_forms(tmp_path, monkeyp
     # each ran, the norms' on the replicas' batch (the loss's inside its scan's body)
     assert {name for name, _ in calls} == {"_forward", "_backward", "_rows_with_gradient"}
     assert {("_forward", "BatchTracer"), ("_backward", "BatchTracer")} <= set(calls), calls
+
+
+class _GPU:
+    """A GPU as tasks.gpt_runtime reads one."""
+
+    def __init__(self, kind: str, capability: str):
+        self.platform, self.device_kind, self.compute_capability = "gpu", kind, capability
+
+
+def test_auto_takes_both_kernels_on_a_hopper_gpu_only():
+    """`model.loss_kernel` and `model.norm_kernel` default to "auto": plait's Triton
+    kernels on a Hopper GPU (where they were measured faster), XLA's on other GPUs and
+    off a GPU; a setting given is kept. The task runs what "auto" resolved to, and the
+    start-up line names the kernels in use (not a LayerNorm kernel for RMS norms)."""
+    from helpers import make_mesh
+
+    from plait.tasks.gpt import GPTTask
+    from plait.tasks.gpt_runtime import kernels_for, start_up_lines
+
+    exp = tiny()
+    cfg = exp.model
+    assert (cfg.loss_kernel, cfg.norm_kernel) == ("auto", "auto")
+    both = {"loss_kernel": "pallas", "norm_kernel": "pallas"}
+    assert kernels_for(cfg, _GPU("NVIDIA H200", "9.0")) == (
+        both, "auto: measured faster on a Hopper GPU")
+    for device in (_GPU("NVIDIA A100-SXM4-80GB", "8.0"), jax.devices()[0]):
+        assert kernels_for(cfg, device) == ({"loss_kernel": "xla", "norm_kernel": "xla"},
+                                            "auto: XLA's off a Hopper GPU")
+    one = cfg.model_copy(update={"loss_kernel": "xla"})
+    assert kernels_for(one, _GPU("NVIDIA H100 80GB HBM3", "9.0"))[0] == {
+        "loss_kernel": "xla", "norm_kernel": "pallas"}
+    given = cfg.model_copy(update=both)
+    assert kernels_for(given, jax.devices()[0]) == (both, "model.loss_kernel, model.norm_kernel")
+
+    mesh = make_mesh("data=2")
+    task = GPTTask(exp, mesh)
+    assert (task.exp.model.loss_kernel, task.exp.model.norm_kernel) == ("xla", "xla")
+    assert "Triton" not in start_up_lines(task)[0]
+    line = start_up_lines(GPTTask(exp.model_copy(update={"model": given}), mesh))[0]
+    assert line.endswith("; the LayerNorms and the loss in plait's Triton kernels "
+                         "(model.loss_kernel, model.norm_kernel)"), line
+    rms = given.model_copy(update={"norm": "rmsnorm"})
+    line = start_up_lines(GPTTask(exp.model_copy(update={"model": rms}), mesh))[0]
+    assert line.endswith("; the loss in plait's Triton kernels (model.loss_kernel, "
+                         "model.norm_kernel)"), line

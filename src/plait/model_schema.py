@@ -138,16 +138,19 @@ class GPTConfig(ModelSection):
     # (models.loss): only one piece of the [tokens, vocabulary] logits is ever held.
     # 1 = all at once. Divides seq_len.
     loss_chunks: PosInt = 1
-    # How the loss's forward reduces over the vocabulary (each token's log-sum-exp and
-    # its label's logit): "xla", XLA's own reductions; "pallas", one pass of a Pallas
-    # (Triton) kernel per token (parallel.loss_kernel), on NVIDIA GPUs only. Where the
-    # vocabulary is split across devices, XLA's either way.
-    loss_kernel: Literal["xla", "pallas"] = "xla"
+    # How the loss reduces over the vocabulary (each token's log-sum-exp, its label's
+    # logit, and in training the gradient with them): "xla", XLA's own fusions; "pallas",
+    # Pallas (Triton) kernels (parallel.loss_kernel), on NVIDIA GPUs only; "auto" (the
+    # default), the kernels on a Hopper GPU, where they were measured faster, XLA's
+    # elsewhere (tasks.gpt_runtime.kernels_for). Where the vocabulary is split across
+    # devices, XLA's either way.
+    loss_kernel: Literal["auto", "xla", "pallas"] = "auto"
     # How a LayerNorm runs: "xla", XLA's fusions; "pallas", one pass each way of a
     # Pallas (Triton) kernel (parallel.norm_kernel), the attention's residual add folded
-    # into the norm after it, on NVIDIA GPUs only. Where the embedding is split across
-    # devices, inside a pipeline's body, and for RMSNorm, XLA's either way.
-    norm_kernel: Literal["xla", "pallas"] = "xla"
+    # into the norm after it, on NVIDIA GPUs only; "auto" (the default) as for
+    # loss_kernel. Where the embedding is split across devices, inside a pipeline's body,
+    # and for RMSNorm, XLA's either way.
+    norm_kernel: Literal["auto", "xla", "pallas"] = "auto"
     # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
     # parameters, same results): compile time no longer grows with the number of
     # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 64 layers).

@@ -34,7 +34,13 @@ from plait.tasks import gpt_data, gpt_sweep
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checkpoint import DecoderCheckpoints
 from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules, memory_fixes
-from plait.tasks.gpt_runtime import attention_for, grouped_for, scan_for, start_up_lines
+from plait.tasks.gpt_runtime import (
+    attention_for,
+    grouped_for,
+    kernels_for,
+    scan_for,
+    start_up_lines,
+)
 from plait.train.pipelined import Pipelined
 from plait.train.state import StateLayout, init_state, layout, optimizer
 from plait.train.step import (
@@ -67,7 +73,9 @@ class GPTTask(DecoderCheckpoints, Task):
         scan, self.scan_why = scan_for(exp.model, device.platform)
         grouped, self.grouped_why = grouped_for(exp.model, exp.precision.compute, device,
                                                 dict(mesh.shape))
-        resolved = {"attention": self.attention, "scan_layers": scan, "moe": grouped.moe}
+        kernels, self.kernels_why = kernels_for(exp.model, device)
+        resolved = {"attention": self.attention, "scan_layers": scan, "moe": grouped.moe,
+                    **kernels}
         if any(getattr(exp.model, k) != v for k, v in resolved.items()):
             # The model runs the resolved kernel and layout.
             exp = exp.model_copy(update={"model": exp.model.model_copy(update=resolved)})

@@ -1,6 +1,8 @@
 """What a GPT runs on a device when its config says "auto": the attention kernel
-(`model.attention`) and scanned or unrolled blocks (`model.scan_layers`), each with
-the reason, and the start-up lines that say them."""
+(`model.attention`), scanned or unrolled blocks (`model.scan_layers`), the loss's and
+the LayerNorms' kernels (`model.loss_kernel`, `model.norm_kernel`) and a mixture of
+experts' grouped products (`model.moe.grouped`), each with the reason, and the start-up
+lines that say them."""
 
 from __future__ import annotations
 
@@ -107,6 +109,24 @@ def grouped_for(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]
     return cfg.model_copy(update={"moe": moe.model_copy(update={"grouped": pick})}), why
 
 
+KERNEL_KEYS = ("loss_kernel", "norm_kernel")
+
+
+def kernels_for(cfg: GPTConfig, device) -> tuple[dict[str, str], str]:
+    """({"loss_kernel": ..., "norm_kernel": ...} as the step runs them, why). "auto" takes
+    plait's Triton kernels on a Hopper GPU: on an H200 (2026-11-27) gpt2-124m's step ran
+    62.68 -> 61.10 ms with both (loss alone 62.19, norms alone 61.32), gpt2-1.3b's 312.4
+    -> 310.0 ms, the losses equal (docs/benchmarks.md); other GPUs are unmeasured, and
+    off a GPU only Pallas's interpreter would run them."""
+    asked = {key: getattr(cfg, key) for key in KERNEL_KEYS}
+    if "auto" not in asked.values():
+        return asked, "model.loss_kernel, model.norm_kernel"
+    pick = "pallas" if on_hopper(device) else "xla"
+    why = ("auto: measured faster on a Hopper GPU" if pick == "pallas"
+           else "auto: XLA's off a Hopper GPU")
+    return {key: pick if v == "auto" else v for key, v in asked.items()}, why
+
+
 def check_kernels(cfg, device) -> None:
     """Refuse `model.loss_kernel` or `model.norm_kernel` = "pallas" off an NVIDIA GPU, in
     one line (their Triton kernels run there; elsewhere only Pallas's interpreter would,
@@ -172,8 +192,14 @@ def start_up_lines(task) -> list[str]:
     loss = "" if n == 1 else (
         f"; loss in {n} pieces of {task.exp.model.seq_len // n} positions per sequence "
         "(model.loss_chunks)")
+    m = task.exp.model
+    kernels = [what for key, what in (("norm_kernel", "the LayerNorms"),
+                                      ("loss_kernel", "the loss"))
+               if getattr(m, key) == "pallas" and (key != "norm_kernel" or m.norm == "layernorm")]
+    kernels = (f"; {' and '.join(kernels)} in plait's Triton kernels ({task.kernels_why})"
+               if kernels else "")
     out = [f"plait: attention {task.attention} ({task.attention_why}); layers {layers} "
-           f"({task.scan_why}){loss}"]
+           f"({task.scan_why}){loss}{kernels}"]
     d = task.exp.data
     if task.kept_only:
         out.append(f"plait: the loss counts the targets that {d.path}'s loss mask keeps "
