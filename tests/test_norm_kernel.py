@@ -85,6 +85,7 @@ def test_a_gpt_on_the_norm_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
                  str(tmp_path / "refused")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "model.norm_kernel" in err and "not cpu" in err, err
+    assert 'use model.norm_kernel = "auto"' in err, err
     assert not (tmp_path / "refused").exists()
 
     monkeypatch.setattr("plait.train.run.check_kernels", lambda *a: None)

@@ -131,13 +131,14 @@ def check_kernels(cfg, device) -> None:
     """Refuse `model.loss_kernel` or `model.norm_kernel` = "pallas" off an NVIDIA GPU, in
     one line (their Triton kernels run there; elsewhere only Pallas's interpreter would,
     far slower than XLA)."""
-    asked = [key for key in ("loss_kernel", "norm_kernel") if getattr(cfg, key, "xla") == "pallas"]
+    asked = [key for key in KERNEL_KEYS if getattr(cfg, key, "xla") == "pallas"]
     if not asked or (device.platform == "gpu" and getattr(device, "compute_capability", None)):
         return
     kind, key = device.device_kind, asked[0]
     where = kind if kind == device.platform else f"{kind} ({device.platform})"
     raise UserError(f"model.{key} = \"pallas\" runs a Triton kernel on NVIDIA GPUs, not "
-                    f"{where}; use model.{key} = \"xla\"")
+                    f"{where}; use model.{key} = \"auto\" (the kernel where it runs, "
+                    "XLA's elsewhere) or \"xla\"")
 
 
 def check_grouped(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]) -> None:
