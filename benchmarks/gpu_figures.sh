@@ -16,20 +16,23 @@
 # A lent GPU comes with about 15 minutes and 10 minutes a command, less than all stages'
 # limits together (about 85 minutes), so take them in the order of what they close
 # (every stage's log ends with the GPU's SM clock and power while it ran):
-#   1. env nanogpt kernels1p3b losskernel (~6 minutes, DEADLINE_S=560): issue 29's 1.1x
+#   1. env nanogpt kernels1p3b sweep124 (one command, DEADLINE_S=560): issue 29's 1.1x
 #      nanoGPT side by side with the Triton kernels as now shipped ("auto" takes them on
 #      a Hopper GPU; their first GPU run, an H200 on 2026-11-27, gave 1.073x, and 1.036x on
 #      XLA's fusions: `nanogptxla`), the loss-and-gradient kernel since in its faster
 #      launch setting (one program a row: 3.56 ms alone against the 4.84 ms the 1.073x ran
-#      with), never timed in the step; gpt2-1.3b on XLA's fusions and on both kernels
-#      (issue 29's 50% MFU: 47.8% on the H200 with both, 45.0% of record on an H100);
-#      then the loss kernel's own share of gpt2-124m's step, alternating two rounds.
-#   2. fp8unrolled (~6 minutes): FP8 on gpt2-1.3b over 300 steps: the curve (within 1%
-#      from step 100) is what is left to see; the speed-up measured 0.943x over 20 steps
-#      on the H200 (issue 29 asks 1.3x).
-#   3. sweep124, sweep1p3b (issue 29's sweep item); `kernels` (each kernel's share on
-#      gpt2-124m, ~2 minutes) and kernelcheck (the kernels alone in their launch settings,
-#      ~1 minute: the norm kernel's best setting changed between two runs on the H200).
+#      with), never timed in the step (~130 s); gpt2-1.3b on XLA's fusions and on both
+#      kernels (issue 29's 50% MFU: 47.8% on the H200 with both, 45.0% of record on an
+#      H100; ~140 s); then whatever is left for the sweep's prediction against the
+#      measured steps on gpt2-124m (issue 29's sweep item, never run on a GPU).
+#   2. fp8unrolled (~6 minutes) if the session has that left: FP8 on gpt2-1.3b over 300
+#      steps, the curve (within 1% from step 100) being what is left to see; the speed-up
+#      measured 0.943x over 20 steps on the H200 (issue 29 asks 1.3x; the FP8 step's
+#      first compile took 102 s there).
+#   3. sweep1p3b, losskernel (the loss kernel's share of gpt2-124m's step, two rounds),
+#      `kernels` (each kernel's share, ~2 minutes) and kernelcheck (the kernels alone in
+#      their launch settings, ~1 minute: the norm kernel's best setting changed between
+#      two runs on the H200).
 #   4. MoE (issue 28, resolved on an H200's figure): env moe (~6 minutes, DEADLINE_S=420:
 #      mixtral-mini as shipped beside its dense twin, two rounds; 0.743 on an H200 on
 #      2026-11-26, the census puts an H100 at 0.69-0.72), pallas moepallas (~12 minutes,
