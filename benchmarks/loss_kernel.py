@@ -4,13 +4,13 @@ logits ([32 x 1024, 50304] bf16, 50257 ids): each token's log-sum-exp and its la
 logit (`lse_and_label`, the loss alone), then the loss and its gradient together
 (`loss_and_gradient`, a training step's: XLA reads the logits twice from memory, the
 kernel reads each row twice, the second time partly from L2, and writes the gradient
-over it). The median of `--repeat` calls of each, the logits' bytes
-read per second, and each setting's largest difference from XLA's values; the best
-setting of each is printed as the one to use (CHUNK, NUM_WARPS, NUM_STAGES; GRAD_CHUNK,
-GRAD_PROGRAMS, GRAD_NUM_WARPS, GRAD_NUM_STAGES). Each list's first setting is the one
-plait ships (the fastest on an H200 on 2026-11-27). Times the kernels alone: the step's
-own figure is `throughput.py --set model.loss_kernel=...` (gpu_figures.sh's losskernel
-stage runs both).
+over it). The median over `--repeat` samples of each (a sample of the loss alone is
+`--calls` calls issued back to back), the logits' bytes read per second, and each
+setting's largest difference from XLA's values; the best setting of each is printed as
+the one to use (CHUNK, NUM_WARPS, NUM_STAGES; GRAD_CHUNK, GRAD_PROGRAMS, GRAD_NUM_WARPS,
+GRAD_NUM_STAGES). Each list's first setting is the one plait ships (the fastest on an
+H200 on 2026-11-27). Times the kernels alone: the step's own figure is `throughput.py
+--set model.loss_kernel=...` (gpu_figures.sh's losskernel stage runs both).
 
     python benchmarks/loss_kernel.py [--rows 32768 --vocab 50257 --padded 50304] [--json F]
 """
@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--padded", type=int, default=50304)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=4,
+                    help="calls a timed sample of the loss alone (the gradient's: one, "
+                         "each on a fresh copy of the logits)")
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
 
@@ -61,8 +64,9 @@ def main() -> int:
     xla = jax.jit(lambda x, t: _per_token(x, t, args.vocab, "xla")[::2])
     want_loss, want_lse = (np.asarray(a) for a in xla(x, t))
     result = {"date": time.strftime("%Y-%m-%d"), "device": device.device_kind,
-              "rows": args.rows, "vocab": args.vocab, "padded": args.padded, "gb": gb}
-    s = median_seconds(lambda: xla(x, t), args.repeat)
+              "rows": args.rows, "vocab": args.vocab, "padded": args.padded, "gb": gb,
+              "repeat": args.repeat, "calls": args.calls}
+    s = median_seconds(lambda: xla(x, t), args.repeat, calls=args.calls)
     result["xla"] = {"ms": s * 1e3, "tb_per_s": gb / s / 1e3}
     print(f"xla: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s", flush=True)
     runs = []
@@ -73,7 +77,7 @@ def main() -> int:
             def call(chunk=chunk, warps=warps, stages=stages):
                 return loss_kernel._rows(x, t, args.vocab, chunk, False, warps, stages)
             lse, label = call()
-            s = median_seconds(call, args.repeat)
+            s = median_seconds(call, args.repeat, calls=args.calls)
         except Exception as e:  # a setting Triton cannot compile: say so, go on
             runs.append(failed_setting(name, setting, e))
             continue

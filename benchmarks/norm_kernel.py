@@ -1,13 +1,14 @@
 """A LayerNorm after a residual add on a GPU: `model.norm_kernel = "pallas"`'s Triton
 kernels (parallel.norm_kernel: s = x + h + bias and LN(s) forward, the gradient of both
 backward) in a few launch settings against XLA's form (models.norms), at gpt2-124m's
-stream ([32 x 1024, 768] bf16) or another shape. The median of `--repeat` calls of
-each way, the bytes moved per second, and each setting's largest difference from XLA's
-values; the best setting is printed as the one to use (ROWS, NUM_WARPS, PROGRAMS).
-Times the norms alone: the step's own figure is `throughput.py --set
-model.norm_kernel=...` (gpu_figures.sh's kernels stage).
+stream ([32 x 1024, 768] bf16) or another shape. The median over `--repeat` samples of
+`--calls` calls each, issued back to back (a call takes ~0.2 ms), the bytes moved per
+second, and each setting's largest difference from XLA's values; the best setting is
+printed as the one to use (ROWS, NUM_WARPS, PROGRAMS). Times the norms alone: the
+step's own figure is `throughput.py --set model.norm_kernel=...` (gpu_figures.sh's
+kernels stage).
 
-    python benchmarks/norm_kernel.py [--rows 32768 --width 768] [--json F]
+    python benchmarks/norm_kernel.py [--rows 32768 --width 768] [--calls 10] [--json F]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=32768)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--calls", type=int, default=10, help="calls a timed sample")
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
 
@@ -57,9 +59,10 @@ def main() -> int:
     s_want, y_want = (np.float32(a) for a in xla_fwd(x, h, hb, w, b))
     d_want = np.float32(xla_bwd(x, h, hb, w, b)[0])
     result = {"date": time.strftime("%Y-%m-%d"), "device": device.device_kind,
-              "rows": args.rows, "width": n, "stream_gb": stream}
-    fwd = median_seconds(lambda: xla_fwd(x, h, hb, w, b), args.repeat)
-    both = median_seconds(lambda: xla_bwd(x, h, hb, w, b), args.repeat)
+              "rows": args.rows, "width": n, "stream_gb": stream, "repeat": args.repeat,
+              "calls": args.calls}
+    fwd = median_seconds(lambda: xla_fwd(x, h, hb, w, b), args.repeat, calls=args.calls)
+    both = median_seconds(lambda: xla_bwd(x, h, hb, w, b), args.repeat, calls=args.calls)
     result["xla"] = {"forward_ms": fwd * 1e3, "forward_and_backward_ms": both * 1e3}
     print(f"xla: forward {fwd * 1e3:.3f} ms, forward and backward {both * 1e3:.3f} ms",
           flush=True)
@@ -79,8 +82,8 @@ def main() -> int:
                                              programs, warps)
 
             d = backward()[0]
-            f_s = median_seconds(forward, args.repeat)
-            b_s = median_seconds(backward, args.repeat)
+            f_s = median_seconds(forward, args.repeat, calls=args.calls)
+            b_s = median_seconds(backward, args.repeat, calls=args.calls)
         except Exception as e:  # a setting Triton cannot compile: say so, go on
             runs.append(failed_setting(name, setting, e))
             continue

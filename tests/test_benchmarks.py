@@ -493,3 +493,20 @@ def test_ops_compare_puts_the_census_beside_a_profile(tmp_path, monkeypatch, cap
     assert code == 2
     (line,) = err.strip().splitlines()
     assert "has no ops" in line
+
+
+def test_a_timed_sample_issues_its_calls_back_to_back(monkeypatch):
+    """report.median_seconds: a sample is `calls` calls waited for once (the wait's round
+    trip spread over them), after one warm-up sample; inputs made fresh for each call (a
+    donating f) are one call a sample."""
+    import jax.numpy as jnp
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from report import median_seconds
+
+    made, waits = [], []
+    monkeypatch.setattr("jax.block_until_ready", lambda x: waits.append(x) or x)
+    assert median_seconds(lambda: made.append(1) or jnp.ones(2), repeat=3, calls=4) >= 0
+    assert (len(made), len(waits)) == (4 + 3 * 4, 1 + 3)
+    with pytest.raises(ValueError, match="one call a sample"):
+        median_seconds(lambda x: x, 3, fresh=lambda: jnp.ones(2), calls=2)
