@@ -8,7 +8,10 @@ With JAX's CUDA plugin installed (`pip install "jax[cuda13]"`; no GPU, driver or
 toolkit needed), JAX compiles ahead of time for a GPU described by an XLA target
 configuration (`jax.experimental.topologies`; `benchmarks/gpu_targets/*.txtpb`): XLA:GPU's
 own layouts, fusions, library calls and schedule, without autotuning. The step compiled
-is `plait train`'s for one device, with plait's XLA flags (plait/xla_flags.py). Printed:
+is `plait train`'s for one device, with plait's XLA flags (plait/xla_flags.py), and what
+"auto" settings take on that GPU (a Hopper target: the norm and loss Triton kernels since
+2026-11-27; `--set model.norm_kernel="xla" --set model.loss_kernel="xla"` for the
+figures before). Printed:
 the compile time, the memory XLA plans for it (arguments + temporaries, against JAX's
 default 75% of the GPU), and its kernels (`hlo_census`) by kind, by fusion group and
 by the JAX operation that made them, each with a roofline time -- an estimate to
