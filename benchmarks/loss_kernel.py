@@ -8,9 +8,10 @@ over it). The median over `--repeat` samples of each (a sample of the loss alone
 `--calls` calls issued back to back), the logits' bytes read per second, and each
 setting's largest difference from XLA's values; the best setting of each is printed as
 the one to use (CHUNK, NUM_WARPS, NUM_STAGES; GRAD_CHUNK, GRAD_PROGRAMS, GRAD_NUM_WARPS,
-GRAD_NUM_STAGES). Each list's first setting is the one plait ships (the fastest on an
-H200 on 2026-11-27). Times the kernels alone: the step's own figure is `throughput.py
---set model.loss_kernel=...` (gpu_figures.sh's losskernel stage runs both).
+GRAD_NUM_STAGES, GRAD_REVERSE). Each list's first setting is the one plait ships (the
+fastest on an H200 on 2026-11-27). Times the kernels alone: the step's own figure is
+`throughput.py --set model.loss_kernel=...` (gpu_figures.sh's losskernel stage runs
+both).
 
     python benchmarks/loss_kernel.py [--rows 32768 --vocab 50257 --padded 50304] [--json F]
 """
@@ -28,12 +29,15 @@ from report import best_setting, failed_setting, median_seconds, nvidia_gpu, rep
 # (CHUNK, NUM_WARPS, NUM_STAGES)
 SETTINGS = [(2048, 4, 3), (2048, 4, 2), (2048, 8, 3), (4096, 4, 3), (1024, 4, 3),
             (4096, 8, 2), (8192, 8, 1)]
-# loss_and_gradient's (GRAD_CHUNK, GRAD_PROGRAMS, GRAD_NUM_WARPS, GRAD_NUM_STAGES):
-# programs None is one a row (measured fastest on an H200: 3.56 ms against 264 programs'
-# 4.84, the setting before); around it, and two with each program looping over rows
-GRAD_SETTINGS = [(4096, None, 8, 2), (2048, None, 4, 2), (4096, None, 8, 3),
-                 (8192, None, 8, 2), (4096, None, 4, 2), (2048, 1056, 4, 2),
-                 (4096, 264, 8, 2)]
+# loss_and_gradient's (GRAD_CHUNK, GRAD_PROGRAMS, GRAD_NUM_WARPS, GRAD_NUM_STAGES,
+# GRAD_REVERSE): programs None is one a row (measured fastest on an H200: 3.56 ms against
+# 264 programs' 4.84, the setting before); around it, two with each program looping over
+# rows, and the second pass from each row's end back (its last blocks still in L2)
+GRAD_SETTINGS = [(4096, None, 8, 2, False), (4096, None, 8, 2, True),
+                 (2048, None, 4, 2, False), (4096, None, 8, 3, False),
+                 (4096, None, 8, 3, True), (8192, None, 8, 2, False),
+                 (4096, None, 4, 2, False), (2048, 1056, 4, 2, False),
+                 (4096, 264, 8, 2, False), (4096, 264, 8, 2, True)]
 
 
 def main() -> int:
@@ -107,15 +111,17 @@ def main() -> int:
     print(f"xla, loss and gradient: {s * 1e3:.3f} ms, {gb / s / 1e3:.2f} TB/s", flush=True)
     fresh = jax.jit(lambda x: x.copy())
     grad_runs = []
-    for chunk, programs, warps, stages in GRAD_SETTINGS:
+    for chunk, programs, warps, stages, reverse in GRAD_SETTINGS:
         spread = "one program a row" if programs is None else f"{programs} programs"
-        name = f"chunk {chunk}, {spread}, {warps} warps, {stages} stages"
+        name = (f"chunk {chunk}, {spread}, {warps} warps, {stages} stages"
+                + (", second pass reversed" if reverse else ""))
         setting = {"chunk": chunk, "programs": programs, "num_warps": warps,
-                   "num_stages": stages}
+                   "num_stages": stages, "reverse": reverse}
         try:
             call = jax.jit(functools.partial(
                 loss_kernel._rows_with_gradient, vocab=args.vocab, chunk=chunk,
-                programs=programs, interpret=False, num_warps=warps, num_stages=stages),
+                programs=programs, interpret=False, num_warps=warps, num_stages=stages,
+                reverse=reverse),
                 donate_argnums=0)
             loss, grad = call(fresh(x), t, weights)
             s = median_seconds(lambda y, call=call: call(y, t, weights), args.repeat,

@@ -140,18 +140,19 @@ def test_the_loss_kernel_gives_the_loss_and_gradients_of_xlas_reductions(dtype):
     np.testing.assert_array_equal(label, np.take_along_axis(ref, np.asarray(t)[..., None],
                                                             -1)[..., 0].astype(np.float32))
     weights = jnp.where(jnp.arange(S) % 3 == 0, 0.0, 0.5) * jnp.ones((B, 1))
-    loss, grad = jax.jit(lambda x, t, w: loss_and_gradient(x, t, w, vocab, chunk=16,
-                                                           programs=3))(x, t, weights)
     lse_ref = np.log(np.exp(ref).sum(-1))
-    np.testing.assert_allclose(loss, lse_ref - np.take_along_axis(
-        ref, np.asarray(t)[..., None], -1)[..., 0], rtol=1e-5)
     want_grad = np.zeros(x.shape)
     want_grad[..., :vocab] = np.exp(ref - lse_ref[..., None]) - (
         np.arange(vocab) == np.asarray(t)[..., None])
     want_grad *= np.asarray(weights)[..., None]
-    assert grad.dtype == dt
-    np.testing.assert_allclose(np.asarray(grad, np.float64), want_grad,
-                               atol=1e-6 if dtype == "float32" else 2e-3)
+    for reverse in (False, True):  # the second pass from the row's first block or last
+        loss, grad = jax.jit(lambda x, t, w, reverse=reverse: loss_and_gradient(
+            x, t, w, vocab, chunk=16, programs=3, reverse=reverse))(x, t, weights)
+        np.testing.assert_allclose(loss, lse_ref - np.take_along_axis(
+            ref, np.asarray(t)[..., None], -1)[..., 0], rtol=1e-5)
+        assert grad.dtype == dt
+        np.testing.assert_allclose(np.asarray(grad, np.float64), want_grad,
+                                   atol=1e-6 if dtype == "float32" else 2e-3)
     # a piece's loss and gradient as models.loss forms them, targets left out (~id)
     from plait import loss_mask
     from plait.models.loss import _sum_and_gradient
@@ -198,7 +199,7 @@ def test_a_gpt_on_the_loss_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
     monkeypatch.setattr("plait.train.run.check_kernels", lambda *a: None)
     rows, traced = loss_kernel._rows_with_gradient, []
     monkeypatch.setattr(loss_kernel, "_rows_with_gradient",
-                        lambda x, *a: traced.append(x.shape) or rows(x, *a))
+                        lambda x, *a, **k: traced.append(x.shape) or rows(x, *a, **k))
     for chunks in (1, 4):
         traced.clear()
         exp = tiny(train={"steps": 6}, model={"loss_kernel": "pallas", "loss_chunks": chunks})

@@ -114,8 +114,8 @@ def test_both_kernels_train_local_sgd_replicas_like_xlas_forms(tmp_path, monkeyp
     for module, name in ((norm_kernel, "_forward"), (norm_kernel, "_backward"),
                          (loss_kernel, "_rows_with_gradient")):
         kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda x, *a, kernel=kernel, name=name: (
-            calls.append((name, type(x).__name__)) or kernel(x, *a)))
+        monkeypatch.setattr(module, name, lambda x, *a, kernel=kernel, name=name, **k: (
+            calls.append((name, type(x).__name__)) or kernel(x, *a, **k)))
     sync = {"method": "easgd", "period": 2, "alpha": 0.2}
     one = {"layers": 1}  # a layer has each kind of norm: ln1 alone, ln2 after an add
     want = losses(run(tiny(train={"steps": 3}, sync=sync, model=one), "data=2,fsdp=2",

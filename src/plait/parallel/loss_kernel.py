@@ -45,6 +45,9 @@ GRAD_PROGRAMS: int | None = None
 GRAD_CHUNK = 4096
 GRAD_NUM_WARPS = 8
 GRAD_NUM_STAGES = 2
+# The second pass over a row from its last block back (the blocks the first pass read
+# last are the likeliest still in L2): not yet measured, so off.
+GRAD_REVERSE = False
 
 
 def _columns(x_ref, row, j, chunk: int, vocab: int) -> tuple[jax.Array, jax.Array]:
@@ -107,15 +110,16 @@ def _rows(x: jax.Array, targets: jax.Array, vocab: int, chunk: int, interpret: b
 
 
 def _grad_kernel(vocab: int, width: int, chunk: int, rows: int, programs: int,
-                 x_ref, t_ref, w_ref, loss_ref, g_ref):
+                 reverse: bool, x_ref, t_ref, w_ref, loss_ref, g_ref):
     """Rows p, p + programs, ...: each row's log-sum-exp and label logit from a first
     pass, then its gradient w * (softmax - one-hot) over all `width` columns (0 past
-    `vocab`) from a second, written over the logits (aliased: each block is read before
-    it is written), and its loss lse - label."""
+    `vocab`) from a second (from the last block back if `reverse`), written over the
+    logits (aliased: each block is read before it is written), and its loss lse - label."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     p = pl.program_id(0)
+    blocks = pl.cdiv(width, chunk)
 
     def one(i, carry):
         row_at = p + i * programs
@@ -124,14 +128,15 @@ def _grad_kernel(vocab: int, width: int, chunk: int, rows: int, programs: int,
         lse, target, label = _row_stats(x_ref, t_ref, row, vocab, chunk)
         weight = plt.load(w_ref.at[pl.ds(row, 1)])
 
-        def down(j, c):
+        def down(i, c):
+            j = blocks - 1 - i if reverse else i
             x, cols = _columns(x_ref, row, j, chunk, vocab)
             g = (jnp.exp(x - lse) - (cols == target).astype(jnp.float32)) * weight
             plt.store(g_ref.at[row, pl.ds(j * chunk, chunk)], g.astype(g_ref.dtype),
                       mask=(cols < width) & live)
             return c
 
-        jax.lax.fori_loop(0, pl.cdiv(width, chunk), down, 0)
+        jax.lax.fori_loop(0, blocks, down, 0)
         plt.store(loss_ref.at[pl.ds(row, 1)], (lse - label), mask=live[None])
         return carry
 
@@ -139,11 +144,11 @@ def _grad_kernel(vocab: int, width: int, chunk: int, rows: int, programs: int,
 
 
 @functools.partial(jax.jit, static_argnames=("vocab", "chunk", "programs", "interpret",
-                                             "num_warps", "num_stages"))
+                                             "num_warps", "num_stages", "reverse"))
 def _rows_with_gradient(x: jax.Array, targets: jax.Array, weights: jax.Array, vocab: int,
                         chunk: int, programs: int | None, interpret: bool,
                         num_warps: int = GRAD_NUM_WARPS,
-                        num_stages: int = GRAD_NUM_STAGES):
+                        num_stages: int = GRAD_NUM_STAGES, reverse: bool = GRAD_REVERSE):
     """x [rows, width], targets, weights [rows] -> (loss [rows] float32, gradient [rows,
     width] in x's dtype, in x's buffer). programs None: one a row."""
     from jax.experimental import pallas as pl
@@ -154,7 +159,7 @@ def _rows_with_gradient(x: jax.Array, targets: jax.Array, weights: jax.Array, vo
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_grad_kernel, vocab, width, min(chunk, pow2(width)), rows,
-                          programs),
+                          programs, reverse),
         out_shape=(jax.ShapeDtypeStruct((rows,), jnp.float32),
                    jax.ShapeDtypeStruct(x.shape, x.dtype)),
         grid=(programs,), in_specs=[anywhere] * 3, out_specs=(anywhere, anywhere),
@@ -183,7 +188,7 @@ def _on_tokens(local, at: Placement, args: tuple, rows_out: tuple[bool, ...]):
 
 def loss_and_gradient(logits: jax.Array, targets: jax.Array, weights: jax.Array,
                       vocab: int, chunk: int = GRAD_CHUNK,
-                      programs: int | None = GRAD_PROGRAMS
+                      programs: int | None = GRAD_PROGRAMS, reverse: bool = GRAD_REVERSE
                       ) -> tuple[jax.Array, jax.Array]:
     """logits [..., V] (whole on each device), targets and weights [...] -> (each
     token's cross-entropy over the first `vocab` logits, float32 [...]; the gradient
@@ -199,7 +204,7 @@ def loss_and_gradient(logits: jax.Array, targets: jax.Array, weights: jax.Array,
     def local(x, t, w):
         loss, grad = _rows_with_gradient(x.reshape(-1, x.shape[-1]), t.reshape(-1),
                                          w.reshape(-1), vocab, chunk, programs,
-                                         at.interpret)
+                                         at.interpret, reverse=reverse)
         return loss.reshape(t.shape), grad.reshape(x.shape)
 
     return _on_tokens(local, at, (logits, targets, weights), rows_out=(False, True))
