@@ -89,6 +89,8 @@ def main() -> int:
         "jax": jax.__version__, "experiment": exp.name, "mesh": mesh_lib.inline(dict(mesh.shape)),
         "precision": exp.precision.compute, "global_batch": exp.train.global_batch,
         "seq_len": exp.model.seq_len, "remat": exp.model.remat,
+        # the overrides as given (the start-up line of its log says what "auto" chose)
+        "sets": args.sets,
         **measured, "log_every": args.log_every,
         "model_tflops_per_s_per_device": flops_per_token(exp.model) * tps / n / 1e12,
         "mfu": flops_per_token(exp.model) * tps / (n * peak) if peak else None,

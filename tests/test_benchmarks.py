@@ -58,7 +58,7 @@ def test_throughput_reports_the_loop_users_run(tmp_path):
     assert got["compile_s"] > 0 and got["model_tflops_per_s_per_device"] > 0
     # no peak FLOP/s or allocator figures for a CPU: null, not a made-up number
     assert got["mfu"] is None and got["peak_device_memory_gib"] is None
-    assert got["log_every"] == 1
+    assert got["log_every"] == 1 and got["sets"] == ["model.loss_chunks=4"]
 
     # logged as the experiments log (every N-th step): a record's time is its N steps'
     # mean; records at steps 1 (the compiling one, dropped), 2, 4, 6 and the last, 7
