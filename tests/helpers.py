@@ -48,6 +48,17 @@ AS_TRAINED = {"xla_cpu_use_fusion_emitters": True}
 LINE_LOG = {"every_steps": 1, "tensorboard": False, "console": "line"}
 
 
+class FakeGPU:
+    """A GPU as plait's device checks read one (tasks.gpt_runtime's "auto" choices and
+    refusals; the grouped kernels size their grids by its SMs): an H100 unless told."""
+
+    platform = "gpu"
+
+    def __init__(self, kind: str = "NVIDIA H100 80GB HBM3", capability: str = "9.0",
+                 cores: int = 132):
+        self.device_kind, self.compute_capability, self.core_count = kind, capability, cores
+
+
 def tiny(**sections) -> Experiment:
     """A 2-layer GPT that every test mesh divides (8 heads, d_model 64)."""
     raw = {

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make_mesh, ragged_dot_mlp, tiny, write_experiment
+from helpers import FakeGPU, make_mesh, ragged_dot_mlp, tiny, write_experiment
 
 from plait.parallel import grouped_pallas
 
@@ -107,13 +107,6 @@ def test_where_the_kernels_cannot_run_train_refuses_in_one_line(tmp_path, capsys
     assert GPTTask(exp, make_mesh("data=2")).exp.model.moe.grouped == "tiles"
 
 
-class _Hopper:
-    """An H100 as plait and the kernels read one (the transposed kernel sizes its grid
-    by the device's SMs)."""
-    platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
-    core_count = 132
-
-
 @pytest.mark.parametrize("grouped,compute,mesh,want,why", [
     ("auto", "bfloat16", {"data": 8}, "pallas", "auto: a Hopper GPU"),
     ("auto", "float32", {}, "tiles", "auto: the Hopper kernels multiply in bf16"),
@@ -125,7 +118,7 @@ def test_auto_takes_the_kernels_where_they_run(grouped, compute, mesh, want, why
     from plait.tasks.gpt_runtime import grouped_for
 
     cfg = tiny(model={**MODEL, "d_model": 128, "moe": {**MOE, "grouped": grouped}}).model
-    got, said = grouped_for(cfg, compute, _Hopper(), mesh)
+    got, said = grouped_for(cfg, compute, FakeGPU(), mesh)
     assert (got.moe.grouped, said) == (want, why)
     cpu = jax.devices()[0]
     assert grouped_for(cfg, compute, cpu, mesh)[0].moe.grouped in ("tiles", "ragged_dot")
@@ -142,11 +135,11 @@ def test_what_the_kernels_do_not_take_is_refused_on_a_hopper_gpu(change, message
     from plait.tasks.gpt_runtime import check_grouped
 
     model = {**MODEL, "d_model": 128, "d_ff": 256, "moe": {**MOE, "grouped": "pallas"}}
-    check_grouped(tiny(model=model).model, "bfloat16", _Hopper(), {"data": 1})  # takes it
+    check_grouped(tiny(model=model).model, "bfloat16", FakeGPU(), {"data": 1})  # takes it
     exp = tiny(model={**model, **change.get("model", {})},
                precision={"compute": "bfloat16", **change.get("precision", {})})
     with pytest.raises(UserError, match=message):
-        check_grouped(exp.model, exp.precision.compute, _Hopper(), change.get("mesh", {}))
+        check_grouped(exp.model, exp.precision.compute, FakeGPU(), change.get("mesh", {}))
 
 
 @pytest.mark.parametrize("spec,model", [
@@ -167,7 +160,7 @@ def test_the_hopper_kernels_trace_in_the_train_step(monkeypatch, spec, model):
     from plait.tasks.gpt import GPTTask
 
     class JaxOnHopper:
-        devices = staticmethod(lambda *a: [_Hopper()])
+        devices = staticmethod(lambda *a: [FakeGPU()])
 
         def __getattr__(self, name):
             return getattr(jax, name)

@@ -1,5 +1,5 @@
 import pytest
-from helpers import ROOT
+from helpers import ROOT, FakeGPU
 
 from plait import mesh as M
 from plait.errors import UserError
@@ -61,9 +61,6 @@ def test_missing_mesh_file():
 
 def test_more_devices_than_accelerators_exist(monkeypatch):
     import jax
-
-    class FakeGPU:
-        platform = "gpu"
 
     monkeypatch.setattr(jax, "devices", lambda *a: [FakeGPU()] * 4)
     with pytest.raises(UserError, match=r"needs 8 devices but only 4 gpu devices exist"):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import losses, run, tiny, write_experiment
+from helpers import FakeGPU, losses, run, tiny, write_experiment
 
 from plait.parallel import norm_kernel
 
@@ -129,13 +129,6 @@ def test_both_kernels_train_local_sgd_replicas_like_xlas_forms(tmp_path, monkeyp
     assert {("_forward", "BatchTracer"), ("_backward", "BatchTracer")} <= set(calls), calls
 
 
-class _GPU:
-    """A GPU as tasks.gpt_runtime reads one."""
-
-    def __init__(self, kind: str, capability: str):
-        self.platform, self.device_kind, self.compute_capability = "gpu", kind, capability
-
-
 def test_auto_takes_both_kernels_on_a_hopper_gpu_only():
     """`model.loss_kernel` and `model.norm_kernel` default to "auto": plait's Triton
     kernels on a Hopper GPU (where they were measured faster), XLA's on other GPUs and
@@ -150,13 +143,13 @@ def test_auto_takes_both_kernels_on_a_hopper_gpu_only():
     cfg = exp.model
     assert (cfg.loss_kernel, cfg.norm_kernel) == ("auto", "auto")
     both = {"loss_kernel": "pallas", "norm_kernel": "pallas"}
-    assert kernels_for(cfg, _GPU("NVIDIA H200", "9.0")) == (
+    assert kernels_for(cfg, FakeGPU("NVIDIA H200")) == (
         both, "auto: measured faster on a Hopper GPU")
-    for device in (_GPU("NVIDIA A100-SXM4-80GB", "8.0"), jax.devices()[0]):
+    for device in (FakeGPU("NVIDIA A100-SXM4-80GB", "8.0", 108), jax.devices()[0]):
         assert kernels_for(cfg, device) == ({"loss_kernel": "xla", "norm_kernel": "xla"},
                                             "auto: XLA's off a Hopper GPU")
     one = cfg.model_copy(update={"loss_kernel": "xla"})
-    assert kernels_for(one, _GPU("NVIDIA H100 80GB HBM3", "9.0"))[0] == {
+    assert kernels_for(one, FakeGPU())[0] == {
         "loss_kernel": "xla", "norm_kernel": "pallas"}
     given = cfg.model_copy(update=both)
     assert kernels_for(given, jax.devices()[0]) == (both, "model.loss_kernel, model.norm_kernel")

@@ -194,11 +194,13 @@ def start_up_lines(task) -> list[str]:
         f"; loss in {n} pieces of {task.exp.model.seq_len // n} positions per sequence "
         "(model.loss_chunks)")
     m = task.exp.model
-    kernels = [what for key, what in (("norm_kernel", "the LayerNorms"),
-                                      ("loss_kernel", "the loss"))
-               if getattr(m, key) == "pallas" and (key != "norm_kernel" or m.norm == "layernorm")]
-    kernels = (f"; {' and '.join(kernels)} in plait's Triton kernels ({task.kernels_why})"
-               if kernels else "")
+    in_kernels = []
+    if m.norm_kernel == "pallas" and m.norm == "layernorm":  # RMS norms have no kernel
+        in_kernels.append("the LayerNorms")
+    if m.loss_kernel == "pallas":
+        in_kernels.append("the loss")
+    kernels = (f"; {' and '.join(in_kernels)} in plait's Triton kernels ({task.kernels_why})"
+               if in_kernels else "")
     out = [f"plait: attention {task.attention} ({task.attention_why}); layers {layers} "
            f"({task.scan_why}){loss}{kernels}"]
     d = task.exp.data
