@@ -222,10 +222,12 @@ for stage in "$@"; do
         --set 'model.loss_kernel="xla"' --json "$OUT/nanogpt-xla.json" ;;
     kernelcheck)  # the Triton kernels alone against XLA's form at gpt2-124m's sizes in
       # their launch settings (agree? faster? which setting? first run: an H200, 2026-11-27)
-      run loss-kernel 120 python3 benchmarks/loss_kernel.py --repeat 10 \
-        --json "$OUT/loss-kernel.json"
-      run norm-kernel-124m 100 python3 benchmarks/norm_kernel.py --repeat 10 \
-        --json "$OUT/norm-kernel-124m.json" ;;
+      # (names of their own: the losskernel and normkernel stages write loss-kernel.* and
+      # norm-kernel-124m.*, and on 2026-11-27 one run's files overwrote the other's)
+      run kernelcheck-loss 120 python3 benchmarks/loss_kernel.py --repeat 10 \
+        --json "$OUT/kernelcheck-loss.json"
+      run kernelcheck-norm-124m 100 python3 benchmarks/norm_kernel.py --repeat 10 \
+        --json "$OUT/kernelcheck-norm-124m.json" ;;
     nanogptnocmdbuf)  # the same with XLA's command buffers off for plait (nanoGPT is
       # torch: the flag does not touch it), for when `cmdbuf` finds them a cost
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
