@@ -53,7 +53,7 @@ def _cast(var: nnx.Variable, value: jax.Array, dtype: jnp.dtype | None) -> jax.A
     """A parameter in the compute dtype; FP8 scaling state stays float32 (models.fp8)."""
     from plait.models.fp8 import Fp8Meta
 
-    if dtype is None or isinstance(var, Fp8Meta):
+    if dtype is None or isinstance(var, Fp8Meta) or getattr(var, "keep_float32", False):
         return value
     return value.astype(dtype)
 

@@ -40,6 +40,7 @@ from plait.models.params import param as _param
 from plait.models.rope import rope_of, rotate
 from plait.parallel.ops import (
     add_bias,
+    add_part_biases,
     attend,
     dense,
     dense_parts,
@@ -119,8 +120,7 @@ class Attention(nnx.Module):
         if self.fused:
             q, k, v = dense_parts(x, self.wqkv, "qkv", _scaling(self, "wqkv"))
             if hasattr(self, "bqkv"):
-                b = self.bqkv[...]
-                q, k, v = add_bias(q, b[0]), add_bias(k, b[1]), add_bias(v, b[2])
+                q, k, v = add_part_biases((q, k, v), self.bqkv[...])
         else:
             q = add_bias(dense(x, self.wq, _scaling(self, "wq")), _bias(self, "bq"))
             kv = add_bias(dense(x, self.wkv, _scaling(self, "wkv")), _bias(self, "bkv"))

@@ -96,9 +96,9 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, d: int, eps: float, rngs: ParamKeys, bias: bool = True,
                  kernel: str = "xla"):
-        self.scale = _param(rngs, (d,), ("norm",), None)
+        self.scale = _param(rngs, (d,), ("norm",), None, keep_float32=True)
         if bias:
-            self.bias = _param(rngs, (d,), ("norm",), 0.0)
+            self.bias = _param(rngs, (d,), ("norm",), 0.0, keep_float32=True)
         self.eps = eps
         self.kernel = kernel
 
@@ -123,7 +123,7 @@ class LayerNorm(nnx.Module):
         and its bias) in one kernel; for where `kernel_here` (elsewhere the model adds
         the bias to h first, as its products do, and then the residual)."""
         scale = self.scale[...]
-        hb = jnp.broadcast_to(jnp.asarray(h_bias, scale.dtype), scale.shape)
+        hb = jnp.broadcast_to(jnp.asarray(h_bias, h.dtype), scale.shape)
         return norm_kernel.add_layer_norm(x, h, hb, scale, self._bias_or_zeros(), self.eps)
 
 

@@ -11,7 +11,7 @@ from plait.models.keys import ParamKeys
 
 
 def param(rngs: ParamKeys, shape, logical, std: float | None, fan_in=(),
-          used: tuple[int, ...] | None = None) -> nnx.Param:
+          used: tuple[int, ...] | None = None, keep_float32: bool = False) -> nnx.Param:
     """A parameter of `shape`; with `used`, only that leading block is drawn and the rest
     (vocabulary padding) is zeros, so the values do not depend on the padding."""
     if std is None:  # ones (norm scales)
@@ -22,4 +22,5 @@ def param(rngs: ParamKeys, shape, logical, std: float | None, fan_in=(),
         value = std * jax.random.normal(rngs.params(), used or shape, jnp.float32)
         value = jnp.pad(value, [(0, full - u) for full, u in zip(shape, value.shape,
                                                                    strict=True)])
-    return nnx.Param(value, logical_axes=tuple(logical), fan_in=tuple(fan_in))
+    extra = {"keep_float32": True} if keep_float32 else {}
+    return nnx.Param(value, logical_axes=tuple(logical), fan_in=tuple(fan_in), **extra)
