@@ -2,7 +2,7 @@
 
     python benchmarks/gpt_vs_nanogpt.py --reference PATH/TO/nanoGPT \
         [--torch-python PYTHON] [--batch 32] [--seq 1024] [--rounds 3] [--steps 30] \
-        [--set model.attention=cudnn ...] [--no-matched] [--json out.json]
+        [--set model.attention=cudnn ...] [--no-matched] [--no-nanogpt-biases] [--json F]
 
 nanoGPT's `bench.py` (a checkout the user passes; not part of plait) trains
 GPT-2 124M (12 layers, 12 heads, d_model 768, vocabulary 50304, no biases) on
@@ -12,9 +12,12 @@ burn-in. plait runs `benchmarks/throughput.py` on `experiments/gpt2-124m.toml`
 at the same batch, sequence length and vocabulary twice a round: as shipped
 (GPT-2's biases in every linear layer and norm) and with nanoGPT's architecture
 (`model.bias=false`, what bench.py trains: the same matrix products, no bias adds
-and no bias gradients); `--no-matched` runs only the first. Either is the training
-loop as `plait train` runs it: tokens made each step, gradient clipping, metrics
-logged, compile excluded (bench.py reuses one batch and does not clip). The runs
+and no bias gradients); `--no-matched` runs only the first. bench.py runs a second
+time each round with GPT-2's biases (`--bias=True`), so that plait as shipped is also
+measured against the same model (`ratio_biases`; `--no-nanogpt-biases` skips it).
+Either plait run is the training loop as `plait train` runs it: tokens made each
+step, gradient clipping, metrics logged, compile excluded (bench.py reuses one batch
+and does not clip). The runs
 alternate for `--rounds` rounds so machine noise hits all; printed: tokens/s of
 each per round, the medians and the median of the per-round ratios (plait /
 nanoGPT).
@@ -41,9 +44,12 @@ ROOT = Path(__file__).resolve().parent.parent
 MATCHED = "model.bias=false"
 
 
-def nanogpt_tokens_per_s(ref: Path, python: str, batch: int, seq: int) -> float:
+def nanogpt_tokens_per_s(ref: Path, python: str, batch: int, seq: int,
+                         biases: bool = False) -> float:
+    """bench.py's tokens/s: its own architecture (no biases), or with `biases` GPT-2's
+    (`--bias=True`: a bias in every linear layer and LayerNorm, as plait ships)."""
     args = [python, "bench.py", f"--batch_size={batch}", f"--block_size={seq}",
-            "--real_data=False", "--profile=False"]
+            "--real_data=False", "--profile=False"] + (["--bias=True"] if biases else [])
     out = subprocess.run(args, cwd=ref, capture_output=True, text=True)
     found = re.findall(r"time per iteration: ([0-9.]+)ms", out.stdout)
     if out.returncode or not found:
@@ -80,6 +86,8 @@ def main() -> int:
                     help="extra plait --set overrides, e.g. model.scan_layers=false")
     ap.add_argument("--no-matched", dest="matched", action="store_false",
                     help="skip the run with nanoGPT's architecture (model.bias=false)")
+    ap.add_argument("--no-nanogpt-biases", dest="nanogpt_biases", action="store_false",
+                    help="skip bench.py with GPT-2's biases (--bias=True)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
     ref = Path(args.reference)
@@ -105,6 +113,12 @@ def main() -> int:
                        ratio_nobias=same["tokens_per_s"] / ref_tps)
             line += (f", plait with nanoGPT's architecture (no biases) "
                      f"{same['tokens_per_s']:,.0f} tokens/s ({row['ratio_nobias']:.3f})")
+        if args.nanogpt_biases:
+            ref_b = nanogpt_tokens_per_s(ref, args.torch_python, args.batch, args.seq, True)
+            row.update(nanogpt_biases_tokens_per_s=ref_b,
+                       ratio_biases=mine["tokens_per_s"] / ref_b)
+            line += (f"; nanoGPT with GPT-2's biases {ref_b:,.0f} tokens/s, plait as shipped "
+                     f"against it {row['ratio_biases']:.3f}")
         rounds.append(row)
         print(line, flush=True)
     result = {"device": mine["device"], "date": mine["date"], "batch": args.batch,
@@ -112,7 +126,8 @@ def main() -> int:
     if args.matched:
         result["plait_nobias_sets"] = [*args.sets, MATCHED]
     for key in ("nanogpt_tokens_per_s", "plait_tokens_per_s", "ratio",
-                "plait_nobias_tokens_per_s", "ratio_nobias"):
+                "plait_nobias_tokens_per_s", "ratio_nobias", "nanogpt_biases_tokens_per_s",
+                "ratio_biases"):
         if key in rounds[0]:
             name = key.removesuffix("_tokens_per_s")
             result[f"{name}_median"] = statistics.median(r[key] for r in rounds)

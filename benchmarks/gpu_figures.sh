@@ -21,25 +21,32 @@
 #      a Hopper GPU; their first GPU run, an H200 on 2026-11-27, gave 1.073x, and 1.036x on
 #      XLA's fusions: `nanogptxla`), the loss-and-gradient kernel since in its faster
 #      launch setting (one program a row: 3.56 ms alone against the 4.84 ms the 1.073x ran
-#      with), never timed in the step (~130 s); gpt2-1.3b on XLA's fusions and on both
+#      with), never timed in the step, and nanoGPT's bench.py also with GPT-2's biases
+#      (--bias=True: plait as shipped against the same model, `ratio_biases`; ~180 s);
+#      gpt2-1.3b on XLA's fusions and on both
 #      kernels (issue 29's 50% MFU: 47.8% on the H200 with both, 45.0% of record on an
 #      H100; ~140 s); then whatever is left for the sweep's prediction against the
 #      measured steps on gpt2-124m (issue 29's sweep item, never run on a GPU).
-#   2. fp8unrolled (~6 minutes) if the session has that left: FP8 on gpt2-1.3b over 300
+#   2. ab124 (~4 minutes, DEADLINE_S=300; .refs/plait-before = git archive 2a6f513 src
+#      benchmarks, with its COMMIT file): the step's tiny kernels cut by a third (the
+#      gradient norm over stacks of like leaves, the norms' parameters in float32, the
+#      q/k/v biases' one reduction; compiled for an H100, gpt2-124m 988 -> 641 kernels,
+#      61.50 -> 60.81 ms estimated), side by side with the tree before them.
+#   3. fp8unrolled (~6 minutes) if the session has that left: FP8 on gpt2-1.3b over 300
 #      steps, the curve (within 1% from step 100) being what is left to see; the speed-up
 #      measured 0.943x over 20 steps on the H200 (issue 29 asks 1.3x; the FP8 step's
 #      first compile took 102 s there).
-#   3. sweep1p3b, losskernel (the loss kernel's share of gpt2-124m's step, two rounds),
+#   4. sweep1p3b, losskernel (the loss kernel's share of gpt2-124m's step, two rounds),
 #      `kernels` (each kernel's share, ~2 minutes) and kernelcheck (the kernels alone in
 #      their launch settings, ~1 minute: the norm kernel's best setting changed between
 #      two runs on the H200).
-#   4. MoE (issue 28, resolved on an H200's figure): env moe (~6 minutes, DEADLINE_S=420:
+#   5. MoE (issue 28, resolved on an H200's figure): env moe (~6 minutes, DEADLINE_S=420:
 #      mixtral-mini as shipped beside its dense twin, two rounds; 0.743 on an H200 on
 #      2026-11-26, the census puts an H100 at 0.69-0.72), pallas moepallas (~12 minutes,
 #      two commands: the kernels' tilings, then mixtral-mini on the best), abmoe (~6
 #      minutes, DEADLINE_S=420; .refs/plait-before = git archive 28e1e8a src benchmarks:
 #      SwiGLU keeping the fused product's output; census -2.5%), moebatch16.
-#   5. profiles (four traced steps, each program run's span: the loop's steps measured
+#   6. profiles (four traced steps, each program run's span: the loop's steps measured
 #      3.5-4% longer than the traced ones on 2026-11-26, and command buffers are not why
 #      -- `cmdbuf` found the loop slower without them, 1.6% on gpt2-124m, 5.7% on
 #      gpt2-1.3b), fp8curve, moevariants, gpt1p3bunrolled, gpt1p3bstart, grouped;
@@ -127,6 +134,7 @@ for stage in "$@"; do
       # earlier tree's src/ and benchmarks/ under .refs/plait-before (ignored by git;
       # carried): git archive COMMIT src benchmarks | tar -x -C .refs/plait-before
       [ -d .refs/plait-before/src ] || { echo "== ab124: no .refs/plait-before/src"; continue; }
+      echo "== ab124: before = commit $(cat .refs/plait-before/COMMIT 2>/dev/null || echo '(not recorded)')"
       for round in 1 2; do
         run "gpt124-now-$round" 150 python3 benchmarks/throughput.py \
           experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-now-$round.json"

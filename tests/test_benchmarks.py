@@ -191,16 +191,18 @@ def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
     """gpu_figures.sh's nanogpt stage (issue 29's headline ratio) with a stand-in for
     nanoGPT's bench.py, which needs CUDA: the arguments it is given, the line it prints
     read back, plait's side at the same batch and sequence (a small GPT-2 through
-    --set) as shipped and without biases (bench.py's architecture), the ratios.
-    Without bench.py: one line, status 2."""
+    --set) as shipped and without biases (bench.py's architecture), bench.py again
+    with GPT-2's biases (--bias=True), the ratios. Without bench.py: one line, status
+    2."""
     ref = tmp_path / "nanoGPT"
     ref.mkdir()
     (ref / "bench.py").write_text(
         "import sys\n"
-        "assert sys.argv[1:] == ['--batch_size=2', '--block_size=32', '--real_data=False',"
-        " '--profile=False'], sys.argv\n"
+        "args, biases = sys.argv[1:5], sys.argv[5:]\n"
+        "assert args == ['--batch_size=2', '--block_size=32', '--real_data=False',"
+        " '--profile=False'] and biases in ([], ['--bias=True']), sys.argv\n"
         "for i in range(3):\n"
-        "    print(f'{i}/20 loss: 10.9, time per iteration: {80 + i}.0ms')\n")
+        "    print(f'{i}/20 loss: 10.9, time per iteration: {80 + 10 * len(biases) + i}.0ms')\n")
     out = tmp_path / "n.json"
     small = ["--set", "model.layers=1", "--set", "model.d_model=64", "--set", "model.heads=2",
              "--set", "model.d_ff=128", "--set", "precision.compute='float32'"]
@@ -212,6 +214,9 @@ def test_plait_against_nanogpt_with_a_stand_in_bench(tmp_path):
     assert r["ratio"] == pytest.approx(r["plait_tokens_per_s"] / r["nanogpt_tokens_per_s"])
     assert r["ratio_nobias"] == got["ratio_nobias_median"] == pytest.approx(
         r["plait_nobias_tokens_per_s"] / r["nanogpt_tokens_per_s"])
+    assert r["nanogpt_biases_tokens_per_s"] == got["nanogpt_biases_median"] == 2 * 32 / 0.092
+    assert r["ratio_biases"] == got["ratio_biases_median"] == pytest.approx(
+        r["plait_tokens_per_s"] / r["nanogpt_biases_tokens_per_s"])
     assert r["plait_mfu"] is None and r["plait_peak_device_memory_gib"] is None
     assert got["plait_nobias_sets"] == [*small[1::2], "model.bias=false"]
     assert (got["batch"], got["seq"], got["device"]) == (2, 32, "cpu")

@@ -94,7 +94,9 @@ def _parse_instr(line: str) -> Instr | None:
         return None
     open_at = op.end() - 1
     close = _matching(rest, open_at)
-    inner = rest[open_at + 1 : close]
+    # XLA marks every fifth operand of a long list with a comment (/*index=5*/%x): not
+    # part of the name (with it, a tuple all-reduce's every fifth operand went uncounted)
+    inner = re.sub(r"/\*.*?\*/", "", rest[open_at + 1 : close])
     # operands printed without shapes (XLA's optimized text) need no bracket counting
     parts = _split_top(inner) if any(c in inner for c in "([{") else inner.split(",")
     operands = [p.split()[-1].lstrip("%") for p in parts if p.strip()]

@@ -131,7 +131,7 @@ def _bwd_kernel(n: int, total: int, rows: int, width: int, programs: int, residu
     mine = pl.cdiv(blocks - p, programs)  # blocks p, p + programs, ... below `blocks`
     sums = jax.lax.fori_loop(0, mine, one, (zero,) * (3 if residual else 2))
     for k, value in enumerate(sums):
-        plt.store(sums_ref.at[k, p, pl.ds(0, width)], value, mask=cols)
+        plt.store(sums_ref.at[jnp.int32(k), p, pl.ds(0, width)], value, mask=cols)
 
 
 def _call(kernel, args, out_shape, grid: int, interpret: bool, num_warps: int):
