@@ -382,17 +382,17 @@ for stage in "$@"; do
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on
       # the GPU, trains the top ones and fits the overheads to them
       run sweep-124m 560 python3 -m plait sweep experiments/gpt2-124m.toml --devices 1 \
-        --hardware h100-node --vary model.remat=none,save_attention,full \
+        --hardware auto --vary model.remat=none,save_attention,full \
         --vary model.loss_chunks=1,4 --run --top 3 --out "$OUT/sweep-124m" ;;
     sweep1p3b)  # the same, and issue 29's remat policy chosen by measurement; no remat
       # at all may fit since norms and activations keep only their inputs (40 GiB of
       # activations at 16 x 1024 in 4 loss pieces, was 106: docs/architecture.md)
       run sweep-1p3b 560 python3 -m plait sweep experiments/gpt2-1.3b.toml --devices 1 \
-        --hardware h100-node --vary model.remat=none,save_dots,save_attention,full \
+        --hardware auto --vary model.remat=none,save_dots,save_attention,full \
         --vary model.loss_chunks=4 --run --top 3 --out "$OUT/sweep-1p3b" ;;
     sweepllama)  # issue 29's remat policy for llama3.2-1b, chosen by measurement
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
-        --hardware h100-node --vary model.remat=save_dots,save_attention,full \
+        --hardware auto --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
     *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"

@@ -65,6 +65,25 @@ def test_unknown_hardware_is_one_line():
         load_hardware("h900")
 
 
+def test_hardware_auto_is_the_description_closest_to_the_device(monkeypatch):
+    """--hardware auto: an H200 is priced as an H200 (its memory and bandwidth, the H100's
+    tensor cores), an H100 as an H100, this CPU as the 2-core CPU."""
+    import jax
+    from helpers import FakeGPU
+
+    from plait.hardware import for_device
+
+    assert load_hardware("auto").name == "cpu-2core"
+    h100, h200 = load_hardware("h100-node"), load_hardware("h200-node")
+    assert (h200.peak_bf16_flops, h200.memory_bandwidth) == (h100.peak_bf16_flops, 4.8e12)
+    assert h200.memory_bytes == 143_771 * 2**20 > h100.memory_bytes
+    for kind, name in (("NVIDIA H200", "h200-sxm-node"),
+                       ("NVIDIA H100 80GB HBM3", "h100-sxm-node")):
+        monkeypatch.setattr(jax, "devices", lambda kind=kind: [FakeGPU(kind)])
+        assert load_hardware("auto").name == name
+    assert for_device("NVIDIA H200") == "h200-node"
+
+
 def test_extrapolated_bytes_and_flops_equal_a_full_compile():
     """...of the program plait train runs: the sweep compiles with XLA:CPU's legacy
     emitters (faster) and counts no kernels, which that program has other numbers of."""

@@ -257,9 +257,9 @@ def cmd_sweep(args) -> int:
         raise UserError(f"--run-rounds must be at least 1, got {args.run_rounds}")
     schedules = sweep.schedule_names(args.schedules)
     combos = sweep.combinations(args.experiment, list(args.sets), args.vary)
-    hw = load_hardware(args.hardware or "cpu-2core")
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
+    hw = load_hardware(args.hardware or "cpu-2core")  # "auto" asks the devices just set up
     out = Path(args.out or f"sweeps/{exp.name}-{args.devices}")
     t0 = time.perf_counter()
     failed: list[str] = []

@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print one JSON object")
     i.add_argument("--hardware", default=None,
                    help="price the collectives, within a host and across hosts, with this "
-                        "hardware description's bandwidths and latencies (as plait sweep)")
+                        "hardware description's bandwidths and latencies (as plait sweep; "
+                        "auto: the one closest to this machine's device)")
     i.add_argument("--compare-tensor-modes", action="store_true",
                    help="compile the step under 1-D, 2-D, 2.5-D and 3-D tensor parallelism on "
                         "the mesh's device count (or --devices) and compare bytes and memory")
@@ -59,8 +60,9 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("experiment", help="experiment file")
     sw.add_argument("--devices", type=int, required=True, help="devices to sweep over (N)")
     sw.add_argument("--hardware", default=None,
-                    help="hardware description: a meshes/NAME.toml with a [hardware] table "
-                         "(default: cpu-2core)")
+                    help="hardware description: a meshes/NAME.toml with a [hardware] table, "
+                         "or auto: the shipped one closest to this machine's device, e.g. "
+                         "h200-node on an H200 (default: cpu-2core)")
     sw.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (value parsed as TOML); repeatable")
     sw.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",

@@ -145,8 +145,15 @@ def known_hardware() -> list[str]:
 
 
 def load_hardware(name: str) -> Hardware:
-    """A hardware description: a path to a TOML file with a [hardware] table, or a name."""
+    """A hardware description: a path to a TOML file with a [hardware] table, a name, or
+    "auto": the shipped one closest to this machine's first device (`for_device`; call it
+    after the devices are set up: it starts JAX's backend)."""
     from plait.toml_files import read_toml
+
+    if name == "auto":
+        import jax
+
+        name = for_device(jax.devices()[0].device_kind)
 
     path = Path(name)
     if not path.is_file():
@@ -168,8 +175,8 @@ def load_hardware(name: str) -> Hardware:
 
 
 def for_device(device_kind: str) -> str:
-    """The shipped description closest to a device (for `--mesh auto`)."""
+    """The shipped description closest to a device (for `--mesh auto`, `--hardware auto`)."""
     kind = device_kind.lower()
-    return next((name for key, name in (("h100", "h100-node"), ("h200", "h100-node"),
+    return next((name for key, name in (("h100", "h100-node"), ("h200", "h200-node"),
                                         ("a100", "a100-node"), ("tpu v5p", "tpu-v5p-16"))
                  if key in kind), "cpu-2core")
