@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in stages that each fit one device command.
 #
-#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b
+#   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf cbregions dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
 #   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
@@ -27,11 +27,13 @@
 #      kernels (issue 29's 50% MFU: 47.8% on the H200 with both, 45.0% of record on an
 #      H100; ~140 s); then whatever is left for the sweep's prediction against the
 #      measured steps on gpt2-124m (issue 29's sweep item, never run on a GPU).
-#   2. ab124 (~4 minutes, DEADLINE_S=300; .refs/plait-before = git archive 2a6f513 src
-#      benchmarks, with its COMMIT file): the step's tiny kernels cut by a third (the
-#      gradient norm over stacks of like leaves, the norms' parameters in float32, the
-#      q/k/v biases' one reduction; compiled for an H100, gpt2-124m 988 -> 641 kernels,
-#      61.50 -> 60.81 ms estimated), side by side with the tree before them.
+#   2. ab124 cbregions (one command, DEADLINE_S=560, ~8 minutes; .refs/plait-before = git
+#      archive 2a6f513 src benchmarks, with its COMMIT file): the step's tiny kernels cut by
+#      a third (the gradient norm over stacks of like leaves, the norms' parameters in
+#      float32, the q/k/v biases' one reduction; compiled for an H100, gpt2-124m 988 -> 641
+#      kernels, 61.50 -> 60.81 ms estimated), side by side with the tree before them; then
+#      the rest of them overlapped in CUDA graphs' concurrent regions against XLA's
+#      default scheduling (a flag; if it wins, plait's GPU defaults take it).
 #   3. fp8unrolled (~6 minutes) if the session has that left: FP8 on gpt2-1.3b over 300
 #      steps, the curve (within 1% from step 100) being what is left to see; the speed-up
 #      measured 0.943x over 20 steps on the H200 (issue 29 asks 1.3x; the FP8 step's
@@ -154,6 +156,26 @@ for stage in "$@"; do
       run moe-before 240 $MOE_MEM env PYTHONPATH="$PWD/.refs/plait-before/src:/tmp/site" \
         python3 .refs/plait-before/benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml \
         --rounds 1 --steps 12 --warmup 4 --json "$OUT/moe-before.json" ;;
+    cbregions)  # XLA's command buffers recorded with concurrent regions of small kernels
+      # (--xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS: independent small,
+      # latency-bound kernels overlap; larger ones stay serialised) against the default
+      # (LHS), alternating. The step's tiny kernels -- AdamW's updates of the small
+      # parameters, the biases' reductions, casts: 161 on gpt2-124m, 776 on gpt2-1.3b
+      # compiled for an H100 -- are mostly independent of each other. Compiled for an H100
+      # the regions plan 14.12 GiB for gpt2-124m (14.30 by default) and 58.24 for gpt2-1.3b
+      # (58.13): memory is not the risk.
+      for round in 1 2; do
+        run "gpt124-cb-lhs-$round" 90 python3 benchmarks/throughput.py \
+          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-cb-lhs-$round.json"
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS" \
+          run "gpt124-cb-regions-$round" 90 python3 benchmarks/throughput.py \
+          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-cb-regions-$round.json"
+      done
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS" \
+        run gpt1p3b-cb-regions 200 python3 benchmarks/throughput.py \
+        experiments/gpt2-1.3b.toml --steps 16 --warmup 4 --json "$OUT/gpt1p3b-cb-regions.json"
+      run gpt1p3b-cb-lhs 200 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
+        --steps 16 --warmup 4 --json "$OUT/gpt1p3b-cb-lhs.json" ;;
     cmdbuf)  # XLA's command buffers (CUDA graphs) on and off, alternating, on the unrolled
       # steps as shipped. On an H100 on 2026-11-26 the loop's steps took 3.5-4% longer than
       # the traced steps' span (gpt2-124m 66.9 against 64.2 ms, gpt2-1.3b 328.9 against
@@ -394,7 +416,7 @@ for stage in "$@"; do
       run sweep-llama1b 560 python3 -m plait sweep experiments/llama3.2-1b.toml --devices 1 \
         --hardware auto --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
-    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
+    *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf cbregions dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
        llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
