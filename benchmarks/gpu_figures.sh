@@ -29,7 +29,7 @@
 #      measured steps on gpt2-124m (issue 29's sweep item, never run on a GPU).
 #   2. ab124 cbregions (one command, DEADLINE_S=560, ~8 minutes; .refs/plait-before = git
 #      archive 2a6f513 src benchmarks, with its COMMIT file): the step's tiny kernels cut by
-#      a third (the gradient norm over stacks of like leaves, the norms' parameters in
+#      a third (the gradient norm over stacks of like leaves, LayerNorm's parameters in
 #      float32, the q/k/v biases' one reduction; compiled for an H100, gpt2-124m 988 -> 641
 #      kernels, 61.50 -> 60.81 ms estimated), side by side with the tree before them; then
 #      the rest of them overlapped in CUDA graphs' concurrent regions against XLA's

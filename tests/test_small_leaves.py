@@ -1,6 +1,7 @@
 """A decoder's small parameters (biases, norms' scales): the gradient norm summed over
-stacks of like leaves (train.step.stacked_norm), and the norms' parameters kept in
-float32 when the model computes in bfloat16, as PyTorch's autocast keeps them."""
+stacks of like leaves (train.step.stacked_norm), LayerNorm's parameters kept in float32
+when the model computes in bfloat16 (as PyTorch's autocast keeps them), the fused q/k/v
+biases' gradient in one reduction (ops.add_part_biases)."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_the_train_step_takes_the_stacked_norm(monkeypatch):
 
 
 def test_norm_parameters_compute_in_float32_and_get_float32_gradients():
-    """In a bfloat16 model the norms' scales and biases stay float32 (their gradients
+    """In a bfloat16 model LayerNorm's scales and biases stay float32 (their gradients
     are not rounded to bfloat16 on the way back); the matmul weights are cast."""
     exp = tiny(precision={"compute": "bfloat16"})
     task = GPTTask(exp, make_mesh("data=1"))
