@@ -17,7 +17,8 @@ default 75% of the GPU), and its kernels (`hlo_census`) by kind, by fusion group
 by the JAX operation that made them, each with a roofline time -- an estimate to
 compare two programs by, not a measurement (docs/benchmarks.md, "Compiling for a GPU
 without one", sets it beside measured steps) -- and how many are tiny (under a
-megabyte, no product: free at the roofline, a few microseconds each on a GPU).
+megabyte, no product: free at the roofline, a few microseconds each on a GPU), by the
+operation that made them (`tiny_ops`).
 A lent GPU's 15 minutes buy a few measurements; this is how a change is weighed
 before them.
 """
@@ -153,7 +154,8 @@ def main() -> int:
             "estimated_step_ms": round(total * 1e3, 2),
             "kinds": hlo_census.by_kind(found),
             "groups": hlo_census.by_group(found, args.top),
-            "ops": hlo_census.by_op(found, args.top)}, args.json)
+            "ops": hlo_census.by_op(found, args.top),
+            "tiny_ops": hlo_census.tiny_by_op(found, args.top)}, args.json)
     return 0
 
 

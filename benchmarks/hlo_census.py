@@ -242,10 +242,26 @@ def by_op(found: list[Kernel], top: int) -> list[dict]:
 TINY_BYTES = 1e6
 
 
+def _tiny(k: Kernel) -> bool:
+    return k.bytes < TINY_BYTES and not k.flops
+
+
 def tiny_launches(found: list[Kernel]) -> int:
     """Launches a step of kernels that move under a megabyte and multiply nothing: the
     roofline prices them at about nothing, a GPU at a few microseconds each."""
-    return round(sum(k.launches for k in found if k.bytes < TINY_BYTES and not k.flops))
+    return round(sum(k.launches for k in found if _tiny(k)))
+
+
+def tiny_by_op(found: list[Kernel], top: int) -> list[dict]:
+    """The tiny kernels (`tiny_launches`) counted by the JAX operation that made them,
+    most launches first: which per-parameter work they are (the optimizer's updates, the
+    gradient norm's sums, the casts to the compute dtype, the biases' reductions)."""
+    counts: collections.Counter = collections.Counter()
+    for k in found:
+        if _tiny(k):
+            counts[(k.kind, k.op or "(none)")] += k.launches
+    return [{"op": op, "kind": kind, "launches": round(n)}
+            for (kind, op), n in counts.most_common(top)]
 
 
 def by_kind(found: list[Kernel]) -> dict[str, dict]:

@@ -394,6 +394,13 @@ def test_hlo_census_counts_a_gpu_programs_kernels_bytes_and_flops(monkeypatch):
     groups = {g["group"]: g for g in hlo_census.by_group(list(found.values()), top=10)}
     assert groups["loop_dynamic_update_slice_fusion"]["launches"] == 8
     assert hlo_census.by_kind(list(found.values()))["matmul"]["launches"] == 8
+    # tiny: under a megabyte and no product -- all but the matmul here, by their op
+    tiny = hlo_census.tiny_by_op(list(found.values()), top=10)
+    assert sum(t["launches"] for t in tiny) == hlo_census.tiny_launches(
+        list(found.values())) == 8 + 1 + 1
+    # (this miniature's kernels carry no op_name: grouped by kind under "(none)")
+    assert [(t["kind"], t["launches"]) for t in tiny] == [("gather/scatter", 9),
+                                                          ("reduction", 1)]
 
 
 _PALLAS_HLO = (ROOT / "tests" / "data" / "gpu_pallas.hlo").read_text()
