@@ -112,6 +112,23 @@ run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, say how it ended
   echo "== $name: exit $rc after $((SECONDS - t0)) s"
   clocks "$e0" "$(date +%s.%N)"
 }
+flag_ab() {  # flag_ab STEM BASE ALT XLA_FLAG: XLA's default (BASE) and XLA_FLAG (ALT) on the
+  # steps as shipped: gpt2-124m two rounds alternating, default first; then gpt2-1.3b once
+  # each, the flag first. Logs and JSON gpt124-STEM-{BASE,ALT}-{1,2}, gpt1p3b-STEM-*.
+  local stem=$1 base=$2 alt=$3 flag=$4 round
+  for round in 1 2; do
+    run "gpt124-$stem-$base-$round" 90 python3 benchmarks/throughput.py \
+      experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-$stem-$base-$round.json"
+    XLA_FLAGS="${XLA_FLAGS:-} $flag" run "gpt124-$stem-$alt-$round" 90 python3 \
+      benchmarks/throughput.py experiments/gpt2-124m.toml --steps 30 \
+      --json "$OUT/gpt124-$stem-$alt-$round.json"
+  done
+  XLA_FLAGS="${XLA_FLAGS:-} $flag" run "gpt1p3b-$stem-$alt" 200 python3 \
+    benchmarks/throughput.py experiments/gpt2-1.3b.toml --steps 16 --warmup 4 \
+    --json "$OUT/gpt1p3b-$stem-$alt.json"
+  run "gpt1p3b-$stem-$base" 200 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
+    --steps 16 --warmup 4 --json "$OUT/gpt1p3b-$stem-$base.json"
+}
 for stage in "$@"; do
   case $stage in
     env)
@@ -164,18 +181,7 @@ for stage in "$@"; do
       # compiled for an H100 -- are mostly independent of each other. Compiled for an H100
       # the regions plan 14.12 GiB for gpt2-124m (14.30 by default) and 58.24 for gpt2-1.3b
       # (58.13): memory is not the risk.
-      for round in 1 2; do
-        run "gpt124-cb-lhs-$round" 90 python3 benchmarks/throughput.py \
-          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-cb-lhs-$round.json"
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS" \
-          run "gpt124-cb-regions-$round" 90 python3 benchmarks/throughput.py \
-          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-cb-regions-$round.json"
-      done
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS" \
-        run gpt1p3b-cb-regions 200 python3 benchmarks/throughput.py \
-        experiments/gpt2-1.3b.toml --steps 16 --warmup 4 --json "$OUT/gpt1p3b-cb-regions.json"
-      run gpt1p3b-cb-lhs 200 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
-        --steps 16 --warmup 4 --json "$OUT/gpt1p3b-cb-lhs.json" ;;
+      flag_ab cb lhs regions --xla_gpu_command_buffer_scheduling_mode=CONCURRENT_REGIONS ;;
     cmdbuf)  # XLA's command buffers (CUDA graphs) on and off, alternating, on the unrolled
       # steps as shipped. On an H100 on 2026-11-26 the loop's steps took 3.5-4% longer than
       # the traced steps' span (gpt2-124m 66.9 against 64.2 ms, gpt2-1.3b 328.9 against
@@ -184,18 +190,7 @@ for stage in "$@"; do
       # CommandBufferThunk): the difference might have been the graphs' own cost. It was
       # not: off, the loop ran 1.6% slower on gpt2-124m and 5.7% on gpt2-1.3b (an H100,
       # 2026-11-26), as a scanned gpt2-1.3b had run 23% slower on an H200.
-      for round in 1 2; do
-        run "gpt124-cmdbuf-on-$round" 90 python3 benchmarks/throughput.py \
-          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-cmdbuf-on-$round.json"
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
-          run "gpt124-cmdbuf-off-$round" 90 python3 benchmarks/throughput.py \
-          experiments/gpt2-124m.toml --steps 30 --json "$OUT/gpt124-cmdbuf-off-$round.json"
-      done
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
-        run gpt1p3b-cmdbuf-off 200 python3 benchmarks/throughput.py \
-        experiments/gpt2-1.3b.toml --steps 16 --warmup 4 --json "$OUT/gpt1p3b-cmdbuf-off.json"
-      run gpt1p3b-cmdbuf-on 200 python3 benchmarks/throughput.py experiments/gpt2-1.3b.toml \
-        --steps 16 --warmup 4 --json "$OUT/gpt1p3b-cmdbuf-on.json" ;;
+      flag_ab cmdbuf on off --xla_gpu_enable_command_buffer= ;;
     losskernel)  # model.loss_kernel = "pallas" (the loss's log-sum-exp and label logit in
       # one Triton kernel; XLA's reduction read gpt2-124m's logits at 1.24 TB/s on an H100
       # on 2026-11-26, 2.67 ms a step): the kernel alone in its launch settings against
