@@ -130,10 +130,11 @@ def test_both_kernels_train_local_sgd_replicas_like_xlas_forms(tmp_path, monkeyp
 
 
 def test_auto_takes_both_kernels_on_a_hopper_gpu_only():
-    """`model.loss_kernel` and `model.norm_kernel` default to "auto": plait's Triton
-    kernels on a Hopper GPU (where they were measured faster), XLA's on other GPUs and
-    off a GPU; a setting given is kept. The task runs what "auto" resolved to, and the
-    start-up line names the kernels in use (not a LayerNorm kernel for RMS norms)."""
+    """`model.loss_kernel`, `model.norm_kernel` and `model.fp8_kernel` default to
+    "auto": plait's Triton kernels on a Hopper GPU, XLA's on other GPUs and off a GPU; a
+    setting given is kept. The task runs what "auto" resolved to, and the start-up line
+    names the kernels in use (not a LayerNorm kernel for RMS norms, not FP8's without
+    FP8)."""
     from helpers import make_mesh
 
     from plait.tasks.gpt import GPTTask
@@ -141,27 +142,31 @@ def test_auto_takes_both_kernels_on_a_hopper_gpu_only():
 
     exp = tiny()
     cfg = exp.model
-    assert (cfg.loss_kernel, cfg.norm_kernel) == ("auto", "auto")
-    both = {"loss_kernel": "pallas", "norm_kernel": "pallas"}
-    assert kernels_for(cfg, FakeGPU("NVIDIA H200")) == (
-        both, "auto: measured faster on a Hopper GPU")
+    assert (cfg.loss_kernel, cfg.norm_kernel, cfg.fp8_kernel) == ("auto",) * 3
+    both = {"loss_kernel": "pallas", "norm_kernel": "pallas", "fp8_kernel": "pallas"}
+    assert kernels_for(cfg, FakeGPU("NVIDIA H200")) == (both, "auto: a Hopper GPU")
     for device in (FakeGPU("NVIDIA A100-SXM4-80GB", "8.0", 108), jax.devices()[0]):
-        assert kernels_for(cfg, device) == ({"loss_kernel": "xla", "norm_kernel": "xla"},
-                                            "auto: XLA's off a Hopper GPU")
+        assert kernels_for(cfg, device) == (
+            {"loss_kernel": "xla", "norm_kernel": "xla", "fp8_kernel": "xla"},
+            "auto: XLA's off a Hopper GPU")
     one = cfg.model_copy(update={"loss_kernel": "xla"})
     assert kernels_for(one, FakeGPU())[0] == {
-        "loss_kernel": "xla", "norm_kernel": "pallas"}
+        "loss_kernel": "xla", "norm_kernel": "pallas", "fp8_kernel": "pallas"}
     given = cfg.model_copy(update=both)
-    assert kernels_for(given, jax.devices()[0]) == (both, "model.loss_kernel, model.norm_kernel")
+    named = "model.loss_kernel, model.norm_kernel, model.fp8_kernel"
+    assert kernels_for(given, jax.devices()[0]) == (both, named)
 
     mesh = make_mesh("data=2")
     task = GPTTask(exp, mesh)
     assert (task.exp.model.loss_kernel, task.exp.model.norm_kernel) == ("xla", "xla")
     assert "Triton" not in start_up_lines(task)[0]
     line = start_up_lines(GPTTask(exp.model_copy(update={"model": given}), mesh))[0]
-    assert line.endswith("; the LayerNorms and the loss in plait's Triton kernels "
-                         "(model.loss_kernel, model.norm_kernel)"), line
+    assert line.endswith(f"; the LayerNorms and the loss in plait's Triton kernels "
+                         f"({named})"), line
     rms = given.model_copy(update={"norm": "rmsnorm"})
     line = start_up_lines(GPTTask(exp.model_copy(update={"model": rms}), mesh))[0]
-    assert line.endswith("; the loss in plait's Triton kernels (model.loss_kernel, "
-                         "model.norm_kernel)"), line
+    assert line.endswith(f"; the loss in plait's Triton kernels ({named})"), line
+    fp8 = exp.model_copy(update={"model": given, "precision": {"matmul": "fp8"}})
+    line = start_up_lines(GPTTask(type(exp).model_validate(fp8.model_dump()), mesh))[0]
+    assert line.endswith(f"; the LayerNorms, the loss and the FP8 operands' quantisation in "
+                         f"plait's Triton kernels ({named})"), line

@@ -151,6 +151,13 @@ class GPTConfig(ModelSection):
     # loss_kernel. Where the embedding is split across devices, inside a pipeline's body,
     # and for RMSNorm, XLA's either way.
     norm_kernel: Literal["auto", "xla", "pallas"] = "auto"
+    # How an FP8 matmul (precision.matmul = "fp8") quantises its operands: "xla", the
+    # quantize-dequantize pattern, XLA's fusions, amax reductions and transposes;
+    # "pallas", one pass of a Pallas (Triton) kernel per operand writing it quantised
+    # both ways round with its amax (parallel.fp8_kernel), on NVIDIA GPUs only; "auto"
+    # as for loss_kernel. Under the 2-D / 3-D tensor modes, where a weight is split by
+    # tensor, and inside a pipeline's body, XLA's either way.
+    fp8_kernel: Literal["auto", "xla", "pallas"] = "auto"
     # Keep the blocks stacked [layers, ...] and run them as one lax.scan body (same
     # parameters, same results): compile time no longer grows with the number of
     # layers. "auto": tasks.gpt_runtime.scan_for's rule (unrolled on GPUs up to 64 layers).

@@ -62,9 +62,11 @@ class Fp8Meta(nnx.Variable):
 
 class Scaling(nnx.Module):
     """The scales and amax histories of a matmul's input (x), weight (w) and output
-    gradient (g)."""
+    gradient (g); `kernel`: the operands quantised by parallel.fp8_kernel's pass
+    (model.fp8_kernel = "pallas") where it applies."""
 
-    def __init__(self, history: int):
+    def __init__(self, history: int, kernel: bool = False):
+        self.kernel = kernel
         for name in ("x", "w", "g"):
             setattr(self, f"{name}_scale", Fp8Meta(jnp.ones((1,), jnp.float32),
                                                    logical_axes=(KEY,)))
@@ -75,14 +77,15 @@ class Scaling(nnx.Module):
 class Scalings(nnx.Module):
     """One `Scaling` per named weight of a module."""
 
-    def __init__(self, names: tuple[str, ...], history: int):
+    def __init__(self, names: tuple[str, ...], history: int, kernel: bool = False):
         for name in names:
-            setattr(self, name, Scaling(history))
+            setattr(self, name, Scaling(history, kernel))
 
 
-def scalings(names: tuple[str, ...], history: int) -> Scalings | None:
-    """The scaling state of a module's matmuls `names`, or None without FP8."""
-    return Scalings(names, history) if history else None
+def scalings(names: tuple[str, ...], history: int, kernel: bool = False) -> Scalings | None:
+    """The scaling state of a module's matmuls `names`, or None without FP8; `kernel`:
+    quantised in parallel.fp8_kernel's pass."""
+    return Scalings(names, history, kernel) if history else None
 
 
 def quantized_inputs(x: jax.Array, w: jax.Array, s: Scaling) -> tuple[jax.Array, jax.Array]:

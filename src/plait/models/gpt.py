@@ -31,7 +31,7 @@ from plait.models import (
     remat_policy,
     stacked_layers,
 )
-from plait.models.activations import gelu, swiglu_halves
+from plait.models.activations import swiglu_halves
 from plait.models.keys import ParamKeys
 from plait.models.loss import chunked_cross_entropy, cross_entropy
 from plait.models.moe import MoE, no_stats, sparse_layers, summarize
@@ -46,6 +46,7 @@ from plait.parallel.ops import (
     dense_parts,
     dense_value,
     gathered_weight,
+    gelu_mlp,
     lookup,
     sequence_positions,
     weight_grad_by_shard,
@@ -111,7 +112,7 @@ class Attention(nnx.Module):
         self.implementation = None if cfg.attention == "auto" else cfg.attention
         self.fused = cfg.fused_qkv
         self.fp8 = fp8.scalings(("wqkv", "wo") if cfg.fused_qkv else ("wq", "wkv", "wo"),
-                                cfg.fp8_history)
+                                cfg.fp8_history, cfg.fp8_kernel == "pallas")
         self.rope = rope_of(cfg)
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
@@ -197,18 +198,18 @@ class MLP(nnx.Module):
                          fan_in=("mlp",))
         if cfg.bias:
             self.b2 = _param(rngs, (d,), ("norm",), 0.0)
-        self.fp8 = fp8.scalings(("w13", "w2") if self.swiglu else ("w1", "w2"), cfg.fp8_history)
+        self.fp8 = fp8.scalings(("w13", "w2") if self.swiglu else ("w1", "w2"),
+                                cfg.fp8_history, cfg.fp8_kernel == "pallas")
 
     def __call__(self, x):
         if self.swiglu:
-            gu = dense(x, self.w13, _scaling(self, "w13"))
-            h = swiglu_halves(gu)
+            h = swiglu_halves(dense(x, self.w13, _scaling(self, "w13")))
+            h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
+            y = dense(h, self.w2, _scaling(self, "w2"))
         else:
-            s1 = _scaling(self, "w1")
-            h = gelu(fp8.apart(dense(x, self.w1, s1) + _bias(self, "b1"), s1))
-        h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
-        y = dense(h, self.w2, _scaling(self, "w2")) + _bias(self, "b2")
-        return constrain(y, BATCH_SEQ_EMBED)
+            y = gelu_mlp(x, self.w1, _bias(self, "b1"), self.w2, _scaling(self, "w1"),
+                         _scaling(self, "w2"))
+        return constrain(y + _bias(self, "b2"), BATCH_SEQ_EMBED)
 
 
 class Block(nnx.Module):

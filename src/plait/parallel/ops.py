@@ -9,14 +9,16 @@ partitions; under 2-D / 2.5-D / 3-D they are the explicit shard_map layers of
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from plait.models.fp8 import Scaling, quantized_gradient, quantized_inputs
-from plait.parallel import tensor
+from plait.models.activations import gelu
+from plait.models.fp8 import Scaling, apart, quantized_gradient, quantized_inputs
+from plait.parallel import fp8_kernel, tensor
 from plait.parallel.context import attend
 from plait.parallel.context import positions as sequence_positions
 from plait.sharding import (
@@ -33,8 +35,8 @@ from plait.sharding import (
 )
 
 __all__ = ["add_bias", "add_part_biases", "attend", "dense", "dense_parts", "dense_value",
-           "expert_weight", "gathered_weight", "lookup", "sequence_positions", "small_dense",
-           "weight_grad_by_shard"]
+           "expert_weight", "gathered_weight", "gelu_mlp", "lookup", "sequence_positions",
+           "small_dense", "weight_grad_by_shard"]
 
 
 def _letters(n: int, skip: str = "") -> list[str]:
@@ -59,8 +61,43 @@ def dense(x: jax.Array, w: nnx.Variable, fp8: Scaling | None = None) -> jax.Arra
     """
     if fp8 is None:
         return _dense(x, w, w[...])
+    if fp8.kernel and _fp8_kernel_applies(x, w):
+        return fp8_kernel.dense(x, w[...], fp8.x_scale[...], fp8.w_scale[...],
+                                fp8.g_scale[...], len(param_meta(w)[1]))
     x, value = quantized_inputs(x, w[...], fp8)
     return quantized_gradient(_dense(x, w, value), fp8)
+
+
+def gelu_mlp(x: jax.Array, w1: nnx.Variable, b1: jax.Array | float, w2: nnx.Variable,
+             fp8_1: Scaling | None = None, fp8_2: Scaling | None = None) -> jax.Array:
+    """GPT-2's MLP before its output bias, gelu(x w1 + b1) w2 (`fp8_1`, `fp8_2`: the two
+    products' FP8 scaling states, or None). Where parallel.fp8_kernel's matmul takes both
+    products (model.fp8_kernel = "pallas"), one op whose kernel passes fold the GELU,
+    its gradient and b1's gradient into the quantisation (fp8_kernel.gelu_mlp); else two
+    `dense`s around the GELU, which under FP8 stays out of the first product's epilogue
+    (models.fp8.apart)."""
+    if (fp8_1 is not None and fp8_2 is not None and fp8_1.kernel
+            and _fp8_kernel_applies(x, w1) and _fp8_kernel_applies(x, w2)):
+        b = b1 if isinstance(b1, jax.Array) else jnp.zeros(w1.shape[-1:], w1.dtype)
+        return fp8_kernel.gelu_mlp(
+            x, w1[...], b, w2[...], (fp8_1.x_scale[...], fp8_1.w_scale[...], fp8_1.g_scale[...]),
+            (fp8_2.x_scale[...], fp8_2.w_scale[...], fp8_2.g_scale[...]))
+    h = gelu(apart(dense(x, w1, fp8_1) + b1, fp8_1))
+    h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
+    return dense(h, w2, fp8_2)
+
+
+def _fp8_kernel_applies(x: jax.Array, w: nnx.Variable) -> bool:
+    """Whether parallel.fp8_kernel's matmul runs this product (model.fp8_kernel =
+    "pallas"): GSPMD's einsum in the global view, the weight not split by tensor."""
+    logical, fan_in = param_meta(w)
+    ctx = active()
+    if _own_matmul(ctx):
+        return False
+    split = ctx is not None and any(
+        math.prod(ctx[0].shape.get(a, 1) for a in axes_tuple(axes)) > 1
+        for axes in _gathered_axes(w, ctx[1]))
+    return fp8_kernel.applies(x, len(fan_in), logical, fan_in, split)
 
 
 def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = None

@@ -109,21 +109,22 @@ def grouped_for(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]
     return cfg.model_copy(update={"moe": moe.model_copy(update={"grouped": pick})}), why
 
 
-KERNEL_KEYS = ("loss_kernel", "norm_kernel")
+KERNEL_KEYS = ("loss_kernel", "norm_kernel", "fp8_kernel")
 
 
 def kernels_for(cfg: GPTConfig, device) -> tuple[dict[str, str], str]:
-    """({"loss_kernel": ..., "norm_kernel": ...} as the step runs them, why). "auto" takes
-    plait's Triton kernels on a Hopper GPU: on an H200 (2026-11-27) gpt2-124m's step ran
-    62.68 -> 61.10 ms with both (loss alone 62.19, norms alone 61.32), gpt2-1.3b's 312.4
-    -> 310.0 ms, the losses equal (docs/benchmarks.md); other GPUs are unmeasured, and
-    off a GPU only Pallas's interpreter would run them."""
+    """({"loss_kernel": ..., "norm_kernel": ..., "fp8_kernel": ...} as the step runs
+    them, why). "auto" takes plait's Triton kernels on a Hopper GPU: on an H200
+    (2026-11-27) gpt2-124m's step ran 62.68 -> 61.10 ms with the loss and norm kernels
+    (loss alone 62.19, norms alone 61.32), gpt2-1.3b's 312.4 -> 310.0 ms, the losses
+    equal; FP8's kernel is priced by the census only (gpt2-1.3b compiled for an H100:
+    304.0 -> 266.7 ms, docs/benchmarks.md); other GPUs are unmeasured, and off a GPU
+    only Pallas's interpreter would run them."""
     asked = {key: getattr(cfg, key) for key in KERNEL_KEYS}
     if "auto" not in asked.values():
-        return asked, "model.loss_kernel, model.norm_kernel"
+        return asked, ", ".join(f"model.{key}" for key in KERNEL_KEYS)
     pick = "pallas" if on_hopper(device) else "xla"
-    why = ("auto: measured faster on a Hopper GPU" if pick == "pallas"
-           else "auto: XLA's off a Hopper GPU")
+    why = "auto: a Hopper GPU" if pick == "pallas" else "auto: XLA's off a Hopper GPU"
     return {key: pick if v == "auto" else v for key, v in asked.items()}, why
 
 
@@ -199,7 +200,11 @@ def start_up_lines(task) -> list[str]:
         in_kernels.append("the LayerNorms")
     if m.loss_kernel == "pallas":
         in_kernels.append("the loss")
-    kernels = (f"; {' and '.join(in_kernels)} in plait's Triton kernels ({task.kernels_why})"
+    if m.fp8_kernel == "pallas" and m.fp8_history:
+        in_kernels.append("the FP8 operands' quantisation")
+    listed = ", ".join(in_kernels[:-1]) + (" and " if len(in_kernels) > 1 else "") + (
+        in_kernels[-1] if in_kernels else "")
+    kernels = (f"; {listed} in plait's Triton kernels ({task.kernels_why})"
                if in_kernels else "")
     out = [f"plait: attention {task.attention} ({task.attention_why}); layers {layers} "
            f"({task.scan_why}){loss}{kernels}"]
