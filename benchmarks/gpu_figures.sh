@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_figures.sh STAGE...  (env pallas moepallas moepallasscan cmdbuf cbregions dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b
 #   gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b llama1bchunks fp8 fp8unrolled fp8scanned fp8curve
-#   moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
+#   fp8kernelcheck fp8kernel moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)
 #   DEADLINE_S=540 bash benchmarks/gpu_figures.sh ...  (every run's limit cut to what is left
 #   of 540 s; a run with under 30 s left is skipped, so one device command ends in time)
 #
@@ -27,17 +27,22 @@
 #      kernels (issue 29's 50% MFU: 47.8% on the H200 with both, 45.0% of record on an
 #      H100; ~140 s); then whatever is left for the sweep's prediction against the
 #      measured steps on gpt2-124m (issue 29's sweep item, never run on a GPU).
-#   2. ab124 cbregions (one command, DEADLINE_S=560, ~8 minutes; .refs/plait-before = git
+#   2. fp8kernelcheck fp8unrolled (one command, DEADLINE_S=560, ~8 minutes): FP8's
+#      operands quantised, transposed and measured in one Triton pass (model.fp8_kernel,
+#      "auto" takes it on a Hopper GPU since 2026-11-27, never run on a GPU: the kernel
+#      alone first, its values against XLA's and its launch settings, ~1 minute), then
+#      issue 29's FP8 on gpt2-1.3b over 300 steps: the speed-up (0.943x measured on the
+#      H200 with XLA's pattern, 1.16x estimated with the kernel: 304.0 -> 258.6 ms
+#      compiled for an H100, bf16 300.9) and the curve (within 1% from step 100); the
+#      FP8 step's first compile took 102 s on the H200.
+#   3. ab124 cbregions (one command, DEADLINE_S=560, ~8 minutes; .refs/plait-before = git
 #      archive 2a6f513 src benchmarks, with its COMMIT file): the step's tiny kernels cut by
 #      a third (the gradient norm over stacks of like leaves, LayerNorm's parameters in
 #      float32, the q/k/v biases' one reduction; compiled for an H100, gpt2-124m 988 -> 641
 #      kernels, 61.50 -> 60.81 ms estimated), side by side with the tree before them; then
 #      the rest of them overlapped in CUDA graphs' concurrent regions against XLA's
-#      default scheduling (a flag; if it wins, plait's GPU defaults take it).
-#   3. fp8unrolled (~6 minutes) if the session has that left: FP8 on gpt2-1.3b over 300
-#      steps, the curve (within 1% from step 100) being what is left to see; the speed-up
-#      measured 0.943x over 20 steps on the H200 (issue 29 asks 1.3x; the FP8 step's
-#      first compile took 102 s there).
+#      default scheduling (a flag; if it wins, plait's GPU defaults take it). fp8kernel
+#      (~5 minutes): gpt2-1.3b's FP8 step on the kernel against XLA's pattern.
 #   4. sweep1p3b, losskernel (the loss kernel's share of gpt2-124m's step, two rounds),
 #      `kernels` (each kernel's share, ~2 minutes) and kernelcheck (the kernels alone in
 #      their launch settings, ~1 minute: the norm kernel's best setting changed between
@@ -245,6 +250,19 @@ for stage in "$@"; do
       run nanogpt-xla 420 python3 benchmarks/gpt_vs_nanogpt.py --reference .refs/nanoGPT \
         --torch-python python3 --rounds 2 --steps 30 --set 'model.norm_kernel="xla"' \
         --set 'model.loss_kernel="xla"' --json "$OUT/nanogpt-xla.json" ;;
+    fp8kernelcheck)  # FP8's quantisation pass (parallel.fp8_kernel) alone against XLA's
+      # fusion of the same at gpt2-1.3b's shapes, in its launch settings: its FP8 values
+      # against XLA's and its speed (never run on a GPU before)
+      run fp8-kernelcheck 150 python3 benchmarks/fp8_kernel.py --repeat 10 \
+        --json "$OUT/fp8-kernelcheck.json" ;;
+    fp8kernel)  # gpt2-1.3b's FP8 step on the kernel ("auto" on a Hopper GPU) against
+      # XLA's quantize-dequantize pattern (model.fp8_kernel = "xla"), one run each
+      # (compiled for an H100: 258.6 against 304.0 ms estimated)
+      for kernel in auto xla; do
+        run "fp8-1p3b-kernel-$kernel" 240 python3 benchmarks/throughput.py \
+          experiments/gpt2-1.3b.toml --steps 16 --warmup 4 --set "precision.matmul='fp8'" \
+          --set "model.fp8_kernel='$kernel'" --json "$OUT/fp8-1p3b-kernel-$kernel.json"
+      done ;;
     kernelcheck)  # the Triton kernels alone against XLA's form at gpt2-124m's sizes in
       # their launch settings (agree? faster? which setting? first run: an H200, 2026-11-27)
       # (names of their own: the losskernel and normkernel stages write loss-kernel.* and
@@ -292,10 +310,11 @@ for stage in "$@"; do
         --steps 16 --warmup 4 --set train.global_batch=8 --set model.loss_chunks=8 \
         --json "$OUT/llama1b-b8-chunks8.json" ;;
     fp8|fp8unrolled|fp8scanned|fp8curve)  # throughput of both precisions on
-      # gpt2-1.3b as shipped (unrolled, no remat: 1.28x estimated compiled for a GPU
-      # without one) and scanned with full remat (its default before 2026-11-26: 1.21x);
-      # then the 300-step curves on 124M (0.894x measured on an H100 on 2026-11-26, the
-      # curves within 0.14%). fp8 runs all three; the others one each
+      # gpt2-1.3b as shipped (unrolled, no remat: 0.943x measured on XLA's pattern on an
+      # H200 on 2026-11-27; 1.16x estimated compiled for an H100 with the FP8 kernel
+      # "auto" now takes on a Hopper GPU) and scanned with full remat (its default before
+      # 2026-11-26); then the 300-step curves on 124M (0.894x measured on an H100 on
+      # 2026-11-26, the curves within 0.14%). fp8 runs all three; the others one each
       if [ "$stage" = fp8 ] || [ "$stage" = fp8unrolled ]; then  # 300 steps: the issue's
         # speed-up and its curve (within 1% from step 100) in one run, ~6 minutes
         run fp8-1p3b-unrolled 480 python3 benchmarks/fp8_vs_bf16.py \
@@ -412,7 +431,7 @@ for stage in "$@"; do
         --hardware auto --vary model.remat=save_dots,save_attention,full \
         --vary model.loss_chunks=1,8 --run --top 3 --out "$OUT/sweep-llama1b" ;;
     *) echo "unknown stage $stage (env pallas moepallas moepallasscan cmdbuf cbregions dlrm gpt124 kernelcheck kernels kernels1p3b normkernel losskernel ab124 abmoe gpt124scan nanogpt nanogptxla nanogptnocmdbuf gpt1p3b gpt1p3bstart gpt1p3bunrolled gpt1p3bnoremat llama1b
-       llama1bchunks fp8 fp8unrolled fp8scanned fp8curve moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
+       llama1bchunks fp8 fp8unrolled fp8scanned fp8curve fp8kernelcheck fp8kernel moe moebatch16 moevariants grouped profiles profilemoe sweep124 sweep1p3b sweepllama)"
        exit 2 ;;
   esac
 done

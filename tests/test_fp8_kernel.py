@@ -120,11 +120,11 @@ def _steps(kernel: str, mesh: str, n: int = 2):
 
 def test_training_through_the_kernel_equals_the_pattern_on_a_mesh(monkeypatch):
     """data x fsdp: each device quantises its own tokens (the weight gathered), the
-    amaxes are the whole batch's, and the losses and the scaling state are the
-    quantize-dequantize pattern's, and so are the parameters after three steps
-    (GELU and its gradient folded into the kernel
-    around the MLP's products, b1's gradient its column sums); every matmul of the
-    layer ran the kernel."""
+    amaxes are the whole batch's, and the losses, the scaling state and every parameter
+    after three steps are the quantize-dequantize pattern's -- with GELU and its
+    gradient folded into the passes around the MLP's products (b1's gradient their
+    column sums) and q / k / v's gradients quantised side by side (their bias's
+    gradient the column sums); every matmul of the layer ran the kernel."""
     monkeypatch.setenv(fp8.EMULATE_ENV, "1")
     traced = []
     cast = fp8_kernel.cast_transpose
@@ -135,15 +135,19 @@ def test_training_through_the_kernel_equals_the_pattern_on_a_mesh(monkeypatch):
         return cast(a, scale, q_dtype, lead, at, pre, bias)
 
     monkeypatch.setattr(fp8_kernel, "cast_transpose", spy)
+    parts = fp8_kernel.cast_transpose_parts
+    monkeypatch.setattr(fp8_kernel, "cast_transpose_parts",
+                        lambda *a: traced.append((2, "parts")) or parts(*a))
     xla, p_xla = _steps("xla", "data=2,fsdp=2", 3)
     assert not traced
     pallas, p_pallas = _steps("pallas", "data=2,fsdp=2", 3)
     # four matmuls, each x and w forward and its output's gradient backward (traced once
     # each): x and the gradients with two leading (token) dimensions, w with its
     # contracted ones (two for the attention's output projection, one for the others);
-    # the MLP's second input its GELU's output, its first gradient GELU's gradient
-    assert sorted(traced) == sorted([(1, "")] * 3 + [(2, "")] * 7 + [(2, "gelu"),
-                                                                      (2, "dgelu")]), traced
+    # the MLP's second input its GELU's output, its first gradient GELU's gradient; the
+    # fused q / k / v projection's gradient its three parts side by side
+    assert sorted(traced) == sorted([(1, "")] * 3 + [(2, "")] * 6 + [
+        (2, "gelu"), (2, "dgelu"), (2, "parts")]), traced
     np.testing.assert_allclose(pallas, xla, rtol=1e-6)
     # every parameter after two updates (the first step's learning rate is 0): the
     # weights, the biases (b1's gradient the kernel's column sums) and the scaling state

@@ -40,7 +40,6 @@ from plait.models.params import param as _param
 from plait.models.rope import rope_of, rotate
 from plait.parallel.ops import (
     add_bias,
-    add_part_biases,
     attend,
     dense,
     dense_parts,
@@ -119,9 +118,8 @@ class Attention(nnx.Module):
         """x [batch, T, d] at positions [T] -> q [batch, T, heads, head], k, v [batch, T,
         kv_heads, head], rotated when the model has rotary positions."""
         if self.fused:
-            q, k, v = dense_parts(x, self.wqkv, "qkv", _scaling(self, "wqkv"))
-            if hasattr(self, "bqkv"):
-                q, k, v = add_part_biases((q, k, v), self.bqkv[...])
+            q, k, v = dense_parts(x, self.wqkv, "qkv", _scaling(self, "wqkv"),
+                                  self.bqkv[...] if hasattr(self, "bqkv") else None)
         else:
             q = add_bias(dense(x, self.wq, _scaling(self, "wq")), _bias(self, "bq"))
             kv = add_bias(dense(x, self.wkv, _scaling(self, "wkv")), _bias(self, "bkv"))

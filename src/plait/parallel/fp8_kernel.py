@@ -69,13 +69,14 @@ def _gelu_grad(z: jax.Array) -> jax.Array:
 
 
 def _kernel(rows: int, cols: int, n_rows: int, n_cols: int, col_blocks: int, top: float,
-            mode: str, *refs):
+            mode: str, part_cols: int, *refs):
     """One block of the operand v: v / scale clipped to +-top and rounded to FP8, stored
     as it is and transposed; the block's largest |v| (before scaling) stored at the
-    program's index. v is x ("plain"), gelu(x + bias) ("gelu": the MLP's activation, x
-    its first product's output) or x * gelu'(pre + bias) ("dgelu": its gradient, x the
-    activation's; then also v's column sums, row block by row block: the bias's
-    gradient)."""
+    program's index. v is x ("plain"); gelu(x + bias) ("gelu": the MLP's activation, x
+    its first product's output); x * gelu'(pre + bias) ("dgelu": its gradient, x the
+    activation's); or the parts side by side ("parts": a fused projection's q / k / v
+    gradients, each `part_cols` wide). "dgelu" and "parts" also store v's column sums,
+    row block by row block (a bias's gradient)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -84,8 +85,10 @@ def _kernel(rows: int, cols: int, n_rows: int, n_cols: int, col_blocks: int, top
         scale_ref, x_ref, q_ref, qt_ref, amax_ref = refs
     elif mode == "gelu":
         scale_ref, x_ref, b_ref, q_ref, qt_ref, amax_ref = refs
-    else:
+    elif mode == "dgelu":
         scale_ref, x_ref, pre_ref, b_ref, q_ref, qt_ref, amax_ref, sums_ref = refs
+    else:
+        scale_ref, *part_refs, q_ref, qt_ref, amax_ref, sums_ref = refs
     p = pl.program_id(0)
     rb = p // col_blocks
     r0, c0 = rb * rows, (p % col_blocks) * cols
@@ -94,7 +97,15 @@ def _kernel(rows: int, cols: int, n_rows: int, n_cols: int, col_blocks: int, top
     live = c < n_cols
     mask = (r < n_rows)[:, None] & live[None, :]
     block = (pl.ds(r0, rows), pl.ds(c0, cols))
-    v = plt.load(x_ref.at[block], mask=mask, other=0).astype(jnp.float32)
+    if mode == "parts":
+        # a block lies in one part (part_cols a multiple of cols): the other parts'
+        # loads are masked off entirely
+        part = c0 // part_cols
+        at = (pl.ds(r0, rows), pl.ds(c0 - part * part_cols, cols))
+        v = sum(plt.load(ref.at[at], mask=mask & (part == i), other=0).astype(jnp.float32)
+                for i, ref in enumerate(part_refs))
+    else:
+        v = plt.load(x_ref.at[block], mask=mask, other=0).astype(jnp.float32)
     if b_ref is not None:
         b = plt.load(b_ref.at[pl.ds(c0, cols)], mask=live, other=0).astype(jnp.float32)
         if mode == "gelu":
@@ -112,36 +123,53 @@ def _kernel(rows: int, cols: int, n_rows: int, n_cols: int, col_blocks: int, top
         plt.store(sums_ref.at[rb, pl.ds(c0, cols)], jnp.sum(v, axis=0), mask=live)
 
 
-@functools.partial(jax.jit, static_argnames=("q_dtype", "interpret", "rows", "cols",
-                                             "num_warps"))
-def _cast_transpose_2d(x: jax.Array, scale: jax.Array, q_dtype, interpret: bool,
-                       pre: jax.Array | None = None, bias: jax.Array | None = None,
-                       rows: int = ROWS, cols: int = COLS, num_warps: int = NUM_WARPS):
-    """x [R, C] -> (q [R, C], q^T [C, R] in q_dtype, each block's amax [blocks], and with
-    `pre` the column sums of each row block [row blocks, C]) of v = x, gelu(x + bias)
-    (`bias` alone) or x * gelu'(pre + bias); `scale` [1] float32."""
+def _launch(mode: str, args: tuple, n_rows: int, n_cols: int, q_dtype, interpret: bool,
+            part_cols: int = 0, rows: int = ROWS, cols: int = COLS,
+            num_warps: int = NUM_WARPS) -> tuple:
+    """The kernel over an operand [n_rows, n_cols] (args: the scale [1] float32, then
+    the mode's inputs) -> (q, q^T, each block's amax[, each row block's column sums])."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
-    n_rows, n_cols = x.shape
     col_blocks = -(-n_cols // cols)
     row_blocks = -(-n_rows // rows)
     blocks = row_blocks * col_blocks
     top = float(jnp.finfo(q_dtype).max)
-    mode = "plain" if bias is None else ("gelu" if pre is None else "dgelu")
-    kernel = functools.partial(_kernel, rows, cols, n_rows, n_cols, col_blocks, top, mode)
+    kernel = functools.partial(_kernel, rows, cols, n_rows, n_cols, col_blocks, top, mode,
+                               part_cols)
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = (jax.ShapeDtypeStruct((n_rows, n_cols), q_dtype),
                  jax.ShapeDtypeStruct((n_cols, n_rows), q_dtype),
                  jax.ShapeDtypeStruct((blocks,), jnp.float32))
-    if mode == "dgelu":
+    if mode in ("dgelu", "parts"):
         out_shape += (jax.ShapeDtypeStruct((row_blocks, n_cols), jnp.float32),)
-    args = (scale, x) + tuple(a for a in (pre, bias) if a is not None)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(blocks,), in_specs=[anywhere] * len(args),
         out_specs=(anywhere,) * len(out_shape),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=NUM_STAGES),
         interpret=interpret)(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("q_dtype", "interpret"))
+def _cast_transpose_2d(x: jax.Array, scale: jax.Array, q_dtype, interpret: bool,
+                       pre: jax.Array | None = None, bias: jax.Array | None = None):
+    """x [R, C] -> (q [R, C], q^T [C, R] in q_dtype, each block's amax [blocks], and with
+    `pre` the column sums of each row block [row blocks, C]) of v = x, gelu(x + bias)
+    (`bias` alone) or x * gelu'(pre + bias); `scale` [1] float32."""
+    mode = "plain" if bias is None else ("gelu" if pre is None else "dgelu")
+    args = (scale, x) + tuple(a for a in (pre, bias) if a is not None)
+    return _launch(mode, args, *x.shape, q_dtype, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("q_dtype", "interpret"))
+def _cast_transpose_parts_2d(parts: tuple, scale: jax.Array, q_dtype, interpret: bool):
+    """parts [R, Cp] each, side by side as [R, n Cp] -> (q, q^T, each block's amax, each
+    row block's column sums [row blocks, n Cp])."""
+    n_rows, part_cols = parts[0].shape
+    if part_cols % COLS:
+        raise ValueError(f"parts {part_cols} wide: not a multiple of a block's {COLS}")
+    return _launch("parts", (scale, *parts), n_rows, part_cols * len(parts), q_dtype,
+                   interpret, part_cols)
 
 
 def _rounded_scale(scale: jax.Array, dtype) -> jax.Array:
@@ -323,3 +351,78 @@ def _gelu_mlp_bwd(at, res, g):
 
 
 _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
+
+
+def cast_transpose_parts(parts: tuple[jax.Array, ...], scale: jax.Array, q_dtype,
+                         at: Placement) -> tuple:
+    """parts [batch, seq, *inner] each, quantised by `scale` side by side as one operand
+    [batch, seq, n, *inner] (a fused projection's output gradient): (q, its transpose
+    [n, *inner, batch, seq], the amax over all, the column sums [n, *inner] float32)."""
+    n, inner = len(parts), parts[0].shape[2:]
+
+    def local(scale, *parts):
+        outer = parts[0].shape[:2]
+        two_d = (math.prod(outer), math.prod(inner))
+        q, qt, amax, sums = _cast_transpose_parts_2d(
+            tuple(p.reshape(two_d) for p in parts), _rounded_scale(scale, parts[0].dtype),
+            q_dtype, at.interpret)
+        return (q.reshape(*outer, n, *inner), qt.reshape(n, *inner, *outer), amax,
+                sums.reshape(-1, n, *inner))
+
+    if at.mesh is None:
+        q, qt, amax, sums = local(scale, *parts)
+    else:
+        none = (None,) * len(inner)
+        tokens = tuple(at.tokens) + (None,) * (2 - len(at.tokens))
+        axes = tuple(x for part in tokens if part is not None
+                     for x in (part if isinstance(part, tuple) else (part,)))
+        specs = (P(*tokens, None, *none), P(None, *none, *tokens), P(axes or None),
+                 P(axes or None, None, *none))
+        q, qt, amax, sums = jax.shard_map(
+            local, mesh=at.mesh, in_specs=(P(),) + (P(*tokens, *none),) * n,
+            out_specs=specs, check_vma=False)(scale, *parts)
+    return q, qt, jnp.max(amax), sums.sum(0)
+
+
+def dense_parts(x: jax.Array, w: jax.Array, bias: jax.Array | None,
+                scales: tuple[jax.Array, ...], fan_in: int) -> tuple[jax.Array, ...]:
+    """`dense` of x [batch, seq, *K] by a fused projection w [*K, n, *N] (q / k / v: n
+    parts) as its n parts [batch, seq, *N], each plus its bias (`bias` [n, *N] or None).
+    The backward quantises the parts' gradients side by side in one kernel pass, with
+    their column sums (the bias's gradient): the concatenation of the gradients and the
+    bias's reduction, passes of their own in the quantize-dequantize pattern, are not
+    made. `scales`: (x, w, g); one g scale for all parts, one amax over them."""
+    dtype = w.dtype
+    b = jnp.zeros(w.shape[fan_in:], dtype) if bias is None else bias.astype(dtype)
+    return _dense_parts(x.astype(dtype), w, b, tuple(scales), fan_in, placement(x.ndim))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _dense_parts(x, w, bias, scales, fan_in: int, at: Placement):
+    return _dense_parts_fwd(x, w, bias, scales, fan_in, at)[0]
+
+
+def _dense_parts_fwd(x, w, bias, scales, fan_in, at):
+    sx, sw, _ = scales
+    dtype = w.dtype
+    qx, qxt, x_amax = cast_transpose(x, sx, E4M3, 2, at)
+    qw, qwt, w_amax = cast_transpose(w, sw, E4M3, fan_in, at)
+    y = _product(_dequantized(qx, sx, dtype), _dequantized(qwt, sw, dtype), fan_in, dtype)
+    parts = tuple(y[:, :, i] + bias[i] for i in range(y.shape[2]))
+    return parts, (qxt, qw, bias, scales, x_amax, w_amax)
+
+
+def _dense_parts_bwd(fan_in, at, res, grads):
+    qxt, qw, bias, scales, x_amax, w_amax = res
+    sx, sw, sg = scales
+    dtype = grads[0].dtype
+    qg, qgt, g_amax, db = cast_transpose_parts(tuple(grads), sg, E5M2, at)
+    dx = _product(_dequantized(qg, sg, dtype), _dequantized(qw, sw, dtype),
+                  qw.ndim - fan_in, dtype)
+    dw = _product(_dequantized(qxt, sx, dtype), _dequantized(qgt, sg, dtype), 2, dtype)
+    amaxes = tuple(v.astype(s.dtype).reshape(s.shape)
+                   for v, s in zip((x_amax, w_amax, g_amax), scales, strict=True))
+    return dx, dw, db.astype(bias.dtype), amaxes
+
+
+_dense_parts.defvjp(_dense_parts_fwd, _dense_parts_bwd)

@@ -100,10 +100,11 @@ def _fp8_kernel_applies(x: jax.Array, w: nnx.Variable) -> bool:
     return fp8_kernel.applies(x, len(fan_in), logical, fan_in, split)
 
 
-def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = None
-                ) -> tuple[jax.Array, ...]:
+def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = None,
+                bias: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """dense(x, w) split along w's output dimension named `axis` (a fused projection's
-    q / k / v), as one product per part, each its own array.
+    q / k / v), as one product per part, each its own array, plus its part of `bias`
+    (stacked like the parts, or None; add_part_biases).
 
     The fused product's parts were slices: on a GPU a copy of the whole output in the
     forward, and a zero-filled concatenation of their gradients in the backward (2.4%
@@ -113,11 +114,18 @@ def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = 
     2-D / 2.5-D / 3-D modes (their own gathered matmul), and wherever w's outputs are
     split across devices (1-D tensor's heads): there each part's input gradient is a
     partial sum, and GSPMD all-reduced the three apart (a third more tensor bytes).
+    Under FP8 with parallel.fp8_kernel's matmul, one op whose backward quantises the
+    parts' gradients side by side, the bias's gradient in the same pass.
     """
     logical, fan_in = param_meta(w)
     at = logical.index(axis)
     if axis in fan_in:
         raise ValueError(f"dense_parts splits an output dimension; {axis!r} is contracted")
+    if (fp8 is not None and fp8.kernel and at == len(fan_in)
+            and _fp8_kernel_applies(x, w)):
+        return fp8_kernel.dense_parts(
+            x, w[...], bias, (fp8.x_scale[...], fp8.w_scale[...], fp8.g_scale[...]),
+            len(fan_in))
     ctx = active()
     w_spec = axes_spec(_gathered_axes(w, ctx[1]), ctx[0]) if ctx is not None else None
     split_outputs = w_spec is not None and any(
@@ -125,14 +133,16 @@ def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = 
     if fp8 is not None or split_outputs or _own_matmul(ctx):
         out = dense(x, w, fp8)
         where = x.ndim - len(fan_in) + [n for n in logical if n not in fan_in].index(axis)
-        return tuple(jax.lax.index_in_dim(out, i, where, keepdims=False)
-                     for i in range(out.shape[where]))
-    part = tuple(n for n in logical if n != axis)
-    eq = _equation(part, fan_in, x.ndim - len(fan_in))
-    value = w[...]
-    xs = fan_out(x, value.shape[at])
-    return tuple(jnp.einsum(eq, xi, jax.lax.index_in_dim(value, i, at, keepdims=False))
-                 for i, xi in enumerate(xs))
+        parts = tuple(jax.lax.index_in_dim(out, i, where, keepdims=False)
+                      for i in range(out.shape[where]))
+    else:
+        part = tuple(n for n in logical if n != axis)
+        eq = _equation(part, fan_in, x.ndim - len(fan_in))
+        value = w[...]
+        xs = fan_out(x, value.shape[at])
+        parts = tuple(jnp.einsum(eq, xi, jax.lax.index_in_dim(value, i, at, keepdims=False))
+                      for i, xi in enumerate(xs))
+    return parts if bias is None else add_part_biases(parts, bias)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
