@@ -92,6 +92,21 @@ def make_mesh(spec: str):
     return mesh_lib.build_mesh(mesh_lib.resolve(s, n), n, s.dcn)
 
 
+def step_in_process(exp: Experiment, spec: str, n: int):
+    """n train steps of `exp` on mesh `spec` in this process, no run directory: (the
+    losses [n], the parameters after them as NumPy arrays)."""
+    import jax
+
+    from plait.tasks import make_task
+
+    task = make_task(exp, make_mesh(spec))
+    state, src, out = task.init_state(), task.source(), []
+    for s in range(n):
+        state, m = task.step_fn(state, task.batch(src, s))
+        out.append(float(m["loss"]))
+    return np.array(out), jax.tree.map(np.asarray, state["params"])
+
+
 def run(exp: Experiment, spec: str, run_dir: Path) -> dict:
     from plait.train.loop import train
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import losses, make_mesh, run, tiny, write_experiment
+from helpers import losses, make_mesh, run, step_in_process, tiny, write_experiment
 
 from plait.models import fp8
 
@@ -109,27 +109,16 @@ def _fp8(**train) -> dict:
 ONE_LAYER = {"layers": 1}  # attention and an MLP: every kind of FP8 matmul
 
 
-def _steps(exp, mesh: str, n: int):
-    from plait.tasks import make_task
-
-    task = make_task(exp, make_mesh(mesh))
-    state, src, out = task.init_state(), task.source(), []
-    for s in range(n):
-        state, m = task.step_fn(state, task.batch(src, s))
-        out.append(float(m["loss"]))
-    return np.array(out), jax.tree.map(np.asarray, state["params"])
-
-
 def _scalings(params: dict) -> dict:
     return {m: params["blocks"]["0"][m]["fp8"] for m in ("attn", "mlp")}
 
 
 def test_microbatches_and_meshes_keep_one_scaling_state(emulate):
-    one, p1 = _steps(tiny(**_fp8(steps=3)), "data=1", 3)
-    two, p2 = _steps(tiny(**_fp8(steps=3, microbatches=2)), "data=1", 3)
-    sharded, p3 = _steps(tiny(**_fp8(steps=3)), "data=2,fsdp=2,tensor=2", 3)
-    plain, _ = _steps(tiny(model=ONE_LAYER, train={"global_batch": 8, "steps": 3}), "data=1",
-                      3)
+    one, p1 = step_in_process(tiny(**_fp8(steps=3)), "data=1", 3)
+    two, p2 = step_in_process(tiny(**_fp8(steps=3, microbatches=2)), "data=1", 3)
+    sharded, p3 = step_in_process(tiny(**_fp8(steps=3)), "data=2,fsdp=2,tensor=2", 3)
+    plain, _ = step_in_process(tiny(model=ONE_LAYER, train={"global_batch": 8, "steps": 3}),
+                               "data=1", 3)
     s1, s2, s3 = _scalings(p1), _scalings(p2), _scalings(p3)
     # History after 3 steps of 4: [step 1, step 2, step 3, unseen]. Steps 1 and 2 ran
     # on the same weights everywhere (the first step's learning rate is 0 in warmup):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import make_mesh, tiny
+from helpers import step_in_process, tiny
 
 from plait.models import fp8
 from plait.parallel import fp8_kernel
@@ -104,18 +104,10 @@ def test_the_kernels_matmul_and_gradients_equal_a_numpy_emulation(dtype):
     assert np.abs(np.asarray(y, np.float32) - np.einsum("btij,ijo->bto", *f32[:2])).max() > 1e-3
 
 
-def _steps(kernel: str, mesh: str, n: int = 2):
-    from plait.tasks import make_task
-
-    exp = tiny(precision={"matmul": "fp8", "fp8_history": 4},
-               model={"layers": 1, "fp8_kernel": kernel},
-               train={"global_batch": 8, "steps": n})
-    task = make_task(exp, make_mesh(mesh))
-    state, src, out = task.init_state(), task.source(), []
-    for s in range(n):
-        state, m = task.step_fn(state, task.batch(src, s))
-        out.append(float(m["loss"]))
-    return np.array(out), jax.tree.map(np.asarray, state["params"])
+def _steps(kernel: str, mesh: str, n: int):
+    return step_in_process(tiny(precision={"matmul": "fp8", "fp8_history": 4},
+                                model={"layers": 1, "fp8_kernel": kernel},
+                                train={"global_batch": 8, "steps": n}), mesh, n)
 
 
 def test_training_through_the_kernel_equals_the_pattern_on_a_mesh(monkeypatch):
