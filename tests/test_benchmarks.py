@@ -91,9 +91,11 @@ def test_moe_against_its_dense_twin(tmp_path):
 @pytest.mark.parametrize("script,says", [
     ("pallas_blocks.py", "run on a Hopper GPU, not cpu"),
     ("loss_kernel.py", "runs on an NVIDIA GPU, not cpu"),
-    ("norm_kernel.py", "run on an NVIDIA GPU, not cpu")])
+    ("norm_kernel.py", "run on an NVIDIA GPU, not cpu"),
+    ("fp8_kernel.py", "the kernel runs on an NVIDIA GPU, not cpu")])
 def test_the_kernel_benchmarks_refuse_a_cpu_in_one_line(script, says, monkeypatch, capsys):
-    """gpu_figures.sh's pallas, losskernel and normkernel stages time GPU kernels: on
+    """gpu_figures.sh's pallas, losskernel, normkernel and fp8kernelcheck stages time GPU
+    kernels: on
     this CPU each script ends in one line, status 2."""
     code, _, err = _here(monkeypatch, capsys, script)
     err = err.strip()
