@@ -6,11 +6,12 @@ A matmul's backward contracts its input and its output's gradient over the token
 outer dimension, so XLA:GPU, given the quantize-dequantize pattern (models.fp8),
 transposes the FP8 copies it made before the weight's gradient can be multiplied, and
 takes each operand's amax in a reduction of its own: compiled for an H100, gpt2-1.3b's
-FP8 step spent ~45 ms of its ~311 on transposes and ~86 on reductions, against 0.1 and
-~48 in bf16, while its products took 101 ms against 190 (docs/benchmarks.md). Here one
-kernel reads an operand once and writes it quantised both ways round (q and its
-transpose, e4m3 or e5m2) with the amax of each block (Transformer Engine's
-cast-transpose), and the three products take those arrays as they are:
+FP8 step spent ~51 ms of its ~304 on transposes and ~62 on reductions, against 0.1 and
+~27 in bf16, while its products took 100 ms against 190 (docs/benchmarks.md, "Without a
+GPU: FP8's operands in one pass"). Here one kernel reads an operand once and writes it
+quantised both ways round (q and its transpose, e4m3 or e5m2) with the amax of each
+block (Transformer Engine's cast-transpose), and the three products take those arrays
+as they are:
 
     forward   y  = x  . w      from q(x) [tokens, K] and q(w)^T [N, K]
     backward  dx = dy . w^T    from q(dy) [tokens, N] and q(w) [K, N]
@@ -22,6 +23,11 @@ dtype, as flax's quantize does), clipped to the format's largest, rounded to nea
 even once, from float32 -- where XLA may round to bfloat16 first, an FP8 value one
 step away at a tie (tests/test_fp8_kernel.py sets both beside a NumPy emulation).
 The residuals the backward keeps are the FP8 q(x)^T and q(w), not x and w.
+
+`dense` is one product; `gelu_mlp` is GPT-2's MLP, its GELU and GELU's gradient (with
+b1's gradient) folded into the passes around its two products; `dense_parts` is a
+fused q / k / v projection whose parts' gradients are quantised side by side (with
+their bias's gradient).
 
 Inside plait's step the kernel runs in a shard_map over the mesh, each device on its
 own tokens (the weight whole on each); `applies` says where: no explicit tensor mode,
@@ -43,7 +49,8 @@ from jax.sharding import PartitionSpec as P
 from plait.models.fp8 import E4M3, E5M2
 from plait.parallel.kernel_place import Placement, placement, usable
 
-__all__ = ["cast_transpose", "dense", "usable"]
+__all__ = ["applies", "cast_transpose", "cast_transpose_parts", "dense", "dense_parts",
+           "gelu_mlp", "usable"]
 
 # A program's block of the operand [rows, columns] (powers of two: Triton's blocks) and
 # the launch settings: chosen, not yet measured on a GPU (128 rows: 128-byte runs of
@@ -273,8 +280,8 @@ def _dense_bwd(fan_in, at, res, g):
     qxt, qw, x_scale, w_scale, g_scale, x_amax, w_amax = res
     dtype = g.dtype
     qg, qgt, g_amax = cast_transpose(g, g_scale, E5M2, 2, at)
-    dq = _dequantized(qg, g_scale, dtype)
-    dx = _product(dq, _dequantized(qw, w_scale, dtype), qw.ndim - fan_in, dtype)
+    dg = _dequantized(qg, g_scale, dtype)
+    dx = _product(dg, _dequantized(qw, w_scale, dtype), qw.ndim - fan_in, dtype)
     dw = _product(_dequantized(qxt, x_scale, dtype), _dequantized(qgt, g_scale, dtype),
                   2, dtype)
 
