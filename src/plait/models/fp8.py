@@ -22,6 +22,10 @@ gpt2-124m, which an H100 ran 11% slower than the census of its kernels estimated
 (docs/benchmarks.md). The values are flax's: a step quantises with the scale flax
 would have computed at its start (the state holds the scale the next step uses).
 Microbatches combine their amaxes by maximum (`accumulate`, `mean`).
+
+With `Scaling.kernel` (model.fp8_kernel = "pallas") parallel.fp8_kernel quantises the
+operands in one Triton pass each instead of this pattern, with the same scales, values
+and amaxes.
 """
 
 from __future__ import annotations
