@@ -217,8 +217,7 @@ def cast_transpose(a: jax.Array, scale: jax.Array, q_dtype, lead: int, at: Place
         inner = (None,) * (a.ndim - lead)
         if lead == 2:
             tokens = tuple(at.tokens) + (None,) * (2 - len(at.tokens))
-            axes = tuple(x for part in tokens if part is not None
-                         for x in (part if isinstance(part, tuple) else (part,)))
+            axes = at.token_axes()
             act = P(*tokens, *inner)
             specs = (act, P(*inner, *tokens), P(axes or None))
             if pre is not None:
@@ -381,8 +380,7 @@ def cast_transpose_parts(parts: tuple[jax.Array, ...], scale: jax.Array, q_dtype
     else:
         none = (None,) * len(inner)
         tokens = tuple(at.tokens) + (None,) * (2 - len(at.tokens))
-        axes = tuple(x for part in tokens if part is not None
-                     for x in (part if isinstance(part, tuple) else (part,)))
+        axes = at.token_axes()
         specs = (P(*tokens, None, *none), P(None, *none, *tokens), P(axes or None),
                  P(axes or None, None, *none))
         q, qt, amax, sums = jax.shard_map(

@@ -32,6 +32,12 @@ class Placement:
     tokens: P | None
     interpret: bool
 
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes the tokens are split over, flattened: each device's rows of a
+        per-device result stacked across them (a kernel's partial sums or maxima)."""
+        return tuple(a for part in self.tokens or () if part is not None
+                     for a in (part if isinstance(part, tuple) else (part,)))
+
 
 def placement(ndim: int) -> Placement:
     """Where a kernel over an activation of `ndim` dimensions (its last one whole on each

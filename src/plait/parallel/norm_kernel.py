@@ -233,9 +233,7 @@ def _run_backward(at: Placement, residual: bool, args):
     n_act = 3 if residual else 2
     in_specs = (act,) * n_act + (stat, stat, P())
     # each device's column sums, one row each of [the devices along the tokens' axes, n]
-    axes = tuple(a for part in at.tokens if part is not None
-                 for a in (part if isinstance(part, tuple) else (part,)))
-    rows = P(axes or None, None)
+    rows = P(at.token_axes() or None, None)
     n_sums = 3 if residual else 2
     outs = jax.shard_map(local, mesh=at.mesh, in_specs=in_specs,
                          out_specs=(act,) + (rows,) * n_sums, check_vma=False)(*args)
