@@ -77,6 +77,10 @@ class Scaling(nnx.Module):
             setattr(self, f"{name}_amax", Fp8Meta(jnp.zeros((history,), jnp.float32),
                                                   logical_axes=(KEY,)))
 
+    def scales(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The (x, w, g) scales' values, as parallel.fp8_kernel's products take them."""
+        return self.x_scale[...], self.w_scale[...], self.g_scale[...]
+
 
 class Scalings(nnx.Module):
     """One `Scaling` per named weight of a module."""

@@ -251,43 +251,46 @@ def _product(a: jax.Array, b: jax.Array, n: int, dtype) -> jax.Array:
     return jax.lax.dot_general(a, b, ((ca, cb), ((), ())), preferred_element_type=dtype)
 
 
-def dense(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
-          g_scale: jax.Array, fan_in: int) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, scales: tuple[jax.Array, ...],
+          fan_in: int) -> jax.Array:
     """x [batch, seq, *K] times w [*K (fan_in dims), *N] -> [batch, seq, *N] with both
-    operands quantised to e4m3 and the output's gradient to e5m2 by their scales
-    (models.fp8's delayed scaling); the scales' "gradients" are the amaxes of what was
+    operands quantised to e4m3 and the output's gradient to e5m2 by `scales` (x, w, g:
+    models.fp8's delayed scaling); the scales' "gradients" are the amaxes of what was
     quantised (models.fp8.put makes the next state from them)."""
-    return _dense(x.astype(w.dtype), w, x_scale, w_scale, g_scale, fan_in,
-                  placement(x.ndim))
+    return _dense(x.astype(w.dtype), w, tuple(scales), fan_in, placement(x.ndim))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _dense(x, w, x_scale, w_scale, g_scale, fan_in: int, at: Placement):
-    return _dense_fwd(x, w, x_scale, w_scale, g_scale, fan_in, at)[0]
+def _as_scale_grads(amaxes: tuple[jax.Array, ...], scales: tuple[jax.Array, ...]) -> tuple:
+    """Each amax as its scale's "gradient": the scale's shape and dtype."""
+    return tuple(a.astype(s.dtype).reshape(s.shape) for a, s in zip(amaxes, scales,
+                                                                    strict=True))
 
 
-def _dense_fwd(x, w, x_scale, w_scale, g_scale, fan_in, at):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dense(x, w, scales, fan_in: int, at: Placement):
+    return _dense_fwd(x, w, scales, fan_in, at)[0]
+
+
+def _dense_fwd(x, w, scales, fan_in, at):
+    x_scale, w_scale, _ = scales
     qx, qxt, x_amax = cast_transpose(x, x_scale, E4M3, 2, at)
     qw, qwt, w_amax = cast_transpose(w, w_scale, E4M3, fan_in, at)
     dtype = w.dtype
     y = _product(_dequantized(qx, x_scale, dtype), _dequantized(qwt, w_scale, dtype),
                  fan_in, dtype)
-    return y, (qxt, qw, x_scale, w_scale, g_scale, x_amax, w_amax)
+    return y, (qxt, qw, scales, x_amax, w_amax)
 
 
 def _dense_bwd(fan_in, at, res, g):
-    qxt, qw, x_scale, w_scale, g_scale, x_amax, w_amax = res
+    qxt, qw, scales, x_amax, w_amax = res
+    x_scale, w_scale, g_scale = scales
     dtype = g.dtype
     qg, qgt, g_amax = cast_transpose(g, g_scale, E5M2, 2, at)
     dg = _dequantized(qg, g_scale, dtype)
     dx = _product(dg, _dequantized(qw, w_scale, dtype), qw.ndim - fan_in, dtype)
     dw = _product(_dequantized(qxt, x_scale, dtype), _dequantized(qgt, g_scale, dtype),
                   2, dtype)
-
-    def amax(v, scale):
-        return v.astype(scale.dtype).reshape(scale.shape)
-
-    return (dx, dw, amax(x_amax, x_scale), amax(w_amax, w_scale), amax(g_amax, g_scale))
+    return dx, dw, _as_scale_grads((x_amax, w_amax, g_amax), scales)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -348,12 +351,8 @@ def _gelu_mlp_bwd(at, res, g):
     dx = _product(dd, _dequantized(qw1, sw1, dtype), 1, dtype)
     dw1 = _product(_dequantized(qxt, sx1, dtype), _dequantized(qdt, sg1, dtype), 2, dtype)
 
-    def amaxes(values, scales):
-        return tuple(v.astype(s.dtype).reshape(s.shape) for v, s in zip(values, scales,
-                                                                         strict=True))
-
-    return (dx, dw1, db1.astype(b1.dtype), dw2, amaxes((*amax1, d_amax), scales1),
-            amaxes((*amax2, g_amax), scales2))
+    return (dx, dw1, db1.astype(b1.dtype), dw2, _as_scale_grads((*amax1, d_amax), scales1),
+            _as_scale_grads((*amax2, g_amax), scales2))
 
 
 _gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
@@ -425,9 +424,8 @@ def _dense_parts_bwd(fan_in, at, res, grads):
     dx = _product(_dequantized(qg, sg, dtype), _dequantized(qw, sw, dtype),
                   qw.ndim - fan_in, dtype)
     dw = _product(_dequantized(qxt, sx, dtype), _dequantized(qgt, sg, dtype), 2, dtype)
-    amaxes = tuple(v.astype(s.dtype).reshape(s.shape)
-                   for v, s in zip((x_amax, w_amax, g_amax), scales, strict=True))
-    return dx, dw, db.astype(bias.dtype), amaxes
+    return (dx, dw, db.astype(bias.dtype),
+            _as_scale_grads((x_amax, w_amax, g_amax), scales))
 
 
 _dense_parts.defvjp(_dense_parts_fwd, _dense_parts_bwd)

@@ -63,8 +63,7 @@ def dense(x: jax.Array, w: nnx.Variable, fp8: Scaling | None = None) -> jax.Arra
     if fp8 is None:
         return _dense(x, w, w[...])
     if fp8.kernel and _fp8_kernel_applies(x, w):
-        return fp8_kernel.dense(x, w[...], fp8.x_scale[...], fp8.w_scale[...],
-                                fp8.g_scale[...], len(param_meta(w)[1]))
+        return fp8_kernel.dense(x, w[...], fp8.scales(), len(param_meta(w)[1]))
     x, value = quantized_inputs(x, w[...], fp8)
     return quantized_gradient(_dense(x, w, value), fp8)
 
@@ -80,9 +79,7 @@ def gelu_mlp(x: jax.Array, w1: nnx.Variable, b1: jax.Array | float, w2: nnx.Vari
     if (fp8_1 is not None and fp8_2 is not None and fp8_1.kernel
             and _fp8_kernel_applies(x, w1) and _fp8_kernel_applies(x, w2)):
         b = b1 if isinstance(b1, jax.Array) else jnp.zeros(w1.shape[-1:], w1.dtype)
-        return fp8_kernel.gelu_mlp(
-            x, w1[...], b, w2[...], (fp8_1.x_scale[...], fp8_1.w_scale[...], fp8_1.g_scale[...]),
-            (fp8_2.x_scale[...], fp8_2.w_scale[...], fp8_2.g_scale[...]))
+        return fp8_kernel.gelu_mlp(x, w1[...], b, w2[...], fp8_1.scales(), fp8_2.scales())
     h = gelu(apart(dense(x, w1, fp8_1) + b1, fp8_1))
     h = constrain(h, ("act_batch", "act_seq", "act_mlp"))
     return dense(h, w2, fp8_2)
@@ -124,9 +121,7 @@ def dense_parts(x: jax.Array, w: nnx.Variable, axis: str, fp8: Scaling | None = 
         raise ValueError(f"dense_parts splits an output dimension; {axis!r} is contracted")
     if (fp8 is not None and fp8.kernel and at == len(fan_in)
             and _fp8_kernel_applies(x, w)):
-        return fp8_kernel.dense_parts(
-            x, w[...], bias, (fp8.x_scale[...], fp8.w_scale[...], fp8.g_scale[...]),
-            len(fan_in))
+        return fp8_kernel.dense_parts(x, w[...], bias, fp8.scales(), len(fan_in))
     ctx = active()
     w_spec = axes_spec(_gathered_axes(w, ctx[1]), ctx[0]) if ctx is not None else None
     split_outputs = w_spec is not None and any(
