@@ -1,5 +1,5 @@
 """FP8's quantisation pass on a GPU: `model.fp8_kernel = "pallas"`'s Triton kernel
-(parallel.fp8_kernel: an operand read once, written in FP8 as it is and transposed, with
+(parallel.fp8_cast: an operand read once, written in FP8 as it is and transposed, with
 its amax) in a few launch settings against XLA's fusion of the same computation, at
 gpt2-1.3b's shapes: the MLP's hidden activation [16 x 1024, 5120] ("plain"; "dgelu":
 its gradient from the GELU's input and the bias's column sums as well, two bf16 arrays
@@ -40,7 +40,7 @@ def main() -> int:
     import numpy as np
 
     from plait.models.fp8 import E4M3, E5M2
-    from plait.parallel import fp8_kernel
+    from plait.parallel import fp8_cast
 
     device = nvidia_gpu("the kernel runs")
     result = {"date": time.strftime("%Y-%m-%d"), "device": device.device_kind,
@@ -59,7 +59,7 @@ def main() -> int:
         def xla(x, pre, b, scale, q_dtype=q_dtype, top=top, mode=mode):
             v = x.astype(jnp.float32)
             if mode == "dgelu":
-                v = v * fp8_kernel._gelu_grad(pre.astype(jnp.float32) + b)
+                v = v * fp8_cast._gelu_grad(pre.astype(jnp.float32) + b)
             q = jnp.clip(v / scale[0], -top, top).astype(q_dtype)
             out = (q, q.T, jnp.max(jnp.abs(v)))
             return out + ((v.sum(0),) if mode == "dgelu" else ())
@@ -80,7 +80,7 @@ def main() -> int:
             setting = {"rows": rows, "cols": cols, "num_warps": warps}
             try:
                 kernel = jax.jit(functools.partial(
-                    fp8_kernel._launch, mode, n_rows=rows_n, n_cols=cols_n, q_dtype=q_dtype,
+                    fp8_cast._launch, mode, n_rows=rows_n, n_cols=cols_n, q_dtype=q_dtype,
                     interpret=False, rows=rows, cols=cols, num_warps=warps))
 
                 def call(kernel=kernel, operands=(scale, *inputs)):

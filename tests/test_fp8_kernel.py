@@ -1,4 +1,4 @@
-"""FP8 matmuls with their operands quantised by parallel.fp8_kernel (model.fp8_kernel =
+"""FP8 matmuls with their operands quantised by parallel.fp8_cast (model.fp8_kernel =
 "pallas"), in Pallas's interpreter on CPUs: the kernel's output against a NumPy
 emulation, the matmul and its gradients against the quantize-dequantize pattern's
 (models.fp8), and training through it on a mesh against the pattern's."""
@@ -11,7 +11,8 @@ import pytest
 from helpers import step_in_process, tiny, write_experiment
 
 from plait.models import fp8
-from plait.parallel import fp8_kernel
+from plait.parallel import fp8_cast, fp8_kernel
+from plait.parallel.kernel_place import Placement
 
 FORMATS = {"e4m3": (fp8.E4M3, ml_dtypes.float8_e4m3fn, 448.0),
            "e5m2": (fp8.E5M2, ml_dtypes.float8_e5m2, 57344.0)}
@@ -28,8 +29,7 @@ def test_the_kernel_quantises_transposes_and_measures_as_numpy_does(fmt):
     x[3, 5] = 1e4  # past e4m3's range at this scale: clipped
     xb = jnp.asarray(x, jnp.bfloat16)
     scale = jnp.asarray([0.0123], jnp.float32)
-    q, qt, amax = fp8_kernel.cast_transpose(xb, scale, q_dtype, 1,
-                                            fp8_kernel.Placement(None, None, True))
+    q, qt, amax = fp8_cast.cast_transpose(xb, scale, q_dtype, 1, Placement(None, None, True))
     s = np.float32(ml_dtypes.bfloat16(0.0123))
     xs = np.asarray(xb, np.float32)
     want = np.clip(xs / s, -top, top).astype(np_dtype)

@@ -154,7 +154,7 @@ class GPTConfig(ModelSection):
     # How an FP8 matmul (precision.matmul = "fp8") quantises its operands: "xla", the
     # quantize-dequantize pattern, XLA's fusions, amax reductions and transposes;
     # "pallas", one pass of a Pallas (Triton) kernel per operand writing it quantised
-    # both ways round with its amax (parallel.fp8_kernel), on NVIDIA GPUs only; "auto"
+    # both ways round with its amax (parallel.fp8_cast), on NVIDIA GPUs only; "auto"
     # as for loss_kernel. Under the 2-D / 3-D tensor modes, where a weight is split by
     # tensor, and inside a pipeline's body, XLA's either way.
     fp8_kernel: Literal["auto", "xla", "pallas"] = "auto"

@@ -23,7 +23,7 @@ gpt2-124m, which an H100 ran 11% slower than the census of its kernels estimated
 would have computed at its start (the state holds the scale the next step uses).
 Microbatches combine their amaxes by maximum (`accumulate`, `mean`).
 
-With `Scaling.kernel` (model.fp8_kernel = "pallas") parallel.fp8_kernel quantises the
+With `Scaling.kernel` (model.fp8_kernel = "pallas") parallel.fp8_cast quantises the
 operands in one Triton pass each instead of this pattern, with the same scales, values
 and amaxes.
 """
@@ -66,7 +66,7 @@ class Fp8Meta(nnx.Variable):
 
 class Scaling(nnx.Module):
     """The scales and amax histories of a matmul's input (x), weight (w) and output
-    gradient (g); `kernel`: the operands quantised by parallel.fp8_kernel's pass
+    gradient (g); `kernel`: the operands quantised by parallel.fp8_cast's pass
     (model.fp8_kernel = "pallas") where it applies."""
 
     def __init__(self, history: int, kernel: bool = False):
@@ -92,7 +92,7 @@ class Scalings(nnx.Module):
 
 def scalings(names: tuple[str, ...], history: int, kernel: bool = False) -> Scalings | None:
     """The scaling state of a module's matmuls `names`, or None without FP8; `kernel`:
-    quantised in parallel.fp8_kernel's pass."""
+    quantised in parallel.fp8_cast's pass."""
     return Scalings(names, history, kernel) if history else None
 
 

@@ -57,7 +57,7 @@ def dense(x: jax.Array, w: nnx.Variable, fp8: Scaling | None = None) -> jax.Arra
     partitions; under 2-D / 2.5-D / 3-D it is the explicit gathered matmul of
     `parallel.tensor`, laid out by the active rules. With `fp8` (the matmul's
     scaling state, models.fp8) the operands are quantised around it, in the global
-    view, whichever layer runs it: by parallel.fp8_kernel's passes where the state asks
+    view, whichever layer runs it: by parallel.fp8_cast's passes where the state asks
     for them (model.fp8_kernel) and they apply, else by the quantize-dequantize pattern.
     """
     if fp8 is None:
