@@ -124,6 +124,21 @@ def losses(summary_or_dir) -> np.ndarray:
     return np.array([r["loss"] for r in recs])
 
 
+def assert_refused_off_a_gpu(exp: Experiment, key: str, tmp_path: Path, capsys) -> None:
+    """`plait train` of `exp`, which sets model.`key` = "pallas" (a Triton kernel), on
+    this CPU: status 2 and one line naming the setting, the device and the fix, before
+    any run directory is made."""
+    from plait.cli import main
+
+    path = write_experiment(tmp_path / f"{key}.toml", exp)
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
+                 str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"model.{key}" in err, err
+    assert "NVIDIA GPUs, not cpu" in err and f'use model.{key} = "auto"' in err, err
+    assert not (tmp_path / "refused").exists()
+
+
 def subprocess_env() -> dict:
     """Environment for a fresh plait process: no inherited device flags, the tests'
     compiler flags, shared compile cache."""

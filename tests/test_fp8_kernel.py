@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import step_in_process, tiny, write_experiment
+from helpers import assert_refused_off_a_gpu, step_in_process, tiny
 
 from plait.models import fp8
 from plait.parallel import fp8_cast, fp8_kernel
@@ -155,13 +155,5 @@ def test_training_through_the_kernel_equals_the_pattern_on_a_mesh(monkeypatch):
 def test_the_kernel_asked_off_a_gpu_is_refused_in_one_line(tmp_path, capsys):
     """`model.fp8_kernel = "pallas"` runs a Triton kernel: on a CPU `plait train` ends in
     one line naming the setting and the fix, status 2, before making a run directory."""
-    from plait.cli import main
-
-    exp = tiny(model={"fp8_kernel": "pallas"})
-    path = write_experiment(tmp_path / "fp8.toml", exp)
-    assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
-                 str(tmp_path / "refused")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "model.fp8_kernel" in err and "not cpu" in err, err
-    assert 'use model.fp8_kernel = "auto"' in err, err
-    assert not (tmp_path / "refused").exists()
+    assert_refused_off_a_gpu(tiny(model={"fp8_kernel": "pallas"}), "fp8_kernel", tmp_path,
+                             capsys)

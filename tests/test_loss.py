@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import losses, make_mesh, run, tiny, write_experiment
+from helpers import assert_refused_off_a_gpu, losses, make_mesh, run, tiny
 
 from plait.models.loss import chunked_cross_entropy, cross_entropy
 
@@ -185,15 +185,8 @@ def test_a_gpt_on_the_loss_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
     (batch over data x fsdp, sequence over context), all at once (formed as one piece)
     and in pieces of the tokens, against one device on XLA's reductions; off a GPU `plait
     train` refuses it in one line (the test lets it run interpreted)."""
-    from plait.cli import main
-
     exp = tiny(train={"steps": 6}, model={"loss_kernel": "pallas"})
-    path = write_experiment(tmp_path / "kernel.toml", exp)
-    assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
-                 str(tmp_path / "refused")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "NVIDIA GPUs, not cpu" in err, err
-    assert not (tmp_path / "refused").exists()
+    assert_refused_off_a_gpu(exp, "loss_kernel", tmp_path, capsys)
     from plait.parallel import loss_kernel
 
     monkeypatch.setattr("plait.train.run.check_kernels", lambda *a: None)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import FakeGPU, losses, run, tiny, write_experiment
+from helpers import FakeGPU, assert_refused_off_a_gpu, losses, run, tiny
 
 from plait.parallel import norm_kernel
 
@@ -75,18 +75,10 @@ def test_a_gpt_on_the_norm_kernel_trains_like_one_device_on_xlas(whole_loss, tmp
     over data, sequence over context, replicated over tensor) trains like one device on
     XLA's norms, and every norm of the model runs in it on each device's rows, forward
     and backward: each ln2 after the attention's residual add, ln1 and ln_f alone."""
-    from plait.cli import main
-
     exp = tiny(train={"steps": 6})
     kernel = exp.model_copy(update={"model": exp.model.model_copy(
         update={"norm_kernel": "pallas"})})
-    path = write_experiment(tmp_path / "kernel.toml", kernel)
-    assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
-                 str(tmp_path / "refused")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "model.norm_kernel" in err and "not cpu" in err, err
-    assert 'use model.norm_kernel = "auto"' in err, err
-    assert not (tmp_path / "refused").exists()
+    assert_refused_off_a_gpu(kernel, "norm_kernel", tmp_path, capsys)
 
     monkeypatch.setattr("plait.train.run.check_kernels", lambda *a: None)
     forward, backward, traced, back = norm_kernel._forward, norm_kernel._backward, [], []
