@@ -1,13 +1,16 @@
 """FP8's quantisation pass on a GPU: `model.fp8_kernel = "pallas"`'s Triton kernel
 (parallel.fp8_cast: an operand read once, written in FP8 as it is and transposed, with
 its amax) in a few launch settings against XLA's fusion of the same computation, at
-gpt2-1.3b's shapes: the MLP's hidden activation [16 x 1024, 5120] ("plain"; "dgelu":
-its gradient from the GELU's input and the bias's column sums as well, two bf16 arrays
-read) and the residual stream's width [16 x 1024, 1280]. The median over `--repeat`
-samples of `--calls` calls each, the bytes moved per second, and whether each
-setting's FP8 values equal XLA's; the best setting is printed as the one to use (ROWS,
-COLS, NUM_WARPS). Times the pass alone: the step's own figure is `throughput.py --set
-precision.matmul='fp8' [--set model.fp8_kernel='xla']` (gpu_figures.sh's fp8kernel).
+gpt2-1.3b's shapes, each mode the step runs: the MLP's hidden activation [16 x 1024,
+5120] ("plain"; "gelu": the GELU of the first product's output plus its bias;
+"dgelu": its gradient from the GELU's input and the bias's column sums as well, two
+bf16 arrays read), the q/k/v projection's gradient in its three parts [16 x 1024, 3 x
+1280] ("parts", with their column sums) and the residual stream's width [16 x 1024,
+1280]. The median over `--repeat` samples of `--calls` calls each, the bytes moved per
+second, and whether each setting's FP8 values equal XLA's; the best setting is printed
+as the one to use (ROWS, COLS, NUM_WARPS; the step's per mode: parallel.fp8_cast.BLOCKS).
+Times the pass alone: the step's own figure is `throughput.py --set precision.matmul='fp8'
+[--set model.fp8_kernel='xla']` (gpu_figures.sh's fp8kernel).
 
     python benchmarks/fp8_kernel.py [--calls 10] [--json F]
 """
@@ -23,7 +26,10 @@ from report import best_setting, failed_setting, median_seconds, nvidia_gpu, rep
 # (ROWS, COLS, NUM_WARPS)
 SETTINGS = [(128, 64, 4), (64, 64, 4), (128, 128, 8), (64, 128, 4), (256, 64, 8),
             (32, 128, 4)]
-SHAPES = [("plain", 16384, 5120), ("dgelu", 16384, 5120), ("plain", 16384, 1280)]
+SHAPES = [("plain", 16384, 5120), ("gelu", 16384, 5120), ("dgelu", 16384, 5120),
+          ("parts", 16384, 3 * 1280), ("plain", 16384, 1280)]
+PART_COLS = 1280
+SUMS = ("dgelu", "parts")  # the modes that also give column sums
 
 
 def main() -> int:
@@ -51,22 +57,26 @@ def main() -> int:
         x = jax.random.normal(k[0], (rows_n, cols_n)).astype(jnp.bfloat16)
         pre = jax.random.normal(k[1], (rows_n, cols_n)).astype(jnp.bfloat16)
         b = 0.1 * jax.random.normal(k[2], (cols_n,))
-        q_dtype = E5M2 if mode == "dgelu" else E4M3
+        q_dtype = E5M2 if mode in SUMS else E4M3  # gradients in e5m2
         scale = jnp.asarray([0.01], jnp.float32)
         top = float(jnp.finfo(q_dtype).max)
 
         @jax.jit
         def xla(x, pre, b, scale, q_dtype=q_dtype, top=top, mode=mode):
             v = x.astype(jnp.float32)
+            if mode == "gelu":
+                v = fp8_cast._gelu(v + b)
             if mode == "dgelu":
                 v = v * fp8_cast._gelu_grad(pre.astype(jnp.float32) + b)
             q = jnp.clip(v / scale[0], -top, top).astype(q_dtype)
             out = (q, q.T, jnp.max(jnp.abs(v)))
-            return out + ((v.sum(0),) if mode == "dgelu" else ())
+            return out + ((v.sum(0),) if mode in SUMS else ())
 
-        inputs = (x, pre, b) if mode == "dgelu" else (x,)
+        inputs = {"plain": (x,), "gelu": (x, b), "dgelu": (x, pre, b),
+                  "parts": tuple(x[:, i:i + PART_COLS]
+                                 for i in range(0, cols_n, PART_COLS))}[mode]
         # reads x (and pre), writes q and its transpose
-        gb = rows_n * cols_n * (2 * len(inputs[:2]) + 2) / 1e9
+        gb = rows_n * cols_n * (2 * (2 if mode == "dgelu" else 1) + 2) / 1e9
         want = xla(x, pre, b, scale)
         args_xla = (x, pre, b, scale)
         xla_s = median_seconds(lambda a=args_xla: xla(*a), args.repeat, calls=args.calls)
@@ -81,7 +91,8 @@ def main() -> int:
             try:
                 kernel = jax.jit(functools.partial(
                     fp8_cast._launch, mode, n_rows=rows_n, n_cols=cols_n, q_dtype=q_dtype,
-                    interpret=False, rows=rows, cols=cols, num_warps=warps))
+                    interpret=False, part_cols=PART_COLS if mode == "parts" else 0,
+                    rows=rows, cols=cols, num_warps=warps))
 
                 def call(kernel=kernel, operands=(scale, *inputs)):
                     return kernel(operands)
@@ -98,7 +109,7 @@ def main() -> int:
                                          np.asarray(got[0]).view(np.uint8).T))
             amax_diff = abs(float(jnp.max(got[2])) - float(want[2]))
             sums_diff = (float(jnp.max(jnp.abs(got[3].sum(0) - want[3])))
-                         if mode == "dgelu" else 0.0)
+                         if mode in SUMS else 0.0)
             runs.append({**setting, "ms": seconds * 1e3, "tb_per_s": gb / seconds / 1e3,
                          "fp8_values_off": steps, "transpose_equal": same_t,
                          "amax_diff": amax_diff, "sums_max_abs_diff": sums_diff,
@@ -106,7 +117,7 @@ def main() -> int:
             print(f"{name}: {seconds * 1e3:.3f} ms ({gb / seconds / 1e3:.2f} TB/s), FP8 "
                   f"values unlike XLA's {steps} of {x.size}, transpose "
                   f"{'equal' if same_t else 'WRONG'}, amax off by {amax_diff:.2e}"
-                  + (f", column sums off by {sums_diff:.2e}" if mode == "dgelu" else ""),
+                  + (f", column sums off by {sums_diff:.2e}" if mode in SUMS else ""),
                   flush=True)
         shape["kernel"] = runs
         # a setting is wrong past a few in 10^4 values one FP8 step off

@@ -33,6 +33,12 @@ ROWS = 128
 COLS = 64
 NUM_WARPS = 4
 NUM_STAGES = 1
+# (ROWS, COLS, NUM_WARPS) where a mode ran faster in other blocks than the default's:
+# the GELU's gradient (two bf16 arrays read, a tanh and its derivative an element) at
+# gpt2-1.3b's [16384, 5120] took 0.230 ms in 64 x 64 blocks against 0.280 in 128 x 64
+# (an H200, 2026-11-27, benchmarks/fp8_kernel.py; the plain pass within 3% in every
+# setting tried, best in the default's). Columns stay COLS wide: "parts" needs it.
+BLOCKS = {"dgelu": (64, COLS, 4)}
 
 
 _C = math.sqrt(2 / math.pi)
@@ -105,12 +111,17 @@ def _kernel(rows: int, cols: int, n_rows: int, n_cols: int, col_blocks: int, top
 
 
 def _launch(mode: str, args: tuple, n_rows: int, n_cols: int, q_dtype, interpret: bool,
-            part_cols: int = 0, rows: int = ROWS, cols: int = COLS,
-            num_warps: int = NUM_WARPS) -> tuple:
+            part_cols: int = 0, rows: int | None = None, cols: int | None = None,
+            num_warps: int | None = None) -> tuple:
     """The kernel over an operand [n_rows, n_cols] (args: the scale [1] float32, then
-    the mode's inputs) -> (q, q^T, each block's amax[, each row block's column sums])."""
+    the mode's inputs) -> (q, q^T, each block's amax[, each row block's column sums]);
+    in the mode's blocks (BLOCKS, else ROWS x COLS with NUM_WARPS) unless given."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
+
+    shipped = BLOCKS.get(mode, (ROWS, COLS, NUM_WARPS))
+    rows, cols, num_warps = (given or default for given, default
+                             in zip((rows, cols, num_warps), shipped, strict=True))
 
     col_blocks = -(-n_cols // cols)
     row_blocks = -(-n_rows // rows)
