@@ -1,7 +1,9 @@
 """FP8 matmuls against bf16, side by side: tokens/s and the loss curves of one run each.
 
 Trains the experiment twice with `plait train`'s loop (data included, no
-checkpoints), precision.compute = "bfloat16" both times, precision.matmul
+checkpoints), each in a process of its own (benchmarks/throughput.py: as a user's
+`plait train` runs; a second run in one process measured 50% slower on an H200),
+precision.compute = "bfloat16" both times, precision.matmul
 "default" then "fp8", same seed and data. Prints one JSON object: the median
 step time and tokens/s of each (the first `--warmup` steps left out), their
 ratio, and the largest relative gap between the two loss curves from step
@@ -23,13 +25,11 @@ from pathlib import Path
 
 import numpy as np
 from report import run_script  # benchmarks/ is the script's directory
-from throughput import speed, timed_run  # benchmarks/ is the script's directory
+from throughput import in_own_process  # benchmarks/ is the script's directory
 
-
-def _train(path: str, sets: list[str], matmul: str, steps: int, mesh_text: str) -> dict:
-    exp, _, summary = timed_run(path, [*sets, "precision.compute='bfloat16'",
-                                       f"precision.matmul='{matmul}'"], steps, mesh_text)
-    return {"exp": exp, "summary": summary}
+# what each run's JSON gives per precision (throughput.py's keys)
+KEYS = ("median_step_s", "tokens_per_s", "compile_s", "steps_timed", "mfu",
+        "peak_device_memory_gib", "losses")
 
 
 def _smooth(x: np.ndarray, w: int) -> np.ndarray:
@@ -48,23 +48,34 @@ def main() -> int:
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
 
+    import os
+
     import jax
 
     from plait.models import fp8
 
-    fp8.check_devices(jax.devices())  # before the bf16 run, not after it
-    runs = {m: _train(args.experiment, args.sets, m, args.steps, args.mesh)
+    # before the bf16 run, not after it; the check needs the devices, not their memory
+    # (the runs' processes take that; they get the environment as it was)
+    asked = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    fp8.check_devices(jax.devices())
+    if asked is None:
+        del os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"]
+    else:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = asked
+    runs = {m: in_own_process(args.experiment, [*args.sets, "precision.compute='bfloat16'",
+                                                f"precision.matmul='{m}'"], args.steps,
+                              mesh=args.mesh, warmup=args.warmup, losses=True)
             for m in ("default", "fp8")}
-    exp = runs["default"]["exp"]
-    out: dict = {"date": time.strftime("%Y-%m-%d"), "device": jax.devices()[0].device_kind,
-                 "jax": jax.__version__, "experiment": exp.name, "mesh": args.mesh,
-                 "global_batch": exp.train.global_batch, "seq_len": exp.model.seq_len,
-                 "steps": args.steps, "remat": exp.model.remat}
+    first = runs["default"]
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "device": first["device"],
+                 "jax": first["jax"], "experiment": first["experiment"], "mesh": args.mesh,
+                 "global_batch": first["global_batch"], "seq_len": first["seq_len"],
+                 "steps": args.steps, "remat": first["remat"], "processes": "one a run"}
     curves = {}
     for m, r in runs.items():
-        out[m] = speed(r["exp"], r["summary"], args.warmup)
-        curves[m] = np.array([x["loss"] for x in r["summary"]["records"]])
-        out[m]["losses"] = curves[m].tolist()
+        out[m] = {k: r[k] for k in KEYS}
+        curves[m] = np.array(r["losses"])
     out["fp8_speedup"] = out["fp8"]["tokens_per_s"] / out["default"]["tokens_per_s"]
     a, b = (_smooth(curves[m][args.from_step - 1:], args.window) for m in ("default", "fp8"))
     if len(a):

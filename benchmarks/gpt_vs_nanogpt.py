@@ -29,15 +29,14 @@ a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from report import report, run_script  # benchmarks/ is the script's directory
+from throughput import in_own_process  # benchmarks/ is the script's directory
 
 ROOT = Path(__file__).resolve().parent.parent
 # bench.py's GPTConfig(bias=False): no bias in any linear layer or LayerNorm
@@ -59,18 +58,9 @@ def nanogpt_tokens_per_s(ref: Path, python: str, batch: int, seq: int,
 
 
 def plait_tokens_per_s(batch: int, seq: int, steps: int, sets: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out_json = Path(tmp) / "plait.json"
-        args = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
-                str(ROOT / "experiments" / "gpt2-124m.toml"), "--steps", str(steps),
-                "--json", str(out_json), "--set", f"train.global_batch={batch}",
-                "--set", f"model.seq_len={seq}", "--set", "model.vocab=50304"]
-        for s in sets:
-            args += ["--set", s]
-        out = subprocess.run(args, capture_output=True, text=True)
-        if out.returncode:
-            sys.exit(f"plait throughput.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-        return json.loads(out_json.read_text())
+    return in_own_process(str(ROOT / "experiments" / "gpt2-124m.toml"),
+                          [f"train.global_batch={batch}", f"model.seq_len={seq}",
+                           "model.vocab=50304", *sets], steps, quiet=True)
 
 
 def main() -> int:

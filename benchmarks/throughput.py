@@ -12,10 +12,39 @@ where the device's peak is unknown, e.g. CPUs), compile time and the machine.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from report import report, run_script  # benchmarks/ is the script's directory
+
+
+def in_own_process(experiment: str, sets: list[str], steps: int, *, mesh: str = "data=1",
+                   warmup: int = 5, losses: bool = False, quiet: bool = False) -> dict:
+    """This script's JSON for one run in a Python process of its own, as `plait train`
+    runs (with `losses`: each step's loss too). Runs compared side by side each get a
+    fresh process: on an H200 on 2026-11-27, gpt2-1.3b's FP8 step trained after its
+    bf16 run in one process took 363 ms, and 240 ms in `plait train` (docs/benchmarks.md,
+    "An eighth GPU session"). `quiet`: the run's output kept back, shown if it fails.
+    A run that fails ends this one with its status (a refusal's one line already said)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = Path(tmp) / "run.json"
+        args = [sys.executable, str(Path(__file__).resolve()), experiment, "--steps",
+                str(steps), "--warmup", str(warmup), "--mesh", mesh, "--json", str(out_json)]
+        args += ["--losses"] if losses else []
+        for s in sets:
+            args += ["--set", s]
+        done = subprocess.run(args, capture_output=quiet, text=True)
+        if done.returncode:
+            if quiet:
+                sys.stdout.write(done.stdout[-2000:])
+                sys.stderr.write(done.stderr[-3000:])
+            raise SystemExit(done.returncode)
+        return json.loads(out_json.read_text())
 
 
 def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str,
@@ -66,6 +95,8 @@ def main() -> int:
     ap.add_argument("--log-every", type=int, default=1,
                     help="log every N-th step (a record's time: the mean of its N steps). "
                          "1 syncs the host on every step; the experiments log every 10")
+    ap.add_argument("--losses", action="store_true",
+                    help="each logged step's loss in the JSON too (not printed)")
     ap.add_argument("--json", help="write the result here too")
     args = ap.parse_args()
 
@@ -98,7 +129,10 @@ def main() -> int:
         "peak_device_memory_gib": (summary["peak_device_memory_bytes"] / 2**30
                                    if "peak_device_memory_bytes" in summary else None),
     }
-    report(result, args.json)
+    report(result, None if args.losses else args.json)
+    if args.losses and args.json:  # the losses in the file alone: hundreds of numbers
+        losses = [r["loss"] for r in summary["records"]]
+        Path(args.json).write_text(json.dumps(result | {"losses": losses}) + "\n")
     return 0
 
 
