@@ -24,7 +24,9 @@
 #      `plait train` of its own without it (1.296x the bf16 run's 311.6 ms, not side by
 #      side): this settles which. The kernel's modes first (~40 s: the GELU and q/k/v
 #      parts' passes never timed alone; the GELU's gradient now in 64 x 64 blocks,
-#      0.280 -> 0.230 ms alone). The curve was within 0.79% from step 100.
+#      0.280 -> 0.230 ms alone; both GELU passes also with the GPU's approximate tanh,
+#      whether the tanh is why they take twice the plain pass's time: 32 of the step's
+#      48 ms of quantising). The curve was within 0.79% from step 100.
 #   2. env nanogpt kernels1p3b sweep124 (one command, DEADLINE_S=560; .refs/nanoGPT):
 #      issue 29's 1.1x nanoGPT side by side with the Triton kernels as now shipped ("auto"
 #      takes them on a Hopper GPU; their first GPU run, an H200 on 2026-11-27, gave

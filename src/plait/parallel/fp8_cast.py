@@ -44,19 +44,31 @@ BLOCKS = {"dgelu": (64, COLS, 4)}
 _C = math.sqrt(2 / math.pi)
 
 
-def _gelu(z: jax.Array) -> jax.Array:
+def _gelu(z: jax.Array, tanh=jnp.tanh) -> jax.Array:
     """GPT-2's GELU, the tanh approximation (jax.nn.gelu(approximate=True))."""
-    return 0.5 * z * (1 + jnp.tanh(_C * (z + 0.044715 * z * z * z)))
+    return 0.5 * z * (1 + tanh(_C * (z + 0.044715 * z * z * z)))
 
 
-def _gelu_grad(z: jax.Array) -> jax.Array:
+def _gelu_grad(z: jax.Array, tanh=jnp.tanh) -> jax.Array:
     """d gelu(z) / dz."""
-    t = jnp.tanh(_C * (z + 0.044715 * z * z * z))
+    t = tanh(_C * (z + 0.044715 * z * z * z))
     return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _C * (1 + 3 * 0.044715 * z * z)
 
 
+def _tanh(approx: bool):
+    """jnp.tanh (Triton: libdevice's tanhf, to a rounding); with `approx` the GPU's one
+    instruction (tanh.approx.f32, relative error ~2^-11), benchmarks/fp8_kernel.py's
+    question whether the GELU passes, twice the plain pass's time on an H200, are its
+    cost. Pallas's interpreter has no inline PTX: jnp.tanh there either way."""
+    if not approx:
+        return jnp.tanh
+    from jax.experimental.pallas import triton as plt
+
+    return plt.approx_tanh
+
+
 def _kernel(rows: int, cols: int, n_rows: int, n_cols: int, col_blocks: int, top: float,
-            mode: str, part_cols: int, *refs):
+            mode: str, part_cols: int, tanh, *refs):
     """One block of the operand v: v / scale clipped to +-top and rounded to FP8, stored
     as it is and transposed; the block's largest |v| (before scaling) stored at the
     program's index. v is x ("plain"); gelu(x + bias) ("gelu": the MLP's activation, x
@@ -96,10 +108,10 @@ def _kernel(rows: int, cols: int, n_rows: int, n_cols: int, col_blocks: int, top
     if b_ref is not None:
         b = plt.load(b_ref.at[pl.ds(c0, cols)], mask=live, other=0).astype(jnp.float32)
         if mode == "gelu":
-            v = _gelu(v + b[None, :])
+            v = _gelu(v + b[None, :], tanh)
         else:
             pre = plt.load(pre_ref.at[block], mask=mask, other=0).astype(jnp.float32)
-            v = v * _gelu_grad(pre + b[None, :])
+            v = v * _gelu_grad(pre + b[None, :], tanh)
         v = jnp.where(mask, v, 0.0)
     scale = plt.load(scale_ref.at[pl.ds(0, 1)])  # float32, already the compute dtype's
     q = jnp.clip(v / scale, -top, top).astype(q_ref.dtype)
@@ -112,10 +124,11 @@ def _kernel(rows: int, cols: int, n_rows: int, n_cols: int, col_blocks: int, top
 
 def _launch(mode: str, args: tuple, n_rows: int, n_cols: int, q_dtype, interpret: bool,
             part_cols: int = 0, rows: int | None = None, cols: int | None = None,
-            num_warps: int | None = None) -> tuple:
+            num_warps: int | None = None, approx_tanh: bool = False) -> tuple:
     """The kernel over an operand [n_rows, n_cols] (args: the scale [1] float32, then
     the mode's inputs) -> (q, q^T, each block's amax[, each row block's column sums]);
-    in the mode's blocks (BLOCKS, else ROWS x COLS with NUM_WARPS) unless given."""
+    in the mode's blocks (BLOCKS, else ROWS x COLS with NUM_WARPS) unless given;
+    `approx_tanh`: see _tanh (the step's passes take the exact one)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
@@ -128,7 +141,7 @@ def _launch(mode: str, args: tuple, n_rows: int, n_cols: int, q_dtype, interpret
     blocks = row_blocks * col_blocks
     top = float(jnp.finfo(q_dtype).max)
     kernel = functools.partial(_kernel, rows, cols, n_rows, n_cols, col_blocks, top, mode,
-                               part_cols)
+                               part_cols, _tanh(approx_tanh and not interpret))
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     out_shape = (jax.ShapeDtypeStruct((n_rows, n_cols), q_dtype),
                  jax.ShapeDtypeStruct((n_cols, n_rows), q_dtype),
