@@ -49,6 +49,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import os
+    from unittest import mock
 
     import jax
 
@@ -56,13 +57,8 @@ def main() -> int:
 
     # before the bf16 run, not after it; the check needs the devices, not their memory
     # (the runs' processes take that; they get the environment as it was)
-    asked = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    fp8.check_devices(jax.devices())
-    if asked is None:
-        del os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"]
-    else:
-        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = asked
+    with mock.patch.dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"):
+        fp8.check_devices(jax.devices())
     runs = {m: in_own_process(args.experiment, [*args.sets, "precision.compute='bfloat16'",
                                                 f"precision.matmul='{m}'"], args.steps,
                               mesh=args.mesh, warmup=args.warmup, losses=True)

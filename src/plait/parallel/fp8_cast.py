@@ -37,7 +37,8 @@ NUM_STAGES = 1
 # the GELU's gradient (two bf16 arrays read, a tanh and its derivative an element) at
 # gpt2-1.3b's [16384, 5120] took 0.230 ms in 64 x 64 blocks against 0.280 in 128 x 64
 # (an H200, 2026-11-27, benchmarks/fp8_kernel.py; the plain pass within 3% in every
-# setting tried, best in the default's). Columns stay COLS wide: "parts" needs it.
+# setting tried, best in the default's). "parts" needs its blocks' columns to divide
+# each part's width (checked in _launch).
 BLOCKS = {"dgelu": (64, COLS, 4)}
 
 
@@ -135,6 +136,8 @@ def _launch(mode: str, args: tuple, n_rows: int, n_cols: int, q_dtype, interpret
     shipped = BLOCKS.get(mode, (ROWS, COLS, NUM_WARPS))
     rows, cols, num_warps = (given or default for given, default
                              in zip((rows, cols, num_warps), shipped, strict=True))
+    if mode == "parts" and part_cols % cols:  # a block must lie in one part
+        raise ValueError(f"parts {part_cols} wide: not a multiple of a block's {cols}")
 
     col_blocks = -(-n_cols // cols)
     row_blocks = -(-n_rows // rows)
@@ -171,8 +174,6 @@ def _cast_transpose_parts_2d(parts: tuple, scale: jax.Array, q_dtype, interpret:
     """parts [R, Cp] each, side by side as [R, n Cp] -> (q, q^T, each block's amax, each
     row block's column sums [row blocks, n Cp])."""
     n_rows, part_cols = parts[0].shape
-    if part_cols % COLS:
-        raise ValueError(f"parts {part_cols} wide: not a multiple of a block's {COLS}")
     return _launch("parts", (scale, *parts), n_rows, part_cols * len(parts), q_dtype,
                    interpret, part_cols)
 
