@@ -95,8 +95,7 @@ def test_moe_against_its_dense_twin(tmp_path):
     ("fp8_kernel.py", "the kernel runs on an NVIDIA GPU, not cpu")])
 def test_the_kernel_benchmarks_refuse_a_cpu_in_one_line(script, says, monkeypatch, capsys):
     """gpu_figures.sh's pallas, losskernel, normkernel and fp8kernelcheck stages time GPU
-    kernels: on
-    this CPU each script ends in one line, status 2."""
+    kernels: on this CPU each script ends in one line, status 2."""
     code, _, err = _here(monkeypatch, capsys, script)
     err = err.strip()
     assert code == 2 and says in err and err.count("\n") == 0, err
@@ -173,11 +172,11 @@ def test_fp8_against_bf16_emulated_and_refused(tmp_path, monkeypatch, capsys):
     assert 0 < got["max_rel_loss_gap_from_step"]["gap"] < 0.01
 
     monkeypatch.delenv("PLAIT_FP8_EMULATE", raising=False)
-    code, out, err = _here(monkeypatch, capsys, "fp8_vs_bf16.py", "experiments/quickstart.toml",
-                           "--steps", "6")
+    code, said, err = _here(monkeypatch, capsys, "fp8_vs_bf16.py",
+                            "experiments/quickstart.toml", "--steps", "6")
     assert code == 2 and err.strip().splitlines() == [err.strip()]
     assert err.startswith("fp8_vs_bf16.py: error: precision.matmul = \"fp8\" needs")
-    assert "step " not in out  # nothing trained first
+    assert "step " not in said  # nothing trained first
 
 
 def test_a_benchmark_refuses_an_unknown_key_in_one_line(monkeypatch, capsys):
