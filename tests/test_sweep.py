@@ -195,8 +195,9 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
 def test_vary_tries_settings_on_every_shape_each_from_its_own_compile(tmp_path, capsys):
     """On one device the mesh has one shape; --vary crosses it with remat and gradient
     accumulation, each combination its own program (full remat recomputes the forward:
-    more FLOPs; two microbatches: the same work), trained by --run with its settings and
-    shown by them in the table and the CSV."""
+    more FLOPs; two microbatches: the same work), the top two trained by --run with
+    their settings (each in a process of its own), and shown by them in the table and
+    the CSV."""
     from plait.cli import main
 
     exp = tiny(train={"global_batch": 4})
@@ -204,7 +205,7 @@ def test_vary_tries_settings_on_every_shape_each_from_its_own_compile(tmp_path, 
     out = tmp_path / "sw"
     assert main(["sweep", str(path), "--devices", "1", "--out", str(out), "--vary",
                  "model.remat=none,full", "--vary", "train.microbatches=1,2", "--run",
-                 "--run-steps", "3"]) == 0
+                 "--run-steps", "3", "--top", "2"]) == 0
     said = capsys.readouterr()
     report = json.loads((out / "sweep.json").read_text())
     rows = {(r["varied"]["model.remat"], r["varied"]["train.microbatches"]): r
@@ -214,11 +215,13 @@ def test_vary_tries_settings_on_every_shape_each_from_its_own_compile(tmp_path, 
         assert rows["full", mb]["flops_per_device"] > 1.2 * rows["none", mb]["flops_per_device"]
     assert rows["none", 2]["flops_per_device"] == pytest.approx(
         rows["none", 1]["flops_per_device"], rel=0.02)
-    assert all(r["measured_step_s"] > 0 for r in rows.values())
-    assert len((out / sweep.RUNS).read_text().splitlines()) == 4
+    measured = [r for r in rows.values() if r.get("measured_step_s") is not None]
+    assert len(measured) == 2 and all(r["measured_step_s"] > 0 for r in measured)
+    assert len((out / sweep.RUNS).read_text().splitlines()) == 2
     trained = sweep.candidate_of(rows["full", 2], 1).experiment(exp)
     assert (trained.model.remat, trained.train.microbatches) == ("full", 2)
-    assert "model.remat=full train.microbatches=2" in said.out  # table and calibration
+    assert all(f"model.remat={a} train.microbatches={b}" in said.out  # table, calibration
+               for (a, b), r in rows.items() if r.get("measured_step_s") is not None)
     assert "plait sweep: compiled 4/4 " in said.err  # one program per combination
     csv_rows = list(csv.DictReader((out / "sweep.csv").read_text().splitlines()))
     assert {r["varied"] for r in csv_rows} == {
@@ -436,6 +439,35 @@ def test_a_program_whose_compile_kills_its_process_is_left_out_and_the_rest_go_o
     assert got == {m: None if m == sa.ABORTS else {"mesh": m} for m in meshes}
 
 
+def test_each_run_trains_in_a_process_of_its_own_set_up_like_this_one(monkeypatch):
+    """--run trains each shape in a fresh process, as `plait train` runs: it has this
+    process's devices and compile cache, plait's quiet logging, and the allocator setting
+    the user gave (this process keeps none of an accelerator's memory up front); a
+    process killed (by the out-of-memory killer, say) or raising is one line."""
+    import os
+    import signal
+
+    import jax
+    import sweep_abort as sa
+
+    from plait.sweep import isolated
+
+    # as leave_device_memory leaves it for a user who set no XLA_PYTHON_CLIENT_PREALLOCATE
+    monkeypatch.setitem(isolated._THEIR_ENV, isolated.PREALLOCATE, None)
+    monkeypatch.setenv(isolated.PREALLOCATE, "false")
+    seen = isolated.call(sa.sees, devices=2)
+    assert seen == {"pid": seen["pid"], "devices": jax.device_count(),
+                    "cache": jax.config.jax_compilation_cache_dir, "preallocate": "unset",
+                    "quiet": True}
+    assert seen["pid"] != os.getpid()
+    with pytest.raises(isolated.ProcessDied, match=r"^its process was killed by SIGKILL "
+                       r"\(the system's out-of-memory killer, if memory ran out\)$"):
+        isolated.call(signal.raise_signal, signal.SIGKILL, devices=2)
+    with pytest.raises(isolated.ProcessRaised,
+                       match=r"^ValueError: invalid literal for int\(\) with base 10: 'x'$"):
+        isolated.call(int, "x", devices=2)
+
+
 def test_a_pool_found_broken_when_submitting_hands_back_what_did_not_run():
     """The race seen in CI: a process dies after the last wait and before the next
     submit, which then raises BrokenProcessPool itself. The program not submitted goes
@@ -533,6 +565,7 @@ def test_run_times_are_journaled_and_a_rerun_measures_only_new_shapes(tmp_path, 
     others; --fresh trains all; a shape that failed is tried again."""
     import plait.train.loop as loop
 
+    here = sweep.run.train_one  # in this process: the training stand-in below reaches it
     exp = tiny(model={"layers": 1}, train={"global_batch": 4})
     journal = tmp_path / "sw" / sweep.RUNS
 
@@ -541,7 +574,7 @@ def test_run_times_are_journaled_and_a_rerun_measures_only_new_shapes(tmp_path, 
                 for i, m in enumerate(meshes, 1)]
 
     first = rows_of("data=2", "fsdp=2")
-    sweep.measure_runs(exp, first, 2, steps=3, journal=journal)  # really trained
+    sweep.measure_runs(exp, first, 2, steps=3, journal=journal, train=here)  # really trained
     assert all(r["measured_step_s"] > 0 for r in first)
     assert len(journal.read_text().splitlines()) == 2
     trained: list[str] = []
@@ -554,17 +587,20 @@ def test_run_times_are_journaled_and_a_rerun_measures_only_new_shapes(tmp_path, 
 
     monkeypatch.setattr(loop, "train_briefly", fake)
     again = rows_of("data=2", "fsdp=2", "tensor=2")
-    sweep.measure_runs(exp, again, 2, steps=3, journal=journal)
+    sweep.measure_runs(exp, again, 2, steps=3, journal=journal, train=here)
     assert trained == ["tensor=2"] and again[2]["measured_error"] == "too big"
     assert [r["measured_step_s"] for r in again[:2]] == [r["measured_step_s"] for r in first]
     assert "2 of 3 step times read from" in capsys.readouterr().err
     sweep.measure_runs(exp, rows_of("data=2", "fsdp=2", "tensor=2"), 2, steps=3,
-                       journal=journal)
+                       journal=journal, train=here)
     assert trained == ["tensor=2", "tensor=2"]  # the failed shape, tried again
-    sweep.measure_runs(exp, rows_of("data=2", "tensor=2"), 2, steps=3, journal=journal)
+    sweep.measure_runs(exp, rows_of("data=2", "tensor=2"), 2, steps=3, journal=journal,
+                       train=here)
     assert len(trained) == 2  # every shape journaled now
-    sweep.measure_runs(exp, rows_of("data=2"), 2, steps=4, journal=journal)  # other steps
-    sweep.measure_runs(exp, rows_of("fsdp=2"), 2, steps=3, journal=journal, fresh=True)
+    sweep.measure_runs(exp, rows_of("data=2"), 2, steps=4, journal=journal,
+                       train=here)  # other steps
+    sweep.measure_runs(exp, rows_of("fsdp=2"), 2, steps=3, journal=journal, fresh=True,
+                       train=here)
     assert trained[2:] == ["data=2", "fsdp=2"]
 
 
@@ -577,6 +613,7 @@ def test_run_rounds_go_in_rank_order_and_back_and_a_rerun_adds_rounds(tmp_path, 
     that failed is not tried again in a later round."""
     import plait.train.loop as loop
 
+    here = sweep.run.train_one  # in this process: the training stand-in below reaches it
     exp = tiny(model={"layers": 1})
     trained: list[tuple[str, float]] = []
 
@@ -598,12 +635,12 @@ def test_run_rounds_go_in_rank_order_and_back_and_a_rerun_adds_rounds(tmp_path, 
                 for i, m in enumerate(meshes, 1)]
 
     once = rows_of("data=2", "fsdp=2", "tensor=2")
-    sweep.measure_runs(exp, once, 2, steps=3)
+    sweep.measure_runs(exp, once, 2, steps=3, train=here)
     assert [r["measured_step_s"] for r in once] == pytest.approx([0.010, 0.011, 0.012])
     trained.clear()
     journal = tmp_path / sweep.RUNS
     rows = rows_of("data=2", "fsdp=2", "pipeline=2", "tensor=2")
-    sweep.measure_runs(exp, rows, 2, steps=3, journal=journal, rounds=2)
+    sweep.measure_runs(exp, rows, 2, steps=3, journal=journal, rounds=2, train=here)
     assert [s for s, _ in trained] == ["data=2", "fsdp=2", "tensor=2",
                                        "tensor=2", "fsdp=2", "data=2"]
     measured = [r["measured_step_s"] for r in rows]
@@ -618,7 +655,7 @@ def test_run_rounds_go_in_rank_order_and_back_and_a_rerun_adds_rounds(tmp_path, 
     assert len(journal.read_text().splitlines()) == 6
 
     rows = rows_of("data=2", "fsdp=2", "pipeline=2", "tensor=2")
-    sweep.measure_runs(exp, rows, 2, steps=3, journal=journal, rounds=3)
+    sweep.measure_runs(exp, rows, 2, steps=3, journal=journal, rounds=3, train=here)
     assert [s for s, _ in trained[6:]] == ["data=2", "fsdp=2", "tensor=2"]  # round 3 only
     assert rows[0]["measured_rounds_s"] == pytest.approx([0.010, 0.015, 0.016])
     assert rows[0]["measured_step_s"] == pytest.approx(0.015)

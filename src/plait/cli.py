@@ -8,49 +8,15 @@ and the fix, with exit status 2 and no traceback.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-from plait import cluster, xla_flags
+from plait import cluster, quiet, xla_flags
 from plait.cli_args import parser
 from plait.cli_data import cmd_data
 from plait.errors import UserError, reported
-
-
-def _quiet_libraries() -> None:
-    """Keep the console for plait's own lines. Libraries' warnings and errors (orbax's
-    tracebacks from a failed save, a corrupt checkpoint's ignored coroutines) go only to
-    RUN_DIR/plait.log once a run directory is open (`plait.train.rundir.open_log`)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    try:
-        import absl.logging
-
-        absl.logging.set_verbosity(absl.logging.WARNING)
-    except ImportError:  # pragma: no cover
-        pass
-    logging.basicConfig(format="plait: %(levelname)s: %(message)s", level=logging.WARNING)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(lambda r: r.name == "plait" or r.name.startswith("plait."))
-    logging.captureWarnings(True)  # Python warnings become log records (py.warnings)
-    sys.unraisablehook = _unraisablehook
-    for name in ("orbax", "absl", "jax"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def _unraisablehook(unraisable) -> None:
-    """Errors native code reports after the fact (TensorStore completing a failed save's
-    write on an asyncio loop that orbax already closed) go to the log file, not the
-    console; anything else is printed as Python would."""
-    value = unraisable.exc_value
-    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-        logging.getLogger("orbax.late").warning(
-            "late error of a failed save",
-            exc_info=(unraisable.exc_type, value, unraisable.exc_traceback))
-        return
-    sys.__unraisablehook__(unraisable)
 
 
 def cmd_sample(args) -> int:
@@ -257,6 +223,10 @@ def cmd_sweep(args) -> int:
         raise UserError(f"--run-rounds must be at least 1, got {args.run_rounds}")
     schedules = sweep.schedule_names(args.schedules)
     combos = sweep.combinations(args.experiment, list(args.sets), args.vary)
+    if args.run:  # each shape trains in a process of its own, with the device's memory
+        from plait.sweep.isolated import leave_device_memory
+
+        leave_device_memory()
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
     hw = load_hardware(args.hardware or "cpu-2core")  # "auto" asks the devices just set up
@@ -339,7 +309,7 @@ def cmd_schedule(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    _quiet_libraries()
+    quiet.quiet_libraries()
     xla_flags.apply_defaults()  # before any device is touched
     command = {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
                "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,

@@ -249,7 +249,7 @@ def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
     else:
         want = fixed_product(spec)
     flag_count = _xla_flag_device_count()
-    if not _backend_started() and flag_count is None:
+    if not backend_started() and flag_count is None:
         # Each process of a multi-process run simulates its share of the mesh.
         per_process = max(1, want // _PENDING_PROCESSES)
         current = getattr(jax.config, "jax_num_cpu_devices", -1)
@@ -292,7 +292,9 @@ def set_pending_process_count(n: int) -> None:
     _PENDING_PROCESSES = n
 
 
-def _backend_started() -> bool:
+def backend_started() -> bool:
+    """Whether JAX has started a backend: device counts and the environment variables
+    XLA reads at start (XLA_FLAGS, XLA_PYTHON_CLIENT_*) are fixed from then on."""
     try:
         from jax._src import xla_bridge
 

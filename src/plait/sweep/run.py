@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -237,9 +238,9 @@ def candidate_of(row: dict, n: int) -> Candidate:
     return Candidate(sizes, dict(row.get("settings") or {}), tuple(row.get("varied") or {}))
 
 
-def _train_one(exp: Experiment, cand: Candidate, n: int, steps: int) -> float | str:
-    """The median step time of the shape `cand` trained for `steps` steps (the first,
-    which compiles, not counted), or the one line saying why it did not run."""
+def train_one(exp: Experiment, cand: Candidate, n: int, steps: int) -> float | str:
+    """The median step time of the shape `cand` trained for `steps` steps in this process
+    (the first, which compiles, not counted), or the one line saying why it did not run."""
     from plait.errors import RunFailed
     from plait.train.loop import train_briefly
 
@@ -256,6 +257,17 @@ def _train_one(exp: Experiment, cand: Candidate, n: int, steps: int) -> float | 
     return float(np.median(times)) if times else "no step timed"
 
 
+def train_in_own_process(exp: Experiment, cand: Candidate, n: int, steps: int) -> float | str:
+    """`train_one` in a fresh process, as `plait train` runs (`plait.sweep.isolated`);
+    a failure there, or the process's death, is the shape's one line."""
+    from plait.sweep import isolated
+
+    try:
+        return isolated.call(train_one, exp, cand, n, steps, devices=n)
+    except (isolated.ProcessDied, isolated.ProcessRaised) as e:
+        return str(e)
+
+
 def visits(count: int, rounds: int) -> list[tuple[int, int]]:
     """(round, row index) in the order `--run` trains them: round 1 in rank order, round 2
     back, and so on, so that a machine drifting slowly over the run (a CPU warming, a
@@ -269,11 +281,14 @@ def visits(count: int, rounds: int) -> list[tuple[int, int]]:
 
 def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
                  journal: Path | None = None, fresh: bool = False,
-                 progress: bool = True, rounds: int = 1) -> None:
+                 progress: bool = True, rounds: int = 1,
+                 train: Callable[[Experiment, Candidate, int, int], float | str]
+                 = train_in_own_process) -> None:
     """Train each row's shape for a few steps on the devices at hand, `rounds` times (see
-    `visits`); add the median over rounds of its median step time (`measured_step_s`,
-    and each round's in `measured_rounds_s` when there are several). A shape that fails
-    to run (too big for the devices after all, a failure of the step) gets
+    `visits`), each training in a process of its own (`train`: how); add the median over
+    rounds of its median step time (`measured_step_s`, and each round's in
+    `measured_rounds_s` when there are several). A shape that fails to run (too big for
+    the devices after all, a failure of the step, its process killed) gets
     `measured_error`, its one line, said on stderr, and is not tried in later rounds; the
     others still run. With a `journal` file, each time is appended as measured, and those
     it holds for these shapes and rounds (the same experiment, steps, plait and machine)
@@ -310,7 +325,7 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
             if "measured_error" in r:  # failed in an earlier round: not counted
                 continue
             bar.update(task, description=f"training rank {r['rank']} ({label}){at}")
-            got = _train_one(exp, cands[i], n, steps)
+            got = train(exp, cands[i], n, steps)
             done += 1
             if isinstance(got, str):
                 r["measured_error"] = got
