@@ -37,7 +37,9 @@
 #      `ratio_biases`; ~180 s); gpt2-1.3b on XLA's fusions and on both kernels (issue
 #      29's 50% MFU: 47.8% on the H200 with both, 45.0% of record on an H100; ~140 s);
 #      then whatever is left for the sweep's prediction against the measured steps on
-#      gpt2-124m (issue 29's sweep item, never run on a GPU). fp8cache (~4 minutes) if
+#      gpt2-124m (issue 29's sweep item, never run on a GPU; `--run` now trains each
+#      shape in a process of its own, the sweep's process holding no GPU memory up
+#      front: the first GPU run of that too). fp8cache (~4 minutes) if
 #      step 1 measured FP8 fast: the same two runs with the persistent cache on, bf16
 #      filling XLA's per-fusion autotuning cache that the FP8 compile then reads (is
 #      that what slowed it?).
@@ -437,7 +439,8 @@ for stage in "$@"; do
         --steps 12 --window 6:10 --top 60 --json "$OUT/profile-gpt1p3b.json" ;;
     sweep124)  # issue 29's sweep item: predicted against measured on one GPU. One device
       # has one mesh shape, so the sweep tries settings on it (--vary), compiles each on
-      # the GPU, trains the top ones and fits the overheads to them
+      # the GPU, trains the top ones (each in a process of its own) and fits the
+      # overheads to them
       run sweep-124m 560 python3 -m plait sweep experiments/gpt2-124m.toml --devices 1 \
         --hardware auto --vary model.remat=none,save_attention,full \
         --vary model.loss_chunks=1,4 --run --top 3 --out "$OUT/sweep-124m" ;;
