@@ -3,14 +3,17 @@
 The twin replaces each sparse MLP by one dense MLP of top_k x the experts' hidden size
 (plus the shared expert's): the same weights in every token's matrix multiplies (the
 router's d x E aside), so the FLOPs per token are equal and the ratio of tokens/s is
-what routing, sorting and grouped matmuls cost. Both run in this process, alternating
-for `--rounds` (each round trains each model `--steps` steps, data included, no
-checkpoints; the first `--warmup` steps of each are dropped); the result is the
-median ratio of the rounds, side by side on one device. Issue 28 asks for >= 0.70
-(dropless, on a GPU). `--variant NAME:KEY=VALUE,...` adds the mixture of experts with
-those settings to every round (e.g. `pallas:model.moe.grouped="pallas"`), with its own
-ratio to the same twin; `--pallas-blocks FILE` takes the kernels' tiling from
-`pallas_blocks.py`'s JSON.
+what routing, sorting and grouped matmuls cost. Both train alternating for `--rounds`
+(each round trains each model `--steps` steps, data included, no checkpoints; the
+first `--warmup` steps of each are dropped), each training in a Python process of its
+own (this script with `--only NAME`), as `plait train` runs: on an H200 a training
+after another in one process measured 363 ms a step against 240 in a process of its
+own (docs/benchmarks.md, "An eighth GPU session"); until 2026-11-27 both ran in one
+process. The result is the median ratio of the rounds, side by side on one device.
+Issue 28 asks for >= 0.70 (dropless, on a GPU). `--variant NAME:KEY=VALUE,...` adds
+the mixture of experts with those settings to every round (e.g.
+`pallas:model.moe.grouped="pallas"`), with its own ratio to the same twin;
+`--pallas-blocks FILE` takes the kernels' tiling from `pallas_blocks.py`'s JSON.
 
     python benchmarks/moe_vs_dense.py experiments/mixtral-mini.toml [--rounds 3] [--json F]
 """
@@ -18,8 +21,14 @@ ratio to the same twin; `--pallas-blocks FILE` takes the kernels' tiling from
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from report import report, run_script
 from throughput import speed, train_loop  # benchmarks/ is the script's directory
@@ -38,6 +47,23 @@ def timed(exp, mesh, steps: int, warmup: int) -> dict:
     return speed(exp, train_loop(exp, mesh, steps), warmup)
 
 
+def in_own_process(name: str) -> dict:
+    """`timed` of the model `name` (moe, dense or a variant) in a fresh process: this
+    script, as called, with `--only name`. A run that fails ends this one with its
+    status (its one line already said)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        args = sys.argv[1:]
+        if "--json" in args:  # this run's JSON is its own
+            i = args.index("--json")
+            del args[i:i + 2]
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args,
+                               "--only", name, "--json", str(out)], stdout=subprocess.DEVNULL)
+        if done.returncode:
+            raise SystemExit(done.returncode)
+        return json.loads(out.read_text())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment")
@@ -51,6 +77,7 @@ def main() -> int:
     ap.add_argument("--pallas-blocks", help="pallas_blocks.py's JSON: the tiling of "
                     "model.moe.grouped = \"pallas\"'s kernels")
     ap.add_argument("--json", help="write the result here too")
+    ap.add_argument("--only", help=argparse.SUPPRESS)  # one model's run, in its process
     args = ap.parse_args()
 
     import jax
@@ -74,20 +101,21 @@ def main() -> int:
         variants[name] = load_experiment(args.experiment, args.sets + sets.split(","))
         variant_sets[name] = sets
     if args.pallas_blocks:
-        import json
-        from pathlib import Path
-
         from plait.parallel import grouped_pallas
 
         grouped_pallas.BLOCKS.update(json.loads(Path(args.pallas_blocks).read_text())["best"])
     dense = dense_twin(moe)
+    models = {"moe": moe, **variants, "dense": dense}
     spec = mesh_lib.load_spec(args.mesh)
-    n = mesh_lib.provision_devices(spec)
-    mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
+    if args.only is not None:  # one run, in the process in_own_process started
+        n = mesh_lib.provision_devices(spec)
+        mesh = mesh_lib.build_mesh(mesh_lib.resolve(spec, n), n)
+        got = timed(models[args.only], mesh, args.steps, args.warmup)
+        Path(args.json).write_text(json.dumps({**got, "pid": os.getpid()}) + "\n")
+        return 0
     rounds = []
     for i in range(args.rounds):
-        got = {name: timed(exp, mesh, args.steps, args.warmup)
-               for name, exp in (("moe", moe), *variants.items(), ("dense", dense))}
+        got = {name: in_own_process(name) for name in models}
         got["ratio"] = got["moe"]["tokens_per_s"] / got["dense"]["tokens_per_s"]
         for name in variants:
             got[f"ratio_{name}"] = got[name]["tokens_per_s"] / got["dense"]["tokens_per_s"]
@@ -96,6 +124,7 @@ def main() -> int:
             ("moe", *variants, "dense")) + f": {got['ratio']:.3f}" + "".join(
             f", {name} {got[f'ratio_{name}']:.3f}" for name in variants), flush=True)
         rounds.append(got)
+    n = mesh_lib.provision_devices(spec)  # after the runs: this process holds no device
     device = jax.devices()[0]
     peak = peak_flops(device.device_kind, moe.precision.compute)
 
@@ -105,7 +134,8 @@ def main() -> int:
 
     result = {
         "date": time.strftime("%Y-%m-%d"), "device": device.device_kind, "devices": n,
-        "jax": jax.__version__, "experiment": moe.name, "mesh": mesh_lib.inline(dict(mesh.shape)),
+        "jax": jax.__version__, "experiment": moe.name,
+        "mesh": mesh_lib.inline(mesh_lib.resolve(spec, n)),
         "precision": moe.precision.compute, "capacity_factor": moe.model.moe.capacity_factor,
         "global_batch": moe.train.global_batch, "seq_len": moe.model.seq_len,
         "params": {"moe": gpt_counts.param_count(moe.model),

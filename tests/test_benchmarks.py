@@ -70,7 +70,8 @@ def test_throughput_reports_the_loop_users_run(tmp_path):
 
 def test_moe_against_its_dense_twin(tmp_path):
     """gpu_figures.sh's moe stage: the MoE and a dense model of the same active matmul
-    weights, trained by the same loop, their tokens/s side by side."""
+    weights, trained by the same loop, each in a process of its own, their tokens/s side
+    by side."""
     out = tmp_path / "m.json"
     _ok(_script("moe_vs_dense.py", "experiments/moe-tiny.toml", "--rounds", "1", "--steps",
                 "4", "--warmup", "1", "--variant", "cap1:model.moe.capacity_factor=1.0",
@@ -83,6 +84,7 @@ def test_moe_against_its_dense_twin(tmp_path):
     assert r["ratio_cap1"] == pytest.approx(r["cap1"]["tokens_per_s"]
                                             / r["dense"]["tokens_per_s"])
     assert got["variants"]["cap1"]["sets"] == "model.moe.capacity_factor=1.0"
+    assert len({r[name]["pid"] for name in ("moe", "cap1", "dense")}) == 3
     active = got["active_matmul_params"]
     assert active["dense"] == pytest.approx(active["moe"], rel=0.02)  # the router's weights
     assert got["params"]["moe"] > 2 * got["params"]["dense"]
