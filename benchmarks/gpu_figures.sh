@@ -182,7 +182,9 @@ for stage in "$@"; do
       # the experts' dispatch measured on both models (a fresh machine's first compile of
       # mixtral-mini took over 95 s on 2026-11-26)
       [ -d .refs/plait-before/src ] || { echo "== abmoe: no .refs/plait-before/src"; continue; }
-      # (both on the tiles: "auto" takes the Pallas kernels on a Hopper GPU since d81315a)
+      # (both on the tiles: "auto" takes the Pallas kernels on a Hopper GPU since d81315a).
+      # Since 84cfc8c this tree's script trains each model in a process of its own; a
+      # before-tree older than that alternates them in one: compare like with like
       run moe-now 240 $MOE_MEM python3 benchmarks/moe_vs_dense.py \
         experiments/mixtral-mini.toml --set 'model.moe.grouped="tiles"' --rounds 1 --steps 12 \
         --warmup 4 --json "$OUT/moe-now.json"
