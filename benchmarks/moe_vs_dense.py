@@ -26,11 +26,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from report import report, run_script
+from report import json_of_own_process, report, run_script
 from throughput import speed, train_loop  # benchmarks/ is the script's directory
 
 
@@ -49,19 +48,9 @@ def timed(exp, mesh, steps: int, warmup: int) -> dict:
 
 def in_own_process(name: str) -> dict:
     """`timed` of the model `name` (moe, dense or a variant) in a fresh process: this
-    script, as called, with `--only name`. A run that fails ends this one with its
-    status (its one line already said)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run.json"
-        args = sys.argv[1:]
-        if "--json" in args:  # this run's JSON is its own
-            i = args.index("--json")
-            del args[i:i + 2]
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args,
-                               "--only", name, "--json", str(out)], stdout=subprocess.DEVNULL)
-        if done.returncode:
-            raise SystemExit(done.returncode)
-        return json.loads(out.read_text())
+    script, as called, with `--only name` (`report.json_of_own_process`)."""
+    return json_of_own_process(__file__, [*sys.argv[1:], "--only", name],
+                               stdout=subprocess.DEVNULL)
 
 
 def main() -> int:

@@ -124,6 +124,29 @@ def report(result: dict, json_path: str | Path | None) -> None:
         Path(json_path).write_text(text + "\n")
 
 
+def json_of_own_process(script: str | Path, args: list[str], *, quiet: bool = False,
+                        stdout=None) -> dict:
+    """The JSON `script` (a benchmark) writes when run with `args` in a Python process of
+    its own, as `plait train` runs: runs compared side by side each get a fresh process
+    (docs/benchmarks.md, "An eighth GPU session"). `--json` goes last, so it wins over
+    one in `args`. `quiet`: the run's output kept back, shown if it fails; `stdout`: as
+    subprocess.run takes it. A run that fails ends this one with its status (a
+    refusal's one line already said)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = Path(tmp) / "run.json"
+        done = subprocess.run([sys.executable, str(Path(script).resolve()), *args,
+                               "--json", str(out_json)],
+                              capture_output=quiet, stdout=stdout, text=True)
+        if done.returncode:
+            if quiet:
+                sys.stdout.write(done.stdout[-2000:])
+                sys.stderr.write(done.stderr[-3000:])
+            raise SystemExit(done.returncode)
+        return json.loads(out_json.read_text())
+
+
 def run_script(main: Callable[[], int | None]) -> None:
     """Run a script's `main` and exit with its status; a plait UserError (a bad key, fp8
     asked of a CPU) ends in one line and status 2, as with `plait` itself

@@ -14,37 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from report import report, run_script  # benchmarks/ is the script's directory
+from report import json_of_own_process, report, run_script  # benchmarks/ is the script's directory
 
 
 def in_own_process(experiment: str, sets: list[str], steps: int, *, mesh: str = "data=1",
                    warmup: int = 5, losses: bool = False, quiet: bool = False) -> dict:
     """This script's JSON for one run in a Python process of its own, as `plait train`
-    runs (with `losses`: each step's loss too). Runs compared side by side each get a
-    fresh process: on an H200 on 2026-11-27, gpt2-1.3b's FP8 step trained after its
-    bf16 run in one process took 363 ms, and 240 ms in `plait train` (docs/benchmarks.md,
-    "An eighth GPU session"). `quiet`: the run's output kept back, shown if it fails.
-    A run that fails ends this one with its status (a refusal's one line already said)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_json = Path(tmp) / "run.json"
-        args = [sys.executable, str(Path(__file__).resolve()), experiment, "--steps",
-                str(steps), "--warmup", str(warmup), "--mesh", mesh, "--json", str(out_json)]
-        args += ["--losses"] if losses else []
-        for s in sets:
-            args += ["--set", s]
-        done = subprocess.run(args, capture_output=quiet, text=True)
-        if done.returncode:
-            if quiet:
-                sys.stdout.write(done.stdout[-2000:])
-                sys.stderr.write(done.stderr[-3000:])
-            raise SystemExit(done.returncode)
-        return json.loads(out_json.read_text())
+    runs (with `losses`: each step's loss too; `report.json_of_own_process`). Runs
+    compared side by side each get a fresh process: on an H200 on 2026-11-27, gpt2-1.3b's
+    FP8 step trained after its bf16 run in one process took 363 ms, and 240 ms in
+    `plait train` (docs/benchmarks.md, "An eighth GPU session")."""
+    args = [experiment, "--steps", str(steps), "--warmup", str(warmup), "--mesh", mesh]
+    args += ["--losses"] if losses else []
+    for s in sets:
+        args += ["--set", s]
+    return json_of_own_process(__file__, args, quiet=quiet)
 
 
 def timed_run(experiment: str, sets: list[str], steps: int, mesh_text: str,
