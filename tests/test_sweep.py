@@ -626,9 +626,6 @@ def test_run_rounds_go_in_rank_order_and_back_and_a_rerun_adds_rounds(tmp_path, 
         return {"records": [{"step_time_s": t}] * steps}
 
     monkeypatch.setattr(loop, "train_briefly", drifting)
-    # the collection between shapes frees a real training's state; in a test worker's
-    # large heap it took ~1 s a call, 15 calls (17 s of the suite) for nothing here
-    monkeypatch.setattr(sweep.run.gc, "collect", lambda: 0)
 
     def rows_of(*meshes: str) -> list[dict]:
         return [{"rank": i, "mesh": m, "settings": {}, "fits": True, "predicted_step_s": 0.01}

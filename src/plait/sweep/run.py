@@ -3,7 +3,6 @@ pays), predict every shape, rank; and `--run`: train the top shapes for a few st
 
 from __future__ import annotations
 
-import gc
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -248,11 +247,6 @@ def train_one(exp: Experiment, cand: Candidate, n: int, steps: int) -> float | s
         summary = train_briefly(cand.experiment(exp), mesh_lib.build_mesh(cand.sizes, n), steps)
     except (UserError, RunFailed) as e:
         return str(e)
-    finally:
-        # One shape's state (a 1.3B model's is ~20 GB with its optimizer) must be gone
-        # before the next is built on the same device; what reference cycles hold (a
-        # failure's traceback frames) goes only at a collection.
-        gc.collect()
     times = [rec["step_time_s"] for rec in summary["records"][1:]]
     return float(np.median(times)) if times else "no step timed"
 
