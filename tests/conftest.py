@@ -42,3 +42,17 @@ def whole_loss(tmp_path_factory):
     from helpers import losses, run, tiny
 
     return losses(run(tiny(train={"steps": 6}), "data=1", tmp_path_factory.mktemp("ref")))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--compile-times", metavar="DIR", default=None,
+                     help="write each test's wall time and JAX trace/lower/compile seconds "
+                          "under DIR (tests/compile_times.py; benchmarks/suite_times.py sums)")
+
+
+def pytest_configure(config):
+    out = config.getoption("--compile-times")
+    if out:
+        from compile_times import CompileTimes
+
+        config.pluginmanager.register(CompileTimes(Path(out).resolve()), "compile-times")

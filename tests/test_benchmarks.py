@@ -526,3 +526,27 @@ def test_a_timed_sample_issues_its_calls_back_to_back(monkeypatch):
     assert (len(made), len(waits)) == (4 + 3 * 4, 1 + 3)
     with pytest.raises(ValueError, match="one call a sample"):
         median_seconds(lambda x: x, 3, fresh=lambda: jnp.ones(2), calls=2)
+
+
+def test_suite_times_sums_what_each_test_spent_compiling(tmp_path):
+    """`pytest --compile-times DIR` records a test's wall time and the seconds JAX traced,
+    lowered and compiled its jitted functions; suite_times.py sums them, and refuses a
+    directory without them in one line."""
+    test = "tests/test_residuals.py::test_norms_keep_only_per_token_statistics_and_match_autodiff"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test,
+                          "--compile-times", str(tmp_path / "t")], cwd=ROOT,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:]
+    summary = json.loads(subprocess.run(
+        [sys.executable, "benchmarks/suite_times.py", str(tmp_path / "t"), "--json",
+         str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, text=True,
+        check=True).stdout and (tmp_path / "s.json").read_text())
+    assert summary["tests"] == 1 and list(summary["tests_longest"]) == [test]
+    row = summary["tests_longest"][test]
+    assert 0 < row["jax_compile_s"] < row["wall_s"]
+    assert summary["total"] == row and set(summary["by_stage_s"]) == {"trace", "lower", "compile"}
+    assert any(k.startswith("compile jit(") for k in summary["functions"])
+    refused = subprocess.run([sys.executable, "benchmarks/suite_times.py", str(tmp_path / "no")],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "--compile-times" in refused.stderr

@@ -1,0 +1,78 @@
+"""Where the test suite's time went, from `python -m pytest -n 2 --compile-times DIR`
+(tests/compile_times.py): the sum over the workers of the tests' wall time, the share
+JAX spent tracing, lowering and compiling in the tests' own processes (a test's `plait`
+subprocesses count in its wall time only), the files and tests that took longest, and
+the jitted functions whose compiles cost most. Reads the workers' JSON; runs nothing."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+STAGES = ("trace", "lower", "compile")
+
+
+def summary(out: Path, top: int) -> dict:
+    tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    functions: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    workers = sorted(out.glob("*.json"))
+    if not workers:
+        print(f"suite_times: no worker JSON in {out}; run the suite with "
+              f"--compile-times {out} first", file=sys.stderr)
+        raise SystemExit(2)
+    for path in workers:
+        data = json.loads(path.read_text())
+        for name, times in data["tests"].items():
+            tests[name].update(times)
+        for name, (secs, n) in data["functions"].items():
+            functions[name] += secs
+            calls[name] += n
+    total = collections.Counter()
+    files: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for name, times in tests.items():
+        total.update(times)
+        files[name.split("::")[0]].update(times)
+
+    def row(times):
+        jax_s = sum(times[s] for s in STAGES)
+        return {"wall_s": round(times["wall"], 1), "jax_compile_s": round(jax_s, 1),
+                "rest_s": round(times["wall"] - jax_s, 1)}
+
+    def longest(table):
+        return {k: row(v) for k, v in sorted(table.items(), key=lambda kv: -kv[1]["wall"])[:top]}
+
+    return {"workers": len(workers), "tests": len(tests), "total": row(total),
+            "by_stage_s": {s: round(total[s], 1) for s in STAGES},
+            "files": longest(files), "tests_longest": longest(tests),
+            "functions": {k: {"s": round(v, 1), "calls": calls[k]}
+                          for k, v in functions.most_common(top)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path, help="the --compile-times directory")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    a = ap.parse_args()
+    s = summary(a.dir, a.top)
+    t = s["total"]
+    print(f"{s['tests']} tests on {s['workers']} workers: {t['wall_s'] / 60:.1f} test-minutes, "
+          f"{t['jax_compile_s'] / t['wall_s']:.0%} tracing, lowering and compiling in-process "
+          f"({', '.join(f'{k} {v:.0f} s' for k, v in s['by_stage_s'].items())})")
+    for title, key in (("files", "files"), ("tests", "tests_longest")):
+        print(f"\nlongest {title}: wall s, in-process JAX compile s")
+        for name, r in s[key].items():
+            print(f"{r['wall_s']:8.1f} {r['jax_compile_s']:8.1f}  {name}")
+    print("\ncostliest jitted functions (stage name: s, calls)")
+    for name, r in s["functions"].items():
+        print(f"{r['s']:8.1f} {r['calls']:6d}  {name}")
+    if a.json:
+        a.json.write_text(json.dumps(s, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Where the suite's time goes: `python -m pytest -n 2 --compile-times DIR` writes,
+per test worker, each test's wall time and the seconds JAX spent in this process
+tracing, lowering and compiling (by jitted function), from `jax.monitoring`'s
+events. `python benchmarks/suite_times.py DIR` sums them. A test's `plait`
+subprocesses are in its wall time only."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from pathlib import Path
+
+import jax.monitoring
+import pytest
+
+# JAX's duration events for the three stages of a jit's first call.
+STAGES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+          "/jax/core/compile/backend_compile_duration": "compile"}
+
+
+class CompileTimes:
+    def __init__(self, out: Path):
+        self.out, self.test = out, None
+        self.tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.functions: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+        jax.monitoring.register_event_duration_secs_listener(self.heard)
+
+    def heard(self, event: str, secs: float, fun_name: str | None = None, **_) -> None:
+        stage = STAGES.get(event)
+        if stage is None:
+            return
+        self.tests[self.test or "(outside tests)"][stage] += secs
+        self.functions[f"{stage} {fun_name}"] += secs
+        self.calls[f"{stage} {fun_name}"] += 1
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.test, t0 = item.nodeid, time.perf_counter()
+        yield
+        self.tests[item.nodeid]["wall"] += time.perf_counter() - t0
+        self.test = None
+
+    def pytest_sessionfinish(self, session):
+        if not self.tests:  # pytest-xdist's controller: its workers ran the tests
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        (self.out / f"{worker}.json").write_text(json.dumps({
+            "tests": self.tests,
+            "functions": {k: [v, self.calls[k]] for k, v in self.functions.items()}}))
