@@ -537,10 +537,9 @@ def test_suite_times_sums_what_each_test_spent_compiling(tmp_path):
                           "--compile-times", str(tmp_path / "t")], cwd=ROOT,
                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:]
-    summary = json.loads(subprocess.run(
-        [sys.executable, "benchmarks/suite_times.py", str(tmp_path / "t"), "--json",
-         str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, text=True,
-        check=True).stdout and (tmp_path / "s.json").read_text())
+    subprocess.run([sys.executable, "benchmarks/suite_times.py", str(tmp_path / "t"), "--json",
+                    str(tmp_path / "s.json")], cwd=ROOT, capture_output=True, check=True)
+    summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["tests"] == 1 and list(summary["tests_longest"]) == [test]
     row = summary["tests_longest"][test]
     assert 0 < row["jax_compile_s"] < row["wall_s"]
