@@ -13,6 +13,10 @@ import sys
 import pytest
 from helpers import ROOT, subprocess_env
 
+# The shipped experiments' two layers cut to one where a test runs a script end to end:
+# what it checks is the script's figures, not the depth (half the compile).
+ONE_LAYER = ("--set", "model.layers=1")
+
 
 def _script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     e = subprocess_env()
@@ -47,7 +51,7 @@ def test_throughput_reports_the_loop_users_run(tmp_path):
     pieces, the timed steps after the warm-up, tokens/s from the median step."""
     out = tmp_path / "t.json"
     proc = _script("throughput.py", "experiments/llama-tiny.toml", "--steps", "5", "--warmup",
-                   "2", "--set", "model.loss_chunks=4", "--json", str(out))
+                   "2", "--set", "model.loss_chunks=4", *ONE_LAYER, "--json", str(out))
     _ok(proc)
     got = json.loads(out.read_text())
     assert json.loads(proc.stdout[proc.stdout.index("{"):]) == got
@@ -58,12 +62,12 @@ def test_throughput_reports_the_loop_users_run(tmp_path):
     assert got["compile_s"] > 0 and got["model_tflops_per_s_per_device"] > 0
     # no peak FLOP/s or allocator figures for a CPU: null, not a made-up number
     assert got["mfu"] is None and got["peak_device_memory_gib"] is None
-    assert got["log_every"] == 1 and got["sets"] == ["model.loss_chunks=4"]
+    assert got["log_every"] == 1 and got["sets"] == ["model.loss_chunks=4", *ONE_LAYER[1::2]]
 
     # logged as the experiments log (every N-th step): a record's time is its N steps'
     # mean; records at steps 1 (the compiling one, dropped), 2, 4, 6 and the last, 7
     _ok(_script("throughput.py", "experiments/llama-tiny.toml", "--steps", "7", "--warmup",
-                "1", "--log-every", "2", "--json", str(out)))
+                "1", "--log-every", "2", *ONE_LAYER, "--json", str(out)))
     got = json.loads(out.read_text())
     assert (got["log_every"], got["steps_timed"]) == (2, 4)
 
@@ -75,7 +79,7 @@ def test_moe_against_its_dense_twin(tmp_path):
     out = tmp_path / "m.json"
     _ok(_script("moe_vs_dense.py", "experiments/moe-tiny.toml", "--rounds", "1", "--steps",
                 "4", "--warmup", "1", "--variant", "cap1:model.moe.capacity_factor=1.0",
-                "--json", str(out)))
+                *ONE_LAYER, "--json", str(out)))
     got = json.loads(out.read_text())
     (r,) = got["rounds"]
     assert r["ratio"] == pytest.approx(r["moe"]["tokens_per_s"] / r["dense"]["tokens_per_s"])
@@ -165,7 +169,7 @@ def test_fp8_against_bf16_emulated_and_refused(tmp_path, monkeypatch, capsys):
     refused in one line before the bf16 run is spent."""
     out = tmp_path / "f.json"
     _ok(_script("fp8_vs_bf16.py", "experiments/quickstart.toml", "--steps", "6", "--warmup",
-                "1", "--from-step", "3", "--window", "2", "--json", str(out),
+                "1", "--from-step", "3", "--window", "2", *ONE_LAYER, "--json", str(out),
                 env={"PLAIT_FP8_EMULATE": "1"}))
     got = json.loads(out.read_text())
     assert len(got["default"]["losses"]) == len(got["fp8"]["losses"]) == 6

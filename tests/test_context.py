@@ -58,7 +58,7 @@ def test_loss_and_gradients_equal_the_run_without_the_axis(model, attention, spe
 def test_pipeline_with_a_context_axis_trains_like_one_device(model, tmp_path):
     """Under a pipeline the context axis gathers keys and values (a ring step inside a
     stage's branch would wait for ranks in another): losses equal the one-device run."""
-    steps = {"train": {"steps": 4}}
+    steps = {"train": {"steps": 4}, "model": {"layers": 2}}  # a layer per stage
     want = losses(run(experiment(model, **steps), "data=1", tmp_path / "one"))
     exp = experiment(model, pipeline={"schedule": "1f1b", "microbatches": 4}, **steps)
     got = losses(run(exp, "context=2,pipeline=2", tmp_path / "cp"))
@@ -69,7 +69,8 @@ def test_checkpoints_move_on_and_off_the_axis(tmp_path):
     """4 steps on context=4, 4 on data=4, 4 on context=4 again: the curve of 12 steps on
     data=4 (RoPE, stacked layers, so the positions and the layer layout both move)."""
     ckpt = {"enabled": True, "every_steps": 4, "keep": 2, "async_save": False}
-    exp = functools.partial(experiment, "llama", checkpoint=ckpt, model={"scan_layers": True},
+    exp = functools.partial(experiment, "llama", checkpoint=ckpt,
+                            model={"layers": 2, "scan_layers": True},
                             log={"every_steps": 1, "tensorboard": False, "console": "none"})
     full = losses(run(exp(), "data=4,fsdp=2", tmp_path / "full"))
     part = tmp_path / "part"

@@ -161,7 +161,7 @@ def test_an_id_past_the_vocabulary_deep_in_the_file_stops_training_in_one_line(t
                                                                                capsys):
     """The first million ids are checked at start; past them, each window as it is read
     (the embedding lookup would clamp such an id, and training would go on, wrong)."""
-    from helpers import one_layer, write_experiment
+    from helpers import tiny, write_experiment
 
     from plait.cli import main
 
@@ -173,7 +173,7 @@ def test_an_id_past_the_vocabulary_deep_in_the_file_stops_training_in_one_line(t
     with pytest.raises(UserError, match=r"token id 300 >= model.vocab = 256 \(the first at "
                                         r"token 1,048,58[0-9]"):
         source.window((1 << 20) - 2, 40)
-    cfg = write_experiment(tmp_path / "e.toml", one_layer(data={"source": "tokens",
+    cfg = write_experiment(tmp_path / "e.toml", tiny(data={"source": "tokens",
                                                                 "path": str(path)}))
     assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -30,7 +30,8 @@ def packed(tmp_path_factory):
 
 
 def _exp(path, base=LLAMA, **sections):
-    model = {**base, **sections.pop("model", {})}
+    # two layers: the pipelines' cases compare with the same one-device reference
+    model = {"layers": 2, **base, **sections.pop("model", {})}
     data = {"source": "tokens", "path": str(path), "document_mask": True,
             **sections.pop("data", {})}
     train = {"steps": 6, "microbatches": 2, **sections.pop("train", {})}

@@ -67,6 +67,9 @@ def _windows_loss(task, params, tokens: np.ndarray, seq: int, n: int) -> float:
     return _softmax_xent(logits[..., : task.exp.model.vocab], rows[:, 1:])
 
 
+SCORED_MODEL = {"layers": 2}  # the scored run's: a layer per stage of pipeline=2
+
+
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
     """A tiny GPT trained 4 steps (checkpoints at 2 and 4) and a held-out file of 41
@@ -74,8 +77,8 @@ def scored(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     held_out = tmp / "val.bin"
     write_tokens(np.random.default_rng(3).integers(0, 256, 41 * 32 + 1), held_out, "uint16")
-    exp = tiny(train={"steps": 4}, checkpoint={"enabled": True, "every_steps": 2,
-                                               "async_save": False})
+    exp = tiny(model=SCORED_MODEL, train={"steps": 4},
+               checkpoint={"enabled": True, "every_steps": 2, "async_save": False})
     run(exp, "data=2", tmp / "r")
     return tmp / "r", held_out
 
@@ -98,7 +101,7 @@ def test_plait_eval_scores_every_window_as_a_hand_computation(scored, mesh, tmp_
         4, 40, 1, 40 * 32)
     with ocp.StandardCheckpointer() as reader:
         params = reader.restore(run_dir / "checkpoints" / "4" / "state")["params"]
-    task = make_task(tiny(), make_mesh("data=1"))
+    task = make_task(tiny(model=SCORED_MODEL), make_mesh("data=1"))
     tokens = np.fromfile(held_out, np.uint16)
     np.testing.assert_allclose(got["loss"], _windows_loss(task, params, tokens, 32, 40),
                                rtol=2e-5)
@@ -237,7 +240,7 @@ def test_a_reader_restores_the_parameters_alone(scored):
 
     run_dir = scored[0]
     ckpts = Checkpoints(run_dir / "checkpoints", keep=1, async_save=False, read_only=True)
-    task = make_task(tiny(), make_mesh("data=1"))
+    task = make_task(tiny(model=SCORED_MODEL), make_mesh("data=1"))
     abstract, take, note = task.params_plan(ckpts.record(4))
     state, meta = ckpts.restore_step(abstract, 4, flag="--step")
     assert list(state) == ["params"] and note is None and meta["step"] == 4

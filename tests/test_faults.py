@@ -7,8 +7,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
-from helpers import losses, run, wrap_gpt_step, write_experiment
-from helpers import one_layer as tiny  # what these tests check is per layer
+from helpers import losses, run, tiny, wrap_gpt_step, write_experiment
 
 from plait.cli import main
 

@@ -13,7 +13,7 @@ from helpers import losses, make_mesh, run, tiny
 
 # 8 query heads over 2 key/value heads, Qwen2's q/k/v biases, OLMoE's q/k norms over
 # the whole projections (an all-reduce where heads are split), Llama 3.1's rotary scaling.
-LLAMA = {"kind": "llama", "heads": 8, "kv_heads": 2, "d_ff": 96, "qkv_bias": True,
+LLAMA = {"kind": "llama", "layers": 2, "heads": 8, "kv_heads": 2, "d_ff": 96, "qkv_bias": True,
          "qk_norm": True,
          "rope_theta": 10000.0,
          "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -7,8 +7,7 @@ replica count."""
 import jax
 import numpy as np
 import pytest
-from helpers import LINE_LOG, losses, make_mesh, run
-from helpers import one_layer as tiny  # what these tests check is per layer
+from helpers import LINE_LOG, losses, make_mesh, run, tiny
 
 from plait import data
 from plait.errors import UserError

@@ -7,7 +7,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import losses, one_layer, run
+from helpers import losses, run, tiny
 
 from plait.config import OptimizerConfig
 from plait.train.state import lr_schedule, optimizer, schedule_text
@@ -67,7 +67,7 @@ def test_the_optimizer_steps_by_the_schedule():
 
 
 def test_a_run_logs_the_schedule_it_steps_by(tmp_path):
-    exp = one_layer(train={"steps": 6}, optimizer={
+    exp = tiny(train={"steps": 6}, optimizer={
         "lr": 1e-2, "warmup_steps": 1, "decay_steps": 6, "schedule": "wsd",
         "cooldown_fraction": 0.5, "min_lr_ratio": 0.0})
     summary = run(exp, "data=1", tmp_path / "r")
@@ -89,7 +89,7 @@ def test_a_wsd_run_extended_from_before_its_cooldown_holds_then_cools_down_later
 
     from plait.cli import main
 
-    raw = one_layer(train={"steps": 8}, checkpoint={"enabled": True, "every_steps": 2,
+    raw = tiny(train={"steps": 8}, checkpoint={"enabled": True, "every_steps": 2,
                                                     "keep": 4, "async_save": False},
                     optimizer={"lr": 1e-2, "warmup_steps": 2, "decay_steps": None,
                                "schedule": "wsd", "cooldown_fraction": 0.25,

@@ -24,6 +24,7 @@ MOE = {"experts": 4, "top_k": 2, "capacity_factor": 2.0, "shared_d_ff": 32,
        "shared_gate": True, "aux_weight": 0.1, "z_weight": 0.01}
 UNSHARED = {"shared_d_ff": 0, "shared_gate": False}
 MODEL = {"kind": "llama", "heads": 8, "kv_heads": 2, "d_ff": 64, "rope_theta": 10000.0}
+TWO_LAYERS = {"layers": 2}  # a layer per stage of pipeline=2
 
 
 def experiment(moe: dict | None = None, **sections):
@@ -142,16 +143,18 @@ def test_pipelines_train_like_one_device(tmp_path):
     split backward replays the layer's jaxpr), against the same run (dropless equals
     capacity without drops: test_dropless_equals_capacity_without_drops). The one-device
     run's router metrics reach metrics.jsonl and TensorBoard."""
-    sections = {"train": {"microbatches": 4, "steps": 6}, "log": {"tensorboard": True}}
+    sections = {"train": {"microbatches": 4, "steps": 6}, "log": {"tensorboard": True},
+                "model": TWO_LAYERS}
     want = losses(run(experiment(**sections), "data=1", tmp_path / "one"))
     got = losses(run(experiment(pipeline={"schedule": "1f1b", "microbatches": 4},
-                                train={"steps": 6}), "expert=2,pipeline=2", tmp_path / "pp"))
+                                train={"steps": 6}, model=TWO_LAYERS),
+                     "expert=2,pipeline=2", tmp_path / "pp"))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     # fsdp x tensor inside the stages: the router's shards and its logits' gradient
     # were moved between the two axes by permutes inside the tick's switch, and the
     # step was refused as one that would hang (models/moe.py pins both)
     got = losses(run(experiment(pipeline={"schedule": "1f1b", "microbatches": 4},
-                                train={"steps": 6}), "pipeline=2,fsdp=2,tensor=2",
+                                train={"steps": 6}, model=TWO_LAYERS), "pipeline=2,fsdp=2,tensor=2",
                      tmp_path / "pp-fsdp-tensor"))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert want[-1] < want[0] - 0.1
@@ -161,7 +164,8 @@ def test_pipelines_train_like_one_device(tmp_path):
     for schedule in ("1f1b", "zb-h1"):
         got = losses(run(experiment({"capacity_factor": 0.0},
                                     pipeline={"schedule": schedule, "microbatches": 4},
-                                    train={"steps": 4}), "pipeline=2", tmp_path / schedule))
+                                    train={"steps": 4}, model=TWO_LAYERS),
+                         "pipeline=2", tmp_path / schedule))
         np.testing.assert_allclose(got, want[:4], rtol=1e-5, err_msg=schedule)
 
     rec = [json.loads(line)
@@ -192,7 +196,7 @@ def test_no_collective_permute_in_a_tick(spec, schedule, microbatches):
     # moe-tiny's 8 unshared experts (4 with a shared one did not show the 2-D case)
     task = GPTTask(experiment({"experts": 8, **UNSHARED},
                               pipeline={"schedule": schedule, "microbatches": microbatches},
-                              train={"global_batch": 8}), make_mesh(spec))
+                              train={"global_batch": 8}, model=TWO_LAYERS), make_mesh(spec))
     mod = hlo.parse_hlo(task.compile().as_text())
     assert any(i.opcode == "conditional" for c in mod.computations.values() for i in c)
     assert not hlo.ops_in_branches(mod, "collective-permute")

@@ -6,8 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import LINE_LOG, ROOT, losses, run, subprocess_env, write_experiment
-from helpers import one_layer as tiny  # what these tests check is per layer
+from helpers import LINE_LOG, ROOT, losses, run, subprocess_env, tiny, write_experiment
 
 MESH = "data=2,fsdp=2,tensor=2"
 

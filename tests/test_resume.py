@@ -8,8 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import LINE_LOG, ROOT, losses, run, subprocess_env, write_experiment
-from helpers import one_layer as tiny  # what these tests check is per layer
+from helpers import LINE_LOG, ROOT, losses, run, subprocess_env, tiny, write_experiment
 
 CKPT = {"enabled": True, "every_steps": 4, "keep": 2, "async_save": True}
 

@@ -22,7 +22,7 @@ def trained(tmp_path_factory):
     """A tiny GPT trained on the synthetic streams, checkpointed at steps 8 and 16
     (layers scanned in memory: the checkpoint holds them one entry each)."""
     run_dir = tmp_path_factory.mktemp("sample") / "run"
-    exp = tiny(train={"steps": 16}, model={"scan_layers": True},
+    exp = tiny(train={"steps": 16}, model={"layers": 2, "scan_layers": True},
                checkpoint={"enabled": True, "every_steps": 8, "async_save": False})
     run(exp, "data=2", run_dir)
     return run_dir

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import losses, one_layer, run, tiny
+from helpers import losses, run, tiny
 
 from plait.cli import main
 from plait.data.documents import is_held_out
@@ -149,8 +149,10 @@ def test_records_are_indexed_and_fine_tuning_rows_start_at_them(sft, tmp_path):
 
 def _sft(root, **sections):
     train = {"steps": 6, "global_batch": 16, "microbatches": 2, **sections.pop("train", {})}
-    return tiny(data={"source": "tokens", "path": str(root / "sft.bin")}, train=train,
-                **sections)
+    # two layers: the ZB-H1 case gives each stage one, against the same reference
+    model = {"layers": 2, **sections.pop("model", {})}
+    return tiny(model=model, data={"source": "tokens", "path": str(root / "sft.bin")},
+                train=train, **sections)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +246,7 @@ def test_a_mask_that_keeps_every_target_trains_as_no_mask(sft, tmp_path):
     ids.tofile(plain)
     ids.tofile(ones)
     np.ones(ids.size, np.uint8).tofile(loss_mask_path(ones))
-    exp = one_layer(train={"steps": 3, "microbatches": 2}, data={"source": "tokens"})
+    exp = tiny(train={"steps": 3, "microbatches": 2}, data={"source": "tokens"})
     a = losses(run(exp.model_copy(update={"data": exp.data.model_copy(update={
         "path": str(plain)})}), "data=2", tmp_path / "a"))
     b = losses(run(exp.model_copy(update={"data": exp.data.model_copy(update={
@@ -259,7 +261,7 @@ def test_a_mask_that_does_not_match_its_tokens_is_one_line(sft, tmp_path, capsys
     path = tmp_path / "t.bin"
     ids.tofile(path)
     np.ones(ids.size - 3, np.uint8).tofile(loss_mask_path(path))
-    cfg = write_experiment(tmp_path / "e.toml", one_layer(data={"source": "tokens",
+    cfg = write_experiment(tmp_path / "e.toml", tiny(data={"source": "tokens",
                                                                 "path": str(path)}))
     assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import losses, make_mesh, run
-from helpers import one_layer as tiny  # what these tests check is per layer
+from helpers import losses, make_mesh, run, tiny
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
