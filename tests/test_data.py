@@ -174,7 +174,7 @@ def test_an_id_past_the_vocabulary_deep_in_the_file_stops_training_in_one_line(t
                                         r"token 1,048,58[0-9]"):
         source.window((1 << 20) - 2, 40)
     cfg = write_experiment(tmp_path / "e.toml", tiny(data={"source": "tokens",
-                                                                "path": str(path)}))
+                                                           "path": str(path)}))
     assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "token id 300 >= model.vocab = 256" in err[0], err

@@ -39,7 +39,7 @@ def test_gradient_accumulation_equals_full_batch(reference, tmp_path):
 @pytest.mark.parametrize("model", [{"scan_layers": True, "layers": 2},
                                    {"scan_layers": True, "remat": True, "layers": 3}])
 def test_scanned_layers_equal_the_unrolled_loop(model, tmp_path):
-    ref = losses(run(tiny(model={"layers": model.get("layers", 1)}), "data=1", tmp_path / "a"))
+    ref = losses(run(tiny(model={"layers": model["layers"]}), "data=1", tmp_path / "a"))
     got = losses(run(tiny(model=model), "data=2,fsdp=2,tensor=2", tmp_path / "b"))
     np.testing.assert_allclose(got, ref, rtol=1e-4)
 

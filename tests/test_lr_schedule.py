@@ -90,10 +90,10 @@ def test_a_wsd_run_extended_from_before_its_cooldown_holds_then_cools_down_later
     from plait.cli import main
 
     raw = tiny(train={"steps": 8}, checkpoint={"enabled": True, "every_steps": 2,
-                                                    "keep": 4, "async_save": False},
-                    optimizer={"lr": 1e-2, "warmup_steps": 2, "decay_steps": None,
-                               "schedule": "wsd", "cooldown_fraction": 0.25,
-                               "min_lr_ratio": 0.0})
+                                               "keep": 4, "async_save": False},
+               optimizer={"lr": 1e-2, "warmup_steps": 2, "decay_steps": None,
+                          "schedule": "wsd", "cooldown_fraction": 0.25,
+                          "min_lr_ratio": 0.0})
     exp = write_experiment(tmp_path / "t.toml", raw)
     run_dir = tmp_path / "r"
     args = ["train", str(exp), "--mesh", "data=2", "--run-dir", str(run_dir)]

@@ -154,8 +154,8 @@ def test_pipelines_train_like_one_device(tmp_path):
     # were moved between the two axes by permutes inside the tick's switch, and the
     # step was refused as one that would hang (models/moe.py pins both)
     got = losses(run(experiment(pipeline={"schedule": "1f1b", "microbatches": 4},
-                                train={"steps": 6}, model=TWO_LAYERS), "pipeline=2,fsdp=2,tensor=2",
-                     tmp_path / "pp-fsdp-tensor"))
+                                train={"steps": 6}, model=TWO_LAYERS),
+                     "pipeline=2,fsdp=2,tensor=2", tmp_path / "pp-fsdp-tensor"))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert want[-1] < want[0] - 0.1
     # Dropless: the replay binds the sort's custom VJPs with the types it traced them

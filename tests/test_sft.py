@@ -262,7 +262,7 @@ def test_a_mask_that_does_not_match_its_tokens_is_one_line(sft, tmp_path, capsys
     ids.tofile(path)
     np.ones(ids.size - 3, np.uint8).tofile(loss_mask_path(path))
     cfg = write_experiment(tmp_path / "e.toml", tiny(data={"source": "tokens",
-                                                                "path": str(path)}))
+                                                           "path": str(path)}))
     assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1

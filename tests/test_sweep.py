@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from helpers import AS_TRAINED, make_mesh, write_experiment
-from helpers import tiny as one_layer
+from helpers import tiny as _tiny
 
 from plait import analysis, hlo, sweep
 from plait.errors import UserError
@@ -18,7 +18,7 @@ from plait.tasks.gpt import GPTTask as Job
 def tiny(**sections):
     """helpers.tiny with two layers, as these tests' pipeline shapes (a layer per stage)
     and worked counts expect; a test that needs no pipeline asks for one."""
-    return one_layer(**{**sections, "model": {"layers": 2, **sections.get("model", {})}})
+    return _tiny(**{**sections, "model": {"layers": 2, **sections.get("model", {})}})
 
 
 def _expected_shapes_for_tiny_on_8() -> set[tuple]:
