@@ -2,7 +2,9 @@
 (tests/compile_times.py): the sum over the workers of the tests' wall time, the share
 JAX spent tracing, lowering and compiling in the tests' own processes (a test's `plait`
 subprocesses count in its wall time only), the files and tests that took longest, and
-the jitted functions whose compiles cost most. Reads the workers' JSON; runs nothing."""
+the jitted functions whose compiles cost most, and how many compiles the persistent cache
+answered (a steadier measure of a cut than this machine's wall time). Reads the workers'
+JSON; runs nothing."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def summary(out: Path, top: int) -> dict:
     tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     functions: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
+    hits: collections.Counter = collections.Counter()
     workers = sorted(out.glob("*.json"))
     if not workers:
         print(f"suite_times: no worker JSON in {out}; run the suite with "
@@ -28,9 +31,10 @@ def summary(out: Path, top: int) -> dict:
         data = json.loads(path.read_text())
         for name, times in data["tests"].items():
             tests[name].update(times)
-        for name, (secs, n) in data["functions"].items():
+        for name, (secs, n, *hit) in data["functions"].items():  # no hits: older JSON
             functions[name] += secs
             calls[name] += n
+            hits[name] += sum(hit)
     total = collections.Counter()
     files: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for name, times in tests.items():
@@ -47,8 +51,9 @@ def summary(out: Path, top: int) -> dict:
 
     return {"workers": len(workers), "tests": len(tests), "total": row(total),
             "by_stage_s": {s: round(total[s], 1) for s in STAGES},
+            "compiles": total["compiles"], "cache_hits": total["cache_hits"],
             "files": longest(files), "tests_longest": longest(tests),
-            "functions": {k: {"s": round(v, 1), "calls": calls[k]}
+            "functions": {k: {"s": round(v, 1), "calls": calls[k], "cache_hits": hits[k]}
                           for k, v in functions.most_common(top)}}
 
 
@@ -62,14 +67,15 @@ def main() -> None:
     t = s["total"]
     print(f"{s['tests']} tests on {s['workers']} workers: {t['wall_s'] / 60:.1f} test-minutes, "
           f"{t['jax_compile_s'] / t['wall_s']:.0%} tracing, lowering and compiling in-process "
-          f"({', '.join(f'{k} {v:.0f} s' for k, v in s['by_stage_s'].items())})")
+          f"({', '.join(f'{k} {v:.0f} s' for k, v in s['by_stage_s'].items())}); "
+          f"{s['compiles']} compiles, {s['cache_hits']} of them found in the persistent cache")
     for title, key in (("files", "files"), ("tests", "tests_longest")):
         print(f"\nlongest {title}: wall s, in-process JAX compile s")
         for name, r in s[key].items():
             print(f"{r['wall_s']:8.1f} {r['jax_compile_s']:8.1f}  {name}")
-    print("\ncostliest jitted functions (stage name: s, calls)")
+    print("\ncostliest jitted functions (stage name: s, calls, of them cache hits)")
     for name, r in s["functions"].items():
-        print(f"{r['s']:8.1f} {r['calls']:6d}  {name}")
+        print(f"{r['s']:8.1f} {r['calls']:6d} {r['cache_hits']:6d}  {name}")
     if a.json:
         a.json.write_text(json.dumps(s, indent=1))
 

@@ -1,8 +1,9 @@
 """Where the suite's time goes: `python -m pytest -n 2 --compile-times DIR` writes,
 per test worker, each test's wall time and the seconds JAX spent in this process
 tracing, lowering and compiling (by jitted function), from `jax.monitoring`'s
-events. `python benchmarks/suite_times.py DIR` sums them. A test's `plait`
-subprocesses are in its wall time only."""
+events, and how many of its compiles the persistent cache answered (a "compile" event
+times those too: it spans the cache's read). `python benchmarks/suite_times.py DIR` sums
+them. A test's `plait` subprocesses are in its wall time only."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import pytest
 STAGES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
           "/jax/core/compile/backend_compile_duration": "compile"}
+# Recorded inside a compile (before its duration event) when the persistent cache had it.
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileTimes:
@@ -27,15 +30,29 @@ class CompileTimes:
         self.tests: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.functions: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
+        self.hits: collections.Counter = collections.Counter()
+        self.hit = False
         jax.monitoring.register_event_duration_secs_listener(self.heard)
+        jax.monitoring.register_event_listener(self.counted)
+
+    def counted(self, event: str, **_) -> None:
+        if event == CACHE_HIT:
+            self.hit = True
 
     def heard(self, event: str, secs: float, fun_name: str | None = None, **_) -> None:
         stage = STAGES.get(event)
         if stage is None:
             return
-        self.tests[self.test or "(outside tests)"][stage] += secs
+        test = self.test or "(outside tests)"
+        self.tests[test][stage] += secs
         self.functions[f"{stage} {fun_name}"] += secs
         self.calls[f"{stage} {fun_name}"] += 1
+        if stage == "compile":
+            self.tests[test]["compiles"] += 1
+            if self.hit:
+                self.tests[test]["cache_hits"] += 1
+                self.hits[f"{stage} {fun_name}"] += 1
+            self.hit = False
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
@@ -51,4 +68,5 @@ class CompileTimes:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         (self.out / f"{worker}.json").write_text(json.dumps({
             "tests": self.tests,
-            "functions": {k: [v, self.calls[k]] for k, v in self.functions.items()}}))
+            "functions": {k: [v, self.calls[k], self.hits[k]]
+                          for k, v in self.functions.items()}}))

@@ -36,12 +36,29 @@ assert len(jax.devices()) == 8
 
 
 @pytest.fixture(scope="session")
-def whole_loss(tmp_path_factory):
-    """The losses of `helpers.tiny` over 6 steps on one device, XLA's loss and norms: the
-    reference of the tests that train it in pieces or on a kernel."""
+def tiny_reference(tmp_path_factory):
+    """The losses of `helpers.tiny` over its 12 steps on one device, XLA's loss and norms:
+    the reference of every test that trains it on another mesh, in pieces or on a kernel
+    (one run per test worker, not one per file)."""
     from helpers import losses, run, tiny
 
-    return losses(run(tiny(train={"steps": 6}), "data=1", tmp_path_factory.mktemp("ref")))
+    return losses(run(tiny(), "data=1", tmp_path_factory.mktemp("ref")))
+
+
+@pytest.fixture(scope="session")
+def whole_loss(tiny_reference):
+    """The first 6 of tiny_reference: the tests that train 6 steps (the learning-rate
+    schedule does not depend on the run's length: helpers.tiny)."""
+    return tiny_reference[:6]
+
+
+@pytest.fixture(scope="session")
+def four_layer_reference(tmp_path_factory):
+    """The losses of `helpers.tiny` with 4 layers, 12 steps on one device: the reference
+    of the pipelines (a layer a stage on pipeline=4) and the stacked layout."""
+    from helpers import losses, run, tiny
+
+    return losses(run(tiny(model={"layers": 4}), "data=1", tmp_path_factory.mktemp("ref4")))
 
 
 def pytest_addoption(parser):

@@ -14,9 +14,9 @@ from helpers import losses, run, tiny
 MESHES = ["data=8", "fsdp=8", "tensor=8", "data=2,fsdp=2,tensor=2"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(run(tiny(), "data=1", tmp_path_factory.mktemp("ref")))
+@pytest.fixture
+def reference(tiny_reference):
+    return tiny_reference  # conftest: one run shared by the files
 
 
 def test_reference_learns(reference):

@@ -140,18 +140,18 @@ def _pipe_exp(schedule: str, layers: int = LAYERS, model: dict | None = None, **
                 pipeline={"schedule": schedule, **pipeline})
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(run(tiny(model={"layers": LAYERS}), "data=1",
-                      tmp_path_factory.mktemp("ref")))
+@pytest.fixture
+def reference(four_layer_reference):
+    return four_layer_reference  # conftest: one run shared with test_stacked
 
 
 # Every schedule's gradients equal the unpipelined ones on pipeline=4 (below); these
 # train each with another axis beside it (the plain pipeline=4 runs of gpipe, 1f1b and
-# zb-h1 proved nothing those do not), 6 steps of the 12-step reference.
+# zb-h1 proved nothing those do not), 6 steps of the 12-step reference. 1F1B on
+# tensor=2,pipeline=4: test_checkpoints_move_between_schedules_and_to_no_pipeline's
+# first four steps.
 @pytest.mark.parametrize("schedule,spec,extra", [
     ("gpipe", "data=2,pipeline=4", {}),
-    ("1f1b", "tensor=2,pipeline=4", {"microbatches": 8}),
     ("interleaved", "data=2,pipeline=2", {"virtual_stages": 2, "microbatches": 4}),
     ("chimera", "pipeline=4", {"microbatches": 8}),
     ("chimera", "fsdp=2,pipeline=4", {}),
@@ -207,9 +207,12 @@ def test_gradients_equal_the_unpipelined_ones(schedule):
 
 
 def test_checkpoints_move_between_schedules_and_to_no_pipeline(reference, tmp_path):
+    """1F1B on tensor=2,pipeline=4 (8 microbatches; equal to the reference from its
+    first step), Chimera on data=2,pipeline=2, no pipeline on data=2,tensor=2: one
+    curve."""
     ckpt = {"enabled": True, "every_steps": 4, "keep": 3, "async_save": False}
     run(tiny(model={"layers": LAYERS}, checkpoint=ckpt, train={"steps": 4},
-             pipeline={"schedule": "1f1b"}), "pipeline=4", tmp_path)
+             pipeline={"schedule": "1f1b", "microbatches": 8}), "tensor=2,pipeline=4", tmp_path)
     run(tiny(model={"layers": LAYERS}, checkpoint=ckpt, train={"steps": 8},
              pipeline={"schedule": "chimera", "microbatches": 4}), "data=2,pipeline=2", tmp_path)
     resumed = run(tiny(model={"layers": LAYERS}, checkpoint=ckpt), "data=2,tensor=2", tmp_path)

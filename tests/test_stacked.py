@@ -133,14 +133,15 @@ def test_stacked_init_equals_the_per_layer_init():
     jax.tree.map(np.testing.assert_array_equal, unstack(stacked, "blocks"), per_layer)
 
 
-@pytest.fixture(scope="module")
-def per_layer_losses(tmp_path_factory):
-    return losses(run(tiny(model={"layers": 4}), "data=1", tmp_path_factory.mktemp("ref")))
+@pytest.fixture
+def per_layer_losses(four_layer_reference):
+    return four_layer_reference  # conftest: one run shared with test_pipeline
 
 
+# data=2,fsdp=2,tensor=2: test_checkpoints_move_between_stacked_and_per_layer's first
+# four steps.
 @pytest.mark.parametrize("spec,extra", [
     ("data=1", {}),
-    ("data=2,fsdp=2,tensor=2", {}),
     ("data=2,pipeline=2", {"schedule": "1f1b", "microbatches": 4}),
     ("pipeline=2", {"schedule": "interleaved", "virtual_stages": 2}),
 ])
@@ -151,6 +152,8 @@ def test_stacked_losses_equal_the_per_layer_run(spec, extra, per_layer_losses, t
 
 
 def test_checkpoints_move_between_stacked_and_per_layer(per_layer_losses, tmp_path):
+    """Stacked on data=2,fsdp=2,tensor=2 (equal to the per-layer run from its first
+    step), per-layer on fsdp=2, stacked on a pipeline: one curve."""
     ckpt = {"enabled": True, "every_steps": 4, "keep": 3, "async_save": False}
     run(tiny(model={"layers": 4, "scan_layers": True}, checkpoint=ckpt, train={"steps": 4}),
         "data=2,fsdp=2,tensor=2", tmp_path)

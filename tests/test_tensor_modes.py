@@ -25,9 +25,9 @@ GRID_MESHES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return losses(run(tiny(), "data=1", tmp_path_factory.mktemp("ref")))
+@pytest.fixture
+def reference(tiny_reference):
+    return tiny_reference  # conftest: one run shared by the files
 
 
 @pytest.mark.parametrize("spec", GRID_MESHES)
