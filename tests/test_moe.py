@@ -140,9 +140,9 @@ def test_pipelines_train_like_one_device(tmp_path):
     """expert=2 x pipeline=2 and fsdp x tensor inside the stages (1F1B, 4 microbatches):
     losses equal the one-device run's, whose gradient has the router losses' of every
     microbatch; so do dropless experts inside pipeline stages (ZB-H1, whose split
-    backward replays the layer's jaxpr), against the same run
-    (dropless equals capacity without drops: test_dropless_equals_capacity_without_drops).
-    The one-device run's router metrics reach metrics.jsonl and TensorBoard."""
+    backward replays the layer's jaxpr), against the same run (dropless equals capacity
+    without drops: test_dropless_equals_capacity_without_drops). The one-device run's
+    router metrics reach metrics.jsonl and TensorBoard."""
     sections = {"train": {"microbatches": 4, "steps": 6}, "log": {"tensorboard": True},
                 "model": TWO_LAYERS}
     want = losses(run(experiment(**sections), "data=1", tmp_path / "one"))
@@ -161,8 +161,9 @@ def test_pipelines_train_like_one_device(tmp_path):
     # Dropless: the replay binds the sort's custom VJPs with the types it traced them
     # with; argsort's permutation came out typed as not varying over `pipeline` and the
     # replayed backward failed its varying-axes check (parallel/experts.py). ZB-H1 runs
-    # 1F1B's forwards and input gradients too (one run; 1F1B's had its own until
-    # 2026-11-28).
+    # 1F1B's forwards and input gradients too (1F1B had a run of its own until
+    # 2026-11-28). With tensor beside the pipeline, plait train refuses dropless as a
+    # step that would hang on XLA:CPU (docs/architecture.md).
     got = losses(run(experiment({"capacity_factor": 0.0},
                                 pipeline={"schedule": "zb-h1", "microbatches": 4},
                                 train={"steps": 4}, model=TWO_LAYERS),
