@@ -14,26 +14,21 @@ from helpers import losses, run, tiny
 MESHES = ["data=8", "fsdp=8", "tensor=8", "data=2,fsdp=2,tensor=2"]
 
 
-@pytest.fixture
-def reference(tiny_reference):
-    return tiny_reference  # conftest: one run shared by the files
-
-
-def test_reference_learns(reference):
-    assert len(reference) == 12
-    assert reference[-1] < reference[0] - 0.2
+def test_reference_learns(tiny_reference):
+    assert len(tiny_reference) == 12
+    assert tiny_reference[-1] < tiny_reference[0] - 0.2
 
 
 @pytest.mark.parametrize("spec", MESHES)
-def test_losses_equal_one_device(spec, reference, tmp_path):
+def test_losses_equal_one_device(spec, tiny_reference, tmp_path):
     got = losses(run(tiny(), spec, tmp_path))
-    np.testing.assert_allclose(got, reference, rtol=1e-4)
+    np.testing.assert_allclose(got, tiny_reference, rtol=1e-4)
 
 
-def test_gradient_accumulation_equals_full_batch(reference, tmp_path):
+def test_gradient_accumulation_equals_full_batch(tiny_reference, tmp_path):
     exp = tiny(train={"microbatches": 4})
     got = losses(run(exp, "data=2,fsdp=2,tensor=2", tmp_path))
-    np.testing.assert_allclose(got, reference, rtol=1e-4)
+    np.testing.assert_allclose(got, tiny_reference, rtol=1e-4)
 
 
 @pytest.mark.parametrize("model", [{"scan_layers": True, "layers": 2},

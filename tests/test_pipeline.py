@@ -140,11 +140,6 @@ def _pipe_exp(schedule: str, layers: int = LAYERS, model: dict | None = None, **
                 pipeline={"schedule": schedule, **pipeline})
 
 
-@pytest.fixture
-def reference(four_layer_reference):
-    return four_layer_reference  # conftest: one run shared with test_stacked
-
-
 # Every schedule's gradients equal the unpipelined ones on pipeline=4 (below); these
 # train each with another axis beside it (the plain pipeline=4 runs of gpipe, 1f1b and
 # zb-h1 proved nothing those do not), 6 steps of the 12-step reference. 1F1B on
@@ -161,12 +156,12 @@ def reference(four_layer_reference):
     ("zb-h1", "tensor_row=2,tensor_col=2,pipeline=2", {"microbatches": 4}),
     ("1f1b", "pipeline=2", {"recompute": True}),
 ])
-def test_losses_equal_the_unpipelined_run(schedule, spec, extra, reference, tmp_path):
+def test_losses_equal_the_unpipelined_run(schedule, spec, extra, four_layer_reference, tmp_path):
     exp = _pipe_exp(schedule, **extra).model_copy(
         update={"train": tiny().train.model_copy(update={"steps": 6})})
     got = losses(run(exp, spec, tmp_path))
     assert len(got) == 6
-    np.testing.assert_allclose(got, reference[:6], rtol=1e-4)
+    np.testing.assert_allclose(got, four_layer_reference[:6], rtol=1e-4)
 
 
 def _grads(exp, spec):
@@ -206,7 +201,7 @@ def test_gradients_equal_the_unpipelined_ones(schedule):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def test_checkpoints_move_between_schedules_and_to_no_pipeline(reference, tmp_path):
+def test_checkpoints_move_between_schedules_and_to_no_pipeline(four_layer_reference, tmp_path):
     """1F1B on tensor=2,pipeline=4 (8 microbatches; equal to the reference from its
     first step), Chimera on data=2,pipeline=2, no pipeline on data=2,tensor=2: one
     curve."""
@@ -217,7 +212,7 @@ def test_checkpoints_move_between_schedules_and_to_no_pipeline(reference, tmp_pa
              pipeline={"schedule": "chimera", "microbatches": 4}), "data=2,pipeline=2", tmp_path)
     resumed = run(tiny(model={"layers": LAYERS}, checkpoint=ckpt), "data=2,tensor=2", tmp_path)
     assert resumed["records"][0]["step"] == 9
-    np.testing.assert_allclose(losses(tmp_path), reference, rtol=1e-4)
+    np.testing.assert_allclose(losses(tmp_path), four_layer_reference, rtol=1e-4)
 
 
 def test_pipeline_stages_hold_only_their_layers():
@@ -330,12 +325,13 @@ def test_split_backward_runs_each_matmul_once_and_stashes_no_parameter():
     np.testing.assert_allclose(whole_dx, ref_dx, rtol=1e-5, atol=1e-6)
 
 
-def test_zero_bubble_with_recompute_and_remat_trains_like_one_device(reference, tmp_path):
+def test_zero_bubble_with_recompute_and_remat_trains_like_one_device(four_layer_reference,
+                                                                      tmp_path):
     """pipeline.recompute with the model's save_dots remat inside the split layers (full
     remat was checked by hand: the same losses)."""
     exp = tiny(model={"layers": LAYERS, "remat": "save_dots"}, train={"steps": 4},
                pipeline={"schedule": "zb-h1", "microbatches": 4, "recompute": True})
-    np.testing.assert_allclose(losses(run(exp, "pipeline=2", tmp_path)), reference[:4],
+    np.testing.assert_allclose(losses(run(exp, "pipeline=2", tmp_path)), four_layer_reference[:4],
                                rtol=1e-4)
 
 
@@ -353,7 +349,7 @@ print(json.dumps([float(x) for x in losses(run(exp, "tensor_x=2,tensor_y=2,tenso
 """
 
 
-def test_pipeline_nests_the_3d_tensor_mode(reference, tmp_path):
+def test_pipeline_nests_the_3d_tensor_mode(four_layer_reference, tmp_path):
     """Pipeline x 3-D tensor on 16 simulated devices (a process of its own): the tensor
     layers' shard_maps nest inside the pipeline's, losses equal one device's."""
     import subprocess
@@ -365,7 +361,7 @@ def test_pipeline_nests_the_3d_tensor_mode(reference, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    np.testing.assert_allclose(got, reference[:3], rtol=1e-4)
+    np.testing.assert_allclose(got, four_layer_reference[:3], rtol=1e-4)
 
 
 def test_microbatch_rows_must_split_over_the_2d_grid_too():

@@ -133,11 +133,6 @@ def test_stacked_init_equals_the_per_layer_init():
     jax.tree.map(np.testing.assert_array_equal, unstack(stacked, "blocks"), per_layer)
 
 
-@pytest.fixture
-def per_layer_losses(four_layer_reference):
-    return four_layer_reference  # conftest: one run shared with test_pipeline
-
-
 # data=2,fsdp=2,tensor=2: test_checkpoints_move_between_stacked_and_per_layer's first
 # four steps.
 @pytest.mark.parametrize("spec,extra", [
@@ -145,13 +140,13 @@ def per_layer_losses(four_layer_reference):
     ("data=2,pipeline=2", {"schedule": "1f1b", "microbatches": 4}),
     ("pipeline=2", {"schedule": "interleaved", "virtual_stages": 2}),
 ])
-def test_stacked_losses_equal_the_per_layer_run(spec, extra, per_layer_losses, tmp_path):
+def test_stacked_losses_equal_the_per_layer_run(spec, extra, four_layer_reference, tmp_path):
     got = losses(run(tiny(model={"layers": 4, "scan_layers": True}, pipeline=extra), spec,
                      tmp_path))
-    np.testing.assert_allclose(got, per_layer_losses, rtol=1e-5)
+    np.testing.assert_allclose(got, four_layer_reference, rtol=1e-5)
 
 
-def test_checkpoints_move_between_stacked_and_per_layer(per_layer_losses, tmp_path):
+def test_checkpoints_move_between_stacked_and_per_layer(four_layer_reference, tmp_path):
     """Stacked on data=2,fsdp=2,tensor=2 (equal to the per-layer run from its first
     step), per-layer on fsdp=2, stacked on a pipeline: one curve."""
     ckpt = {"enabled": True, "every_steps": 4, "keep": 3, "async_save": False}
@@ -161,7 +156,7 @@ def test_checkpoints_move_between_stacked_and_per_layer(per_layer_losses, tmp_pa
     resumed = run(tiny(model={"layers": 4, "scan_layers": True}, checkpoint=ckpt,
                        pipeline={"schedule": "gpipe"}), "pipeline=2", tmp_path)
     assert resumed["records"][0]["step"] == 9
-    np.testing.assert_allclose(losses(tmp_path), per_layer_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses(tmp_path), four_layer_reference, rtol=1e-5)
 
 
 def test_resume_from_a_run_directory_written_before_stacking(tmp_path):

@@ -25,16 +25,11 @@ GRID_MESHES = [
 ]
 
 
-@pytest.fixture
-def reference(tiny_reference):
-    return tiny_reference  # conftest: one run shared by the files
-
-
 @pytest.mark.parametrize("spec", GRID_MESHES)
-def test_losses_equal_one_device(spec, reference, tmp_path):
+def test_losses_equal_one_device(spec, tiny_reference, tmp_path):
     got = losses(run(tiny(), spec, tmp_path))
     assert len(got) == 12
-    np.testing.assert_allclose(got, reference, rtol=1e-4)
+    np.testing.assert_allclose(got, tiny_reference, rtol=1e-4)
 
 
 def test_scanned_remat_accumulated_3d_equals_one_device(tmp_path):
@@ -147,12 +142,12 @@ def test_formulas_rank_3d_below_2d_below_1d_at_64_devices():
     assert three < two < one
 
 
-def test_checkpoint_saved_under_1d_resumes_under_3d(reference, tmp_path):
+def test_checkpoint_saved_under_1d_resumes_under_3d(tiny_reference, tmp_path):
     ckpt = {"enabled": True, "every_steps": 6, "keep": 2, "async_save": False}
     run(tiny(checkpoint=ckpt, train={"steps": 6}), "tensor=8", tmp_path)
     resumed = run(tiny(checkpoint=ckpt), "tensor_x=2,tensor_y=2,tensor_z=2", tmp_path)
     assert resumed["records"][0]["step"] == 7
-    np.testing.assert_allclose(losses(tmp_path), reference, rtol=1e-4)
+    np.testing.assert_allclose(losses(tmp_path), tiny_reference, rtol=1e-4)
 
 
 def test_compare_tensor_modes_command(tmp_path, capsys):
