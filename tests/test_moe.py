@@ -82,13 +82,15 @@ def test_loss_and_gradients_equal_one_device(spec, model):
 
 
 @pytest.mark.parametrize("spec,moe", [("data=2,expert=4", ()),
-                                      ("data=2,expert=2", (("capacity_factor", 0.0),))],
+                                      ("data=2,expert=2,tensor=2",
+                                       (("capacity_factor", 0.0),))],
                          ids=["capacity", "dropless"])
 def test_bfloat16_experts_beside_a_data_axis_compile_and_train_like_one_device(spec, moe):
     """The expert weights' gradient sum over data (and fsdp) runs in float32, and so do
-    dropless's sums over `expert` (all-to-all, then added): JAX's bfloat16 all-reduce
-    and reduce-scatter abort XLA:CPU's compiler (parallel.experts._per_rank,
-    _sum_scatter)."""
+    dropless's sums over `expert` (all-to-all, then added) and over `tensor` (the
+    experts' hidden slices' outputs and the tokens' gradients): JAX's bfloat16
+    all-reduce and reduce-scatter abort XLA:CPU's compiler (parallel.experts._per_rank,
+    _sum_scatter, _all_sum)."""
     want_loss, want, _ = loss_and_grads("data=1", compute="bfloat16")
     got_loss, got, _ = loss_and_grads(spec, moe, compute="bfloat16")
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-2)
@@ -162,12 +164,15 @@ def test_pipelines_train_like_one_device(tmp_path):
     # with; argsort's permutation came out typed as not varying over `pipeline` and the
     # replayed backward failed its varying-axes check (parallel/experts.py). ZB-H1 runs
     # 1F1B's forwards and input gradients too (1F1B had a run of its own until
-    # 2026-11-28). With tensor beside the pipeline, plait train refuses dropless as a
-    # step that would hang on XLA:CPU (docs/architecture.md).
+    # 2026-11-28). data and tensor beside the pipeline: the layer's shard_map over them
+    # has a backward of its own that recomputes the forward (autodiff's residuals could
+    # not be laid out: such meshes were refused), and the tensor axis's sums sit
+    # outside the grouped MLP's switch (plait train refused the step as one that would
+    # hang on XLA:CPU).
     got = losses(run(experiment({"capacity_factor": 0.0},
                                 pipeline={"schedule": "zb-h1", "microbatches": 4},
                                 train={"steps": 4}, model=TWO_LAYERS),
-                     "pipeline=2", tmp_path / "dropless"))
+                     "data=2,pipeline=2,tensor=2", tmp_path / "dropless"))
     np.testing.assert_allclose(got, want[:4], rtol=1e-5)
 
     rec = [json.loads(line)
@@ -424,21 +429,35 @@ def test_the_spill_takes_the_fewest_tiles_that_hold_the_overflow():
         assert sizes[int(spill_size_index(jnp.int32(occupied), sizes))] == want, occupied
 
 
-@pytest.mark.parametrize("spec", ["expert=4", "data=2,expert=2"])
+@pytest.mark.parametrize("spec", ["expert=4", "data=2,expert=2,tensor=2"])
 def test_dropless_over_an_expert_axis_compiles_to_each_ranks_share(spec):
     """Over an expert axis of X each rank's buffer holds every choice of its X-rank group
     (the all-gather dispatch), but its loop over tiles runs only those routed to its own
     experts: the compiled matmul FLOPs per device are the model's share (a balanced
     routing's), not X times the experts' (the whole step's were 2.78x and 1.67x the
-    model's share before, 1.12x and 1.06x now: docs/architecture.md)."""
-    from plait.inspect import inspect_step
+    model's share before, 1.12x and 1.06x now: docs/architecture.md). With tensor
+    beside, each rank runs its slice of the experts' hidden units and the partial
+    outputs are summed after the grouped MLPs: no collective inside their switch, which
+    XLA:CPU ordered differently on different devices against the attention's
+    all-reduces (plait train refused the step as one that would hang)."""
+    from plait import analysis, hlo, hosts
     from plait.models.gpt_counts import flops_per_token
+    from plait.tasks import make_task
+    from plait.train.loop import _would_hang
 
     exp = experiment({"capacity_factor": 0.0, **UNSHARED}, model={"layers": 1})
     mesh = make_mesh(spec)
-    got = inspect_step(exp, mesh)["flops_per_device"]
+    task = make_task(exp, mesh)
+    compiled = task.compile()
+    got = analysis.analyze(compiled, dict(mesh.shape), task.branch_weights(),
+                           hosts.host_layout(mesh).ravel())["flops_per_device"]
     model = flops_per_token(exp.model) * exp.train.global_batch * exp.model.seq_len
     assert model / mesh.size <= got <= 1.25 * model / mesh.size
+    mod = hlo.parse_hlo(compiled.as_text())
+    assert "conditional" in {i.opcode for c in mod.computations.values() for i in c}
+    for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+        assert not hlo.ops_in_branches(mod, kind), kind
+    assert _would_hang(task, compiled) is None
 
 
 def test_all_to_all_bytes_equal_the_formula():
@@ -468,7 +487,6 @@ def test_all_to_all_bytes_equal_the_formula():
 
 @pytest.mark.parametrize("spec,moe,message", [
     ("expert=2", None, "has none"),
-    ("data=2,pipeline=2", {"capacity_factor": 0.0}, "dropless experts .* in a pipeline"),
     ("expert=2,tensor_row=2,tensor_col=2", {}, "1-D tensor"),
     ("expert=8", {}, "model.moe.experts = 4 is not divisible"),
 ])

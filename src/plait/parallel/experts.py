@@ -18,8 +18,11 @@ Two ways, chosen by `moe.capacity_factor`:
   a batched share of each expert's rows, batched tiles of the rows past it and a loop
   over the rest; JAX's Pallas grouped GEMM kernels on a Hopper GPU,
   `parallel.grouped_pallas`; or `jax.lax.ragged_dot`, by `moe.grouped`), the sort's permutations
-  gathers both ways (`_sorted_rows`, `_unsorted`). Without an `expert` axis the
-  weights are gathered whole. With one, the experts are split over it and the
+  gathers both ways (`_sorted_rows`, `_unsorted`). Under 1-D tensor parallelism
+  each tensor rank runs its slice of every expert's hidden units on the same rows,
+  and the partial outputs (and the rows' gradients) are summed once, after the
+  grouped MLPs (`_hidden_axes`). Without an `expert` axis the weights are otherwise
+  gathered whole. With one, the experts are split over it and the
   tokens are all-gathered across it instead (the all-gather dispatch of
   Megatron-Core): each rank runs its own experts
   on every assignment of the group routed to them, leaving the rest out of its
@@ -133,6 +136,52 @@ def _sum_scatter(y: jax.Array, axis: str) -> jax.Array:
     X = jax.lax.axis_size(axis)
     parts = jax.lax.all_to_all(y.reshape(X, -1, *y.shape[1:]), axis, 0, 0, tiled=True)
     return jnp.sum(parts, axis=0, dtype=jnp.float32).astype(y.dtype)
+
+
+def _all_sum(y: jax.Array, axes: tuple[str, ...], f32: bool) -> jax.Array:
+    """psum(y, axes); with `f32` (XLA:CPU) a narrow float is summed in float32: XLA:CPU
+    aborts compiling the bfloat16 psum JAX writes (as `_per_rank`'s), and promotes
+    every bfloat16 all-reduce to float32 anyway (the same bytes). A GPU sums in y's
+    dtype, as GSPMD's all-reduces of the dense layers do."""
+    if f32 and _narrow(y):
+        return jax.lax.psum(y.astype(jnp.float32), axes).astype(y.dtype)
+    return jax.lax.psum(y, axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _to_slices(x: jax.Array, axes: tuple[str, ...], f32: bool) -> jax.Array:
+    """x, the same on every rank of `axes`, used by each rank's slice of the hidden
+    units: its gradient, partial per rank, is summed over them here (`_all_sum`)."""
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def _to_slices_fwd(x, axes, f32):
+    return _to_slices(x, axes, f32), None
+
+
+def _to_slices_bwd(axes, f32, _, ct):
+    return (_all_sum(ct, axes, f32),)
+
+
+_to_slices.defvjp(_to_slices_fwd, _to_slices_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _from_slices(y: jax.Array, axes: tuple[str, ...], f32: bool) -> jax.Array:
+    """The partial outputs of the ranks' hidden slices summed (`_all_sum`); the
+    gradient goes to every slice as it is."""
+    return _all_sum(y, axes, f32)
+
+
+def _from_slices_fwd(y, axes, f32):
+    return _from_slices(y, axes, f32), None
+
+
+def _from_slices_bwd(axes, f32, _, ct):
+    return (jax.lax.pcast(ct, axes, to="varying"),)
+
+
+_from_slices.defvjp(_from_slices_fwd, _from_slices_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -294,9 +343,10 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
              how: str = "tiles", bulk: float = 1.0, spill: float = 1.25
              ) -> tuple[jax.Array, jax.Array]:
     """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], 0 dropped): each device's
-    tokens through `_ragged_group`, in a shard_map over the axes that split the rows;
-    over an `expert` axis, every rank's tokens through its own experts (the module's
-    docstring)."""
+    tokens through `_ragged_group`, in a shard_map over the axes that split the rows
+    and the one that splits the experts' hidden units (`_hidden_axes`); over an
+    `expert` axis, every rank's tokens through its own experts (the module's
+    docstring). Inside a pipeline stage the backward recomputes the layer's forward."""
     B, T, d = x.shape
     _, X = _mesh_and_size()
 
@@ -304,6 +354,8 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
         w = _weights_per_rank(w, axes)
         b = x.shape[0]
         x, idx, gate = x.reshape(b * T, d), idx.reshape(b * T, -1), gate.reshape(b * T, -1)
+        if hidden:  # each rank computes with its slice of every expert's hidden units
+            x, gate = _to_slices(x, hidden, f32), _to_slices(gate, hidden, f32)
         if X > 1:
             x, gate = _gather(x, AXIS), _gather(gate, AXIS)
             idx = jax.lax.all_gather(idx, AXIS, tiled=True)
@@ -312,18 +364,73 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
                                            spill), AXIS)
         else:
             y = _ragged_group(x, idx, gate, w, activation, how, bulk=bulk, spill=spill)
+        if hidden:
+            y = _from_slices(y, hidden, f32)
         return y.reshape(b, T, d)
 
     ctx = active()
     axes = _row_axes(ctx)
-    if not axes:
+    hidden = _hidden_axes(ctx, axes)
+    f32 = bool(hidden) and ctx[0].devices.flat[0].platform == "cpu"
+    if not axes and not hidden:
         return local(x, idx, gate, w), jnp.zeros((), jnp.int32)
     mesh = _manual_mesh(ctx[0])
-    rows = P(axes)
-    specs = {key: P(AXIS if X > 1 else None) for key in w}
-    y = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows,
-                      axis_names=set(axes))(x, idx, gate, w)
-    return y, jnp.zeros((), jnp.int32)
+    rows = P(axes or None)
+    specs = {key: _expert_spec(key, AXIS if X > 1 else None, hidden or None) for key in w}
+    manual = set(axes) | set(hidden)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs),
+                            out_specs=rows, axis_names=manual)
+    if mesh is ctx[0]:  # not inside a pipeline stage
+        return sharded(x, idx, gate, w), jnp.zeros((), jnp.int32)
+
+    # In a pipeline stage the backward is a shard_map of its own over the layer's
+    # inputs, which recomputes the forward: autodiff's would take residuals out of the
+    # forward's shard_map, typed over the stage's manual axis too, and Shardy cannot
+    # lay those out where the stage's backward replays them (a local shape that does
+    # not match; "manual axis after free axis").
+    def pull(x, idx, gate, w, dy):
+        return jax.vjp(lambda x, gate, w: local(x, idx, gate, w), x, gate, w)[1](dy)
+
+    @jax.custom_vjp
+    def recomputed(x, idx, gate, w):
+        return sharded(x, idx, gate, w)
+
+    def recomputed_bwd(res, dy):
+        dx, dgate, dw = jax.shard_map(pull, mesh=mesh, in_specs=(rows,) * 3 + (specs, rows),
+                                      out_specs=(rows, rows, specs),
+                                      axis_names=manual)(*res, dy)
+        return dx, None, dgate, dw
+
+    recomputed.defvjp(lambda *a: (sharded(*a), a), recomputed_bwd)
+    return recomputed(x, idx, gate, w), jnp.zeros((), jnp.int32)
+
+
+def _hidden_axes(ctx, rows: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes that split the experts' hidden units (1-D tensor parallelism's
+    `tensor`), size > 1, not already manual. Dropless runs its grouped MLPs on each
+    rank's slice of them, manual, and sums the partial outputs once after them: left
+    to GSPMD, the all-reduces sat inside the grouped MLP's switch and loop, a
+    conditional holding collectives that XLA:CPU ordered differently on different
+    devices against the attention's (`train.loop._would_hang` refused the step), and
+    one all-reduce per tile of the loop. 2-D / 3-D split the experts only by expert."""
+    if ctx is None or ctx[1].mode not in (None, "1d"):
+        return ()
+    mesh, rules = ctx
+    sizes = dict(mesh.shape)
+    context = jax.sharding.get_abstract_mesh()
+    manual = set(context.manual_axes) if not context.empty else set()
+    return tuple(a for a in axes_tuple(rules.get("mlp")) if sizes.get(a, 1) > 1
+                 and a not in rows and a not in manual)
+
+
+def _expert_spec(key: str, expert: str | None, hidden) -> P:
+    """An expert weight's PartitionSpec (`Weights`' layouts): experts over `expert`,
+    the hidden units over `hidden`."""
+    if key == "w2":  # [E, f, d]
+        return P(expert, hidden, None)
+    if key == "w13":  # [E, d, 2, f]
+        return P(expert, None, None, hidden)
+    return P(expert, None, hidden)  # w1 [E, d, f]
 
 
 def _row_axes(ctx) -> tuple[str, ...]:

@@ -111,15 +111,6 @@ def _check_experts(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules
         raise UserError(f"the expert axis ({X}) runs with 1-D tensor parallelism or none, "
                         f"not {mesh_lib.MODE_NAMES[rules.mode]}; use tensor= instead of the "
                         "2-D / 3-D axes, or drop expert")
-    rows, _ = sharding.batch_splits(rules, sizes)[0]  # the residual stream's row axes
-    if sizes.get("pipeline", 1) > 1 and moe.capacity_factor == 0 and rows:
-        # A stage's split backward re-runs the per-device sort (a shard_map over the row
-        # axes) on residuals the pipeline stashed, which sdy cannot lay out there.
-        raise UserError(f"dropless experts (model.moe.capacity_factor = 0) in a pipeline "
-                        f"run only where no axis splits a microbatch's rows (here "
-                        f"{', '.join(f'{a}={sizes[a]}' for a in rows)}); set "
-                        "model.moe.capacity_factor > 0 (e.g. 1.25) for the pipeline, or "
-                        "leave those axes out")
     if sizes.get("pipeline", 1) > 1 and moe.every > 1:
         raise UserError(f"model.moe.every = {moe.every} mixes dense and expert layers, and "
                         "pipeline stages hold one kind of block; set moe.every = 1 or drop "
