@@ -406,14 +406,15 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
 
 
 def _hidden_axes(ctx, rows: tuple[str, ...]) -> tuple[str, ...]:
-    """The mesh axes that split the experts' hidden units (1-D tensor parallelism's
-    `tensor`), size > 1, not already manual. Dropless runs its grouped MLPs on each
-    rank's slice of them, manual, and sums the partial outputs once after them: left
-    to GSPMD, the all-reduces sat inside the grouped MLP's switch and loop, a
-    conditional holding collectives that XLA:CPU ordered differently on different
-    devices against the attention's (`train.loop._would_hang` refused the step), and
-    one all-reduce per tile of the loop. 2-D / 3-D split the experts only by expert."""
-    if ctx is None or ctx[1].mode not in (None, "1d"):
+    """The mesh axes that split a model's MLP hidden units (1-D's `tensor`, 2-D's
+    `tensor_col`; 3-D's `tensor_y` splits the rows here), size > 1, not splitting the
+    rows, not already manual. Dropless runs its grouped MLPs on each rank's slice of
+    the experts' hidden units, manual, and sums the partial outputs once after them:
+    left to GSPMD, the sums sat inside the grouped MLP's switch and loop, a conditional
+    holding collectives that XLA:CPU ordered differently on different devices against
+    the attention's (`train.loop._would_hang` refused the step), and one all-reduce
+    per tile of the loop."""
+    if ctx is None:
         return ()
     mesh, rules = ctx
     sizes = dict(mesh.shape)
