@@ -18,9 +18,10 @@ Two ways, chosen by `moe.capacity_factor`:
   a batched share of each expert's rows, batched tiles of the rows past it and a loop
   over the rest; JAX's Pallas grouped GEMM kernels on a Hopper GPU,
   `parallel.grouped_pallas`; or `jax.lax.ragged_dot`, by `moe.grouped`), the sort's permutations
-  gathers both ways (`_sorted_rows`, `_unsorted`). Under 1-D tensor parallelism
-  each tensor rank runs its slice of every expert's hidden units on the same rows,
-  and the partial outputs (and the rows' gradients) are summed once, after the
+  gathers both ways (`_sorted_rows`, `_unsorted`). Where an axis splits the
+  model's MLP hidden units and not the rows (1-D's `tensor`, 2-D's `tensor_col`),
+  each of its ranks runs its slice of every expert's hidden units on the same rows,
+  and the partial outputs (and the rows' gradients) are summed once, outside the
   grouped MLPs (`_hidden_axes`). Without an `expert` axis the weights are otherwise
   gathered whole. With one, the experts are split over it and the
   tokens are all-gathered across it instead (the all-gather dispatch of
