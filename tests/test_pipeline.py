@@ -310,6 +310,13 @@ def test_split_backward_runs_each_matmul_once_and_stashes_no_parameter():
     assert dots[1] == 6 and dots[0] > 0
     param_shapes = {a.shape for a in jax.tree.leaves(p)}
     assert not param_shapes & {a.shape for a in lg.examples()["stashed"]}
+    # the replayed equations keep their name scopes, which the compiled program's op
+    # names carry (a dropless layer's spill switch is priced by its scope:
+    # hlo.SIZED_BY_DATA; replayed without it, every size was counted)
+    for jaxpr, scope in ((lg.fwd.jaxpr, "jvp("), (lg.bwd.jaxpr, "transpose(jvp(")):
+        names = [str(e.source_info.name_stack) for e in jaxpr.eqns
+                 if e.primitive.name == "dot_general"]
+        assert names and all(n.startswith(scope) for n in names), names
     y, stashed = lg.forward(p, x)
     ref_y, vjp = jax.vjp(layer, p, x)
     ref_dp, ref_dx = vjp(g)
