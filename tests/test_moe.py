@@ -188,11 +188,17 @@ def test_pipelines_train_like_one_device(tmp_path):
     # not be laid out: such meshes were refused), and the tensor axis's sums sit
     # outside the grouped MLP's switch (plait train refused the step as one that would
     # hang on XLA:CPU).
-    got = losses(run(experiment({"capacity_factor": 0.0},
-                                pipeline={"schedule": "zb-h1", "microbatches": 4},
-                                train={"steps": 4}, model=TWO_LAYERS),
-                     "data=2,pipeline=2,tensor=2", tmp_path / "dropless"))
+    dropless = experiment({"capacity_factor": 0.0},
+                          pipeline={"schedule": "zb-h1", "microbatches": 4},
+                          train={"steps": 4}, model=TWO_LAYERS)
+    got = losses(run(dropless, "data=2,pipeline=2,tensor=2", tmp_path / "dropless"))
     np.testing.assert_allclose(got, want[:4], rtol=1e-5)
+    from plait.tasks import make_task
+    from plait.tasks.gpt_runtime import start_up_lines
+
+    (line,) = [x for x in start_up_lines(make_task(dropless, make_mesh(
+        "data=2,pipeline=2,tensor=2"))) if "mixture of experts" in x]
+    assert "backward runs the experts' forward again (data, tensor beside" in line, line
 
     rec = [json.loads(line)
            for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]

@@ -406,6 +406,16 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
     return recomputed(x, idx, gate, w), jnp.zeros((), jnp.int32)
 
 
+def recomputed_in_a_stage(sizes: dict[str, int], rules) -> tuple[str, ...]:
+    """The axes beside `pipeline` (size > 1) that split dropless's rows or the experts'
+    hidden units: where there are any, a pipeline stage's backward recomputes the
+    experts' forward (`dropless`), which the run's start-up line says."""
+    if sizes.get("pipeline", 1) == 1:
+        return ()
+    names = axes_tuple(rules.get("act_batch")) + axes_tuple(rules.get("mlp"))
+    return tuple(dict.fromkeys(a for a in names if sizes.get(a, 1) > 1 and a != "pipeline"))
+
+
 def _hidden_axes(ctx, rows: tuple[str, ...]) -> tuple[str, ...]:
     """The mesh axes that split a model's MLP hidden units (1-D's `tensor`, 2-D's
     `tensor_col`; 3-D's `tensor_y` splits the rows here), size > 1, not splitting the

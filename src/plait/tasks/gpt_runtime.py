@@ -229,6 +229,13 @@ def start_up_lines(task) -> list[str]:
                  + ("all-to-all" if moe.capacity_factor else
                     "tokens all-gathered across it, outputs reduce-scattered back")
                  if X > 1 else "all on every device")
+        from plait.parallel.experts import recomputed_in_a_stage
+
+        beside = () if moe.capacity_factor else recomputed_in_a_stage(
+            dict(task.mesh.shape), task.rules)
+        if beside:
+            where += (f"; each pipeline stage's backward runs the experts' forward again "
+                      f"({', '.join(beside)} beside the pipeline)")
         out.append(f"plait: mixture of experts in {sparse} of {m.layers} layers: "
                    f"{moe.experts} experts, {moe.top_k} per token, {routing}; {where}; "
                    f"{gpt_counts.active_matmul_params(m) / 1e6:.2f}M matmul weights active per "
