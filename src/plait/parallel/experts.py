@@ -425,14 +425,7 @@ def _hidden_axes(ctx, rows: tuple[str, ...]) -> tuple[str, ...]:
     holding collectives that XLA:CPU ordered differently on different devices against
     the attention's (`train.loop._would_hang` refused the step), and one all-reduce
     per tile of the loop."""
-    if ctx is None:
-        return ()
-    mesh, rules = ctx
-    sizes = dict(mesh.shape)
-    context = jax.sharding.get_abstract_mesh()
-    manual = set(context.manual_axes) if not context.empty else set()
-    return tuple(a for a in axes_tuple(rules.get("mlp")) if sizes.get(a, 1) > 1
-                 and a not in rows and a not in manual)
+    return tuple(a for a in _free_axes(ctx, "mlp") if a not in rows)
 
 
 def _expert_spec(key: str, expert: str | None, hidden) -> P:
@@ -447,13 +440,19 @@ def _expert_spec(key: str, expert: str | None, hidden) -> P:
 
 def _row_axes(ctx) -> tuple[str, ...]:
     """The mesh axes that split the rows of a batch (size > 1), in the rules' order."""
+    return _free_axes(ctx, "act_batch")
+
+
+def _free_axes(ctx, logical: str) -> tuple[str, ...]:
+    """The mesh axes the rules map `logical` to, size > 1, not already manual (inside a
+    pipeline stage), in the rules' order."""
     if ctx is None:
         return ()
     mesh, rules = ctx
     sizes = dict(mesh.shape)
     context = jax.sharding.get_abstract_mesh()
     manual = set(context.manual_axes) if not context.empty else set()
-    return tuple(a for a in axes_tuple(rules.get("act_batch"))
+    return tuple(a for a in axes_tuple(rules.get(logical))
                  if sizes.get(a, 1) > 1 and a not in manual)
 
 
