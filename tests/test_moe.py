@@ -96,8 +96,8 @@ def test_bfloat16_experts_beside_a_data_axis_compile_and_train_like_one_device(s
     """The expert weights' gradient sum over data (and fsdp) runs in float32, and so do
     dropless's sums over `expert` (all-to-all, then added) and over `tensor` (the
     experts' hidden slices' outputs and the tokens' gradients): JAX's bfloat16
-    all-reduce and reduce-scatter abort XLA:CPU's compiler (parallel.experts._per_rank,
-    _sum_scatter, _all_sum)."""
+    all-reduce and reduce-scatter abort XLA:CPU's compiler (parallel.expert_sums: per_rank,
+    sum_scatter, all_sum)."""
     want_loss, want, _ = loss_and_grads("data=1", compute="bfloat16")
     got_loss, got, _ = loss_and_grads(spec, moe, compute="bfloat16")
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-2)
@@ -117,7 +117,7 @@ def test_dropless_equals_capacity_without_drops(spec, model):
     """Dropless equals capacity without drops, and no collective runs inside the
     grouped MLP's switch: the hidden slices' sums are outside it (XLA:CPU ordered
     those inside differently on different devices against the attention's, and plait
-    train refused such a step as one that would hang; parallel.experts._hidden_axes)."""
+    train refused such a step as one that would hang; parallel.experts.split_axes)."""
     from plait import hlo
 
     dropless = (("capacity_factor", 0.0),)

@@ -13,7 +13,7 @@ The router's two auxiliary losses, per layer:
 - z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2.
 Both are averaged over the sparse layers and weighted by moe.aux_weight / z_weight;
 their gradients join the model's where they are computed
-(`parallel.experts.add_aux_gradient`), their values are reported as metrics.
+(`parallel.router_grad.add_aux_gradient`), their values are reported as metrics.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from flax import nnx
 from plait.config import GPTConfig
 from plait.models.keys import ParamKeys
 from plait.models.params import param as _param
-from plait.parallel import experts
+from plait.parallel import experts, router_grad
 from plait.parallel.ops import expert_weight, small_dense
 from plait.sharding import constrain
 
@@ -111,7 +111,7 @@ class MoE(nnx.Module):
         else:
             y, dropped = experts.dropless(x, idx, gate, weights, activation, self.grouped,
                                           self.bulk, self.spill)
-        y = experts.add_aux_gradient(
+        y = router_grad.add_aux_gradient(
             y, self.aux_weight * stats["aux_loss"] + self.z_weight * stats["z_loss"])
         if hasattr(self, "shared"):
             shared = self.shared(x)

@@ -22,13 +22,13 @@ Two ways, chosen by `moe.capacity_factor`:
   model's MLP hidden units and not the rows (1-D's `tensor`, 2-D's `tensor_col`),
   each of its ranks runs its slice of every expert's hidden units on the same rows,
   and the partial outputs (and the rows' gradients) are summed once, outside the
-  grouped MLPs (`_hidden_axes`). Without an `expert` axis the weights are otherwise
+  grouped MLPs (`split_axes`). Without an `expert` axis the weights are otherwise
   gathered whole. With one, the experts are split over it and the
   tokens are all-gathered across it instead (the all-gather dispatch of
   Megatron-Core): each rank runs its own experts
   on every assignment of the group routed to them, leaving the rest out of its
   grouped matmuls, and a reduce-scatter sums each token's outputs back to the rank
-  that holds it (in bf16 an all-to-all and a float32 sum: `_sum_scatter`). No sizes
+  that holds it (in bf16 an all-to-all and a float32 sum: `expert_sums.sum_scatter`). No sizes
   depend on the routing (an all-to-all of exactly the routed tokens would), at
   X / top_k times the all-to-all's bytes and X times the sorted buffer
   (formulas.expert_bytes), though each rank's grouped matmuls multiply only the tiles
@@ -40,16 +40,14 @@ choices and expert weights and gets the combined output back.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from plait.parallel import expert_sums as sums
 from plait.parallel.grouped import expert_mlp, grouped_mlp, ragged_mlp
 from plait.parallel.grouped_pallas import pallas_mlp
 from plait.sharding import active, axes_tuple, varying_like
@@ -101,114 +99,13 @@ def _mesh_and_size() -> tuple[object, int]:
     return mesh, dict(mesh.shape).get(AXIS, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _per_rank(w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """w, the same on every rank of `axes` inside a shard_map, used by each rank's own
-    rows; its gradient is summed over `axes` in float32. Left implicit, that sum is an
-    all-reduce in the compute dtype whose reducer JAX ends in a copy, and XLA:CPU aborts
-    compiling a bfloat16 one (its AllReducePromotion cannot clone such a reducer: a
-    bf16 MoE with an expert axis beside data or fsdp could not compile). A float32 sum
-    of bf16 gradients also rounds once, not once per rank; it moves twice the bytes."""
-    return jax.lax.pcast(w, axes, to="varying")
-
-
-def _per_rank_fwd(w, axes):
-    return jax.lax.pcast(w, axes, to="varying"), None
-
-
-def _per_rank_bwd(axes, _, ct):
-    return (jax.lax.psum(ct.astype(jnp.float32), axes).astype(ct.dtype),)
-
-
-_per_rank.defvjp(_per_rank_fwd, _per_rank_bwd)
-
-
-def _narrow(x: jax.Array) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize < 4
-
-
-def _sum_scatter(y: jax.Array, axis: str) -> jax.Array:
-    """psum_scatter(y, axis, scatter_dimension=0, tiled=True). In a narrow float the same
-    bytes go by one all-to-all (each rank's slice for every other) and are summed here in
-    float32: XLA:CPU aborts compiling a bfloat16 reduce-scatter as JAX writes it (the
-    reducer `_per_rank` avoids), and the sum rounds once, not once per rank."""
-    if not _narrow(y):
-        return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
-    X = jax.lax.axis_size(axis)
-    parts = jax.lax.all_to_all(y.reshape(X, -1, *y.shape[1:]), axis, 0, 0, tiled=True)
-    return jnp.sum(parts, axis=0, dtype=jnp.float32).astype(y.dtype)
-
-
-def _all_sum(y: jax.Array, axes: tuple[str, ...], f32: bool) -> jax.Array:
-    """psum(y, axes); with `f32` (XLA:CPU) a narrow float is summed in float32: XLA:CPU
-    aborts compiling the bfloat16 psum JAX writes (as `_per_rank`'s), and promotes
-    every bfloat16 all-reduce to float32 anyway (the same bytes). A GPU sums in y's
-    dtype, as GSPMD's all-reduces of the dense layers do."""
-    if f32 and _narrow(y):
-        return jax.lax.psum(y.astype(jnp.float32), axes).astype(y.dtype)
-    return jax.lax.psum(y, axes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _to_slices(x: jax.Array, axes: tuple[str, ...], f32: bool) -> jax.Array:
-    """x, the same on every rank of `axes`, used by each rank's slice of the hidden
-    units: its gradient, partial per rank, is summed over them here (`_all_sum`)."""
-    return jax.lax.pcast(x, axes, to="varying")
-
-
-def _to_slices_fwd(x, axes, f32):
-    return _to_slices(x, axes, f32), None
-
-
-def _to_slices_bwd(axes, f32, _, ct):
-    return (_all_sum(ct, axes, f32),)
-
-
-_to_slices.defvjp(_to_slices_fwd, _to_slices_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _from_slices(y: jax.Array, axes: tuple[str, ...], f32: bool) -> jax.Array:
-    """The partial outputs of the ranks' hidden slices summed (`_all_sum`); the
-    gradient goes to every slice as it is."""
-    return _all_sum(y, axes, f32)
-
-
-def _from_slices_fwd(y, axes, f32):
-    return _from_slices(y, axes, f32), None
-
-
-def _from_slices_bwd(axes, f32, _, ct):
-    return (jax.lax.pcast(ct, axes, to="varying"),)
-
-
-_from_slices.defvjp(_from_slices_fwd, _from_slices_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather(a: jax.Array, axis: str) -> jax.Array:
-    """all_gather(a, axis, tiled=True), whose gradient is summed back by `_sum_scatter`."""
-    return jax.lax.all_gather(a, axis, tiled=True)
-
-
-def _gather_fwd(a, axis):
-    return _gather(a, axis), None
-
-
-def _gather_bwd(axis, _, ct):
-    return (_sum_scatter(ct, axis),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
 def _weights_per_rank(w: Weights, axes: tuple[str, ...]) -> Weights:
-    """The expert weights inside a shard_map manual over `axes` (`_per_rank`), where
-    they are low-precision and an axis besides `expert` splits the rows."""
+    """The expert weights inside a shard_map manual over `axes` (`sums.per_rank`),
+    where they are low-precision and an axis besides `expert` splits the rows."""
     others = tuple(a for a in axes if a != AXIS)
     if not others:
         return w
-    return {k: _per_rank(v, others) if _narrow(v) else v for k, v in w.items()}
+    return {k: sums.per_rank(v, others) if sums.narrow(v) else v for k, v in w.items()}
 
 
 def _exchange(buf: jax.Array, w: Weights, activation: str, mesh) -> jax.Array:
@@ -345,7 +242,7 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
              ) -> tuple[jax.Array, jax.Array]:
     """x [B, T, d], idx / gate [B, T, k] -> (output [B, T, d], 0 dropped): each device's
     tokens through `_ragged_group`, in a shard_map over the axes that split the rows
-    and the one that splits the experts' hidden units (`_hidden_axes`); over an
+    and the one that splits the experts' hidden units (`split_axes`); over an
     `expert` axis, every rank's tokens through its own experts (the module's
     docstring). Inside a pipeline stage the backward recomputes the layer's forward."""
     B, T, d = x.shape
@@ -356,22 +253,21 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
         b = x.shape[0]
         x, idx, gate = x.reshape(b * T, d), idx.reshape(b * T, -1), gate.reshape(b * T, -1)
         if hidden:  # each rank computes with its slice of every expert's hidden units
-            x, gate = _to_slices(x, hidden, f32), _to_slices(gate, hidden, f32)
+            x, gate = sums.per_rank(x, hidden, f32), sums.per_rank(gate, hidden, f32)
         if X > 1:
-            x, gate = _gather(x, AXIS), _gather(gate, AXIS)
+            x, gate = sums.gather(x, AXIS), sums.gather(gate, AXIS)
             idx = jax.lax.all_gather(idx, AXIS, tiled=True)
             first = jax.lax.axis_index(AXIS) * next(iter(w.values())).shape[0]
-            y = _sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X, bulk,
+            y = sums.sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X, bulk,
                                            spill), AXIS)
         else:
             y = _ragged_group(x, idx, gate, w, activation, how, bulk=bulk, spill=spill)
         if hidden:
-            y = _from_slices(y, hidden, f32)
+            y = sums.from_slices(y, hidden, f32)
         return y.reshape(b, T, d)
 
     ctx = active()
-    axes = _row_axes(ctx)
-    hidden = _hidden_axes(ctx, axes)
+    axes, hidden = _split_axes(ctx)
     f32 = bool(hidden) and ctx[0].devices.flat[0].platform == "cpu"
     if not axes and not hidden:
         return local(x, idx, gate, w), jnp.zeros((), jnp.int32)
@@ -407,25 +303,48 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
 
 
 def recomputed_in_a_stage(sizes: dict[str, int], rules) -> tuple[str, ...]:
-    """The axes beside `pipeline` (size > 1) that split dropless's rows or the experts'
-    hidden units: where there are any, a pipeline stage's backward recomputes the
-    experts' forward (`dropless`), which the run's start-up line says."""
+    """The axes beside `pipeline` that split dropless's rows or the experts' hidden
+    units (`split_axes`): where there are any, a pipeline stage's backward recomputes
+    the experts' forward (`dropless`), which the run's start-up line says."""
     if sizes.get("pipeline", 1) == 1:
         return ()
-    names = axes_tuple(rules.get("act_batch")) + axes_tuple(rules.get("mlp"))
-    return tuple(dict.fromkeys(a for a in names if sizes.get(a, 1) > 1 and a != "pipeline"))
+    rows, hidden = split_axes(sizes, rules, {"pipeline"})
+    return rows + hidden
 
 
-def _hidden_axes(ctx, rows: tuple[str, ...]) -> tuple[str, ...]:
-    """The mesh axes that split a model's MLP hidden units (1-D's `tensor`, 2-D's
-    `tensor_col`; 3-D's `tensor_y` splits the rows here), size > 1, not splitting the
-    rows, not already manual. Dropless runs its grouped MLPs on each rank's slice of
-    the experts' hidden units, manual, and sums the partial outputs once after them:
-    left to GSPMD, the sums sat inside the grouped MLP's switch and loop, a conditional
+def split_axes(sizes: dict[str, int], rules, manual=frozenset()
+               ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(rows, hidden): the mesh axes (size > 1, not in `manual`, in the rules' order)
+    that split the rows of a batch, and those that split a model's MLP hidden units
+    but not the rows (1-D's `tensor`, 2-D's `tensor_col`; 3-D's `tensor_y` splits the
+    rows). Dropless runs its grouped MLPs on each hidden rank's slice of the experts'
+    hidden units, manual, and sums the partial outputs once after them: left to
+    GSPMD, the sums sat inside the grouped MLP's switch and loop, a conditional
     holding collectives that XLA:CPU ordered differently on different devices against
     the attention's (`train.loop._would_hang` refused the step), and one all-reduce
     per tile of the loop."""
-    return tuple(a for a in _free_axes(ctx, "mlp") if a not in rows)
+    def free(logical: str) -> tuple[str, ...]:
+        return tuple(a for a in axes_tuple(rules.get(logical))
+                     if sizes.get(a, 1) > 1 and a not in manual)
+
+    rows = free("act_batch")
+    return rows, tuple(a for a in free("mlp") if a not in rows)
+
+
+def _split_axes(ctx) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`split_axes` of the step being traced (`sharding.active()`), the axes already
+    manual (a pipeline stage's) left out."""
+    if ctx is None:
+        return (), ()
+    mesh, rules = ctx
+    context = jax.sharding.get_abstract_mesh()
+    manual = set(context.manual_axes) if not context.empty else set()
+    return split_axes(dict(mesh.shape), rules, manual)
+
+
+def _row_axes(ctx) -> tuple[str, ...]:
+    """The mesh axes that split the rows of a batch (size > 1), in the rules' order."""
+    return _split_axes(ctx)[0]
 
 
 def _expert_spec(key: str, expert: str | None, hidden) -> P:
@@ -436,61 +355,3 @@ def _expert_spec(key: str, expert: str | None, hidden) -> P:
     if key == "w13":  # [E, d, 2, f]
         return P(expert, None, None, hidden)
     return P(expert, None, hidden)  # w1 [E, d, f]
-
-
-def _row_axes(ctx) -> tuple[str, ...]:
-    """The mesh axes that split the rows of a batch (size > 1), in the rules' order."""
-    return _free_axes(ctx, "act_batch")
-
-
-def _free_axes(ctx, logical: str) -> tuple[str, ...]:
-    """The mesh axes the rules map `logical` to, size > 1, not already manual (inside a
-    pipeline stage), in the rules' order."""
-    if ctx is None:
-        return ()
-    mesh, rules = ctx
-    sizes = dict(mesh.shape)
-    context = jax.sharding.get_abstract_mesh()
-    manual = set(context.manual_axes) if not context.empty else set()
-    return tuple(a for a in axes_tuple(rules.get(logical))
-                 if sizes.get(a, 1) > 1 and a not in manual)
-
-
-# --- the router's gradient -----------------------------------------------------------
-# The router's auxiliary losses add their gradients where they are computed (inside each
-# layer: in a pipeline stage's backward too) instead of travelling to the loss: the
-# returned language-model loss stays what every mesh computes, and the auxiliary
-# values are reported beside it. The cotangent of an auxiliary term is the scale of
-# the loss it joins: 1 for one microbatch's loss, 1 / microbatches in a pipeline, whose
-# stages see each microbatch's gradient already divided.
-_AUX_SCALE: contextvars.ContextVar[float] = contextvars.ContextVar("aux_scale", default=1.0)
-
-
-@contextlib.contextmanager
-def aux_scale(scale: float) -> Iterator[None]:
-    token = _AUX_SCALE.set(scale)
-    try:
-        yield
-    finally:
-        _AUX_SCALE.reset(token)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _attach(x: jax.Array, aux: jax.Array, scale: float) -> jax.Array:
-    return x
-
-
-def _attach_fwd(x, aux, scale):
-    return x, aux
-
-
-def _attach_bwd(scale, aux, g):
-    return g, jnp.full_like(aux, scale)
-
-
-_attach.defvjp(_attach_fwd, _attach_bwd)
-
-
-def add_aux_gradient(x: jax.Array, aux: jax.Array) -> jax.Array:
-    """x unchanged; in the backward, `aux` (a scalar term of the loss) gets its gradient."""
-    return _attach(x, aux, _AUX_SCALE.get())

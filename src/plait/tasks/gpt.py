@@ -29,7 +29,7 @@ from plait.data.tokens import loss_mask_path
 from plait.errors import UserError
 from plait.models import gpt, gpt_counts
 from plait.models.gpt import abstract_model
-from plait.parallel import context, experts, formulas, hierarchical, local_sgd
+from plait.parallel import context, formulas, hierarchical, local_sgd, router_grad
 from plait.tasks import gpt_data, gpt_sweep
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checkpoint import DecoderCheckpoints
@@ -172,9 +172,9 @@ class GPTTask(DecoderCheckpoints, Task):
 
     def _pipeline_loss_and_grads(self, params: dict, batch: jax.Array):
         # Each microbatch's gradient reaches a stage divided by the microbatches: so does
-        # the router losses' (parallel.experts.aux_scale).
+        # the router losses' (parallel.router_grad.aux_scale).
         with sharding.use(self.mesh, self.rules), \
-                experts.aux_scale(1.0 / self.pipeline.microbatches):
+                router_grad.aux_scale(1.0 / self.pipeline.microbatches):
             return self.pipeline.loss_and_grads(params, batch, compute_dtype(self.exp),
                                                 self.documents)
 
