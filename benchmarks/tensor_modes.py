@@ -49,10 +49,11 @@ def markdown(result: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['mode']} | `{r['mesh']}` | {r['error']} | | | | | |")
             continue
+        formula = r["tensor_formula_bytes"]  # None: not modelled (a mixture of experts)
+        ratio = f"{r['tensor_wire_bytes'] / formula:.3f}" if formula else "-"
         lines.append(
             f"| {r['mode']} | `{r['mesh']}` | {gib(r['tensor_wire_bytes'])} "
-            f"| {gib(r['tensor_formula_bytes'])} "
-            f"| {r['tensor_wire_bytes'] / r['tensor_formula_bytes']:.3f} "
+            f"| {'-' if formula is None else gib(formula)} | {ratio} "
             f"| {gib(r['param_bytes_per_device'])} | {gib(r['temp_bytes'])} "
             f"| {r['compile_s']:.0f} |")
     return "\n".join(lines)

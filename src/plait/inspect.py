@@ -88,6 +88,7 @@ def compare_tensor_modes(exp: Experiment, n: int) -> list[dict]:
         rows.append({**row, **{k: r[k] for k in (
             "tensor_wire_bytes", "tensor_formula_bytes", "param_bytes_per_device", "compile_s",
             "flops_per_device")},
+            "tensor_formula_unmodelled": r.get("tensor_formula_unmodelled"),
             "wire_bytes": sum(r["collectives_wire"].values()),
             "temp_bytes": r["memory"].get("temp_bytes", 0)})
     return rows

@@ -344,9 +344,14 @@ class GPTTask(DecoderCheckpoints, Task):
         platform = self.mesh.devices.flat[0].platform
         wire = formulas.tensor_wire_bytes(analysis)
         mode = mesh_lib.MODE_NAMES[mesh_lib.tensor_mode(sizes)]
-        # The formulas describe tensor parallelism without a pipeline.
-        formula = None if self.pipeline else formulas.tensor_bytes(self.exp, sizes, platform)
+        # The formulas describe the dense decoder's tensor parallelism without a pipeline:
+        # a mixture's expert layers move tokens their own way over the tensor axes
+        # (capacity slots or routed rows, parallel/experts.py), which they do not count.
+        unmodelled = ("a pipeline" if self.pipeline else
+                      "mixture-of-experts layers" if self.exp.model.moe is not None else None)
+        formula = None if unmodelled else formulas.tensor_bytes(self.exp, sizes, platform)
         out = {"tensor_mode": mode, "tensor_wire_bytes": wire, "tensor_formula_bytes": formula,
+               "tensor_formula_unmodelled": unmodelled,
                "param_bytes_per_device": self.param_bytes_per_device(),
                "pipeline": self.pipeline.figures if self.pipeline else None}
         if sizes.get("expert", 1) > 1:

@@ -14,17 +14,24 @@ def render_comparison(name: str, rows: list[dict]) -> None:
     for col in ("mode", "mesh", "tensor-axis bytes (HLO)", "formula", "HLO/formula",
                 "all collectives", "weights", "temp (activations)", "compile"):
         t.add_column(col, justify="left" if col in ("mode", "mesh") else "right")
+    unmodelled = set()
     for r in rows:
         if "error" in r:
             t.add_row(r["mode"], r["mesh"], f"[red]{r['error']}[/red]", *[""] * 6)
             continue
-        ratio = (r["tensor_wire_bytes"] / r["tensor_formula_bytes"]
-                 if r["tensor_formula_bytes"] else float("nan"))
-        t.add_row(r["mode"], r["mesh"], size_text(r["tensor_wire_bytes"]),
-                  size_text(r["tensor_formula_bytes"]), f"{ratio:.3f}", size_text(r["wire_bytes"]),
-                  size_text(r["param_bytes_per_device"]), size_text(r["temp_bytes"]),
-                  f"{r['compile_s']:.0f}s")
+        formula = r["tensor_formula_bytes"]
+        if formula is None:
+            unmodelled.add(r.get("tensor_formula_unmodelled") or "this model")
+            shown, ratio = "-", "-"
+        else:
+            shown = size_text(formula)
+            ratio = f"{r['tensor_wire_bytes'] / formula:.3f}" if formula else "nan"
+        t.add_row(r["mode"], r["mesh"], size_text(r["tensor_wire_bytes"]), shown, ratio,
+                  size_text(r["wire_bytes"]), size_text(r["param_bytes_per_device"]),
+                  size_text(r["temp_bytes"]), f"{r['compile_s']:.0f}s")
     c.print(t)
+    for what in sorted(unmodelled):
+        c.print(f"no formula: the tensor modes' formulas do not model {what}")
 
 
 def render(r: dict) -> None:
@@ -49,7 +56,9 @@ def render(r: dict) -> None:
                    else ""))
     if "tensor_formula_bytes" in r:
         formula = (f" (formula {size_text(r['tensor_formula_bytes'])})"
-                   if r["tensor_formula_bytes"] is not None else "")
+                   if r["tensor_formula_bytes"] is not None else
+                   f" (no formula for {r['tensor_formula_unmodelled']})"
+                   if r.get("tensor_formula_unmodelled") else "")
         c.print(f"tensor mode {r['tensor_mode']}: {size_text(r['tensor_wire_bytes'])} over tensor "
                 f"axes per device per step{formula}; parameters "
                 f"{size_text(r['param_bytes_per_device'])} per device")
