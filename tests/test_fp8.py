@@ -216,12 +216,18 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert load_experiment(back).model.fp8_history == 4
 
 
-def test_a_pipeline_with_fp8_is_refused(emulate):
+def test_a_pipeline_or_local_sgd_with_fp8_is_refused_naming_which(emulate):
+    """Each refusal names what the run asked for and its own fix (a DiLoCo run without a
+    pipeline was told to drop the pipeline axis)."""
     from plait.errors import UserError
     from plait.tasks import make_task
 
-    with pytest.raises(UserError, match="without a pipeline axis"):
+    with pytest.raises(UserError, match="with a pipeline axis.*; drop the pipeline axis"):
         make_task(tiny(**{**_fp8(), "model": {"layers": 2}}), make_mesh("pipeline=2"))
+    with pytest.raises(UserError, match='sync.method = "diloco".*; use sync.method = '
+                                        '"allreduce" or precision.matmul = "default"') as e:
+        make_task(tiny(**_fp8(), sync={"method": "diloco"}), make_mesh("data=2"))
+    assert "pipeline" not in str(e.value)
 
 
 def test_the_gelu_of_an_fp8_matmul_stays_out_of_its_epilogue(emulate):

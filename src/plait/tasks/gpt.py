@@ -95,11 +95,15 @@ class GPTTask(DecoderCheckpoints, Task):
                             "replica); set sync.method = \"allreduce\" and sync.reduce = "
                             "\"flat\"")
         if exp.model.fp8_history and (self.local or self.pipeline):
-            raise UserError("precision.matmul = \"fp8\" trains without a pipeline axis and "
-                            "with sync.method = \"allreduce\", sync.reduce = \"flat\" (its "
-                            "scaling state combines by maximum over microbatches and replicas, "
-                            "which those sum); drop the pipeline axis or use precision.matmul "
-                            "= \"default\"")
+            # Its scaling state combines by maximum over microbatches and replicas, which a
+            # pipeline's stages and a per-replica sync method would sum.
+            what, fix = ((f"sync.method = \"{exp.sync.method}\" (its replicas would sum the "
+                          "scaling state, which combines by maximum)",
+                          "use sync.method = \"allreduce\"") if self.local else
+                         ("a pipeline axis (its stages would sum the scaling state over "
+                          "microbatches, which combines by maximum)", "drop the pipeline axis"))
+            raise UserError(f"precision.matmul = \"fp8\" does not train with {what}; {fix} "
+                            "or precision.matmul = \"default\"")
         # data.document_mask: each token attends within its own document.
         self.documents = exp.data.document_mask and exp.data.source == "tokens"
         if (self.local or self.data_split) and self.context_attention == "ring":
