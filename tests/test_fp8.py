@@ -225,7 +225,7 @@ def test_a_pipeline_or_local_sgd_with_fp8_is_refused_naming_which(emulate):
     with pytest.raises(UserError, match="with a pipeline axis.*; drop the pipeline axis"):
         make_task(tiny(**{**_fp8(), "model": {"layers": 2}}), make_mesh("pipeline=2"))
     with pytest.raises(UserError, match='sync.method = "diloco".*; use sync.method = '
-                                        '"allreduce" or precision.matmul = "default"') as e:
+                                        '"allreduce", or set precision.matmul = "default"') as e:
         make_task(tiny(**_fp8(), sync={"method": "diloco"}), make_mesh("data=2"))
     assert "pipeline" not in str(e.value)
 

@@ -102,8 +102,8 @@ class GPTTask(DecoderCheckpoints, Task):
                           "use sync.method = \"allreduce\"") if self.local else
                          ("a pipeline axis (its stages would sum the scaling state over "
                           "microbatches, which combines by maximum)", "drop the pipeline axis"))
-            raise UserError(f"precision.matmul = \"fp8\" does not train with {what}; {fix} "
-                            "or precision.matmul = \"default\"")
+            raise UserError(f"precision.matmul = \"fp8\" does not train with {what}; {fix}, "
+                            "or set precision.matmul = \"default\"")
         # data.document_mask: each token attends within its own document.
         self.documents = exp.data.document_mask and exp.data.source == "tokens"
         if (self.local or self.data_split) and self.context_attention == "ring":
