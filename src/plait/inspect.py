@@ -86,9 +86,8 @@ def compare_tensor_modes(exp: Experiment, n: int) -> list[dict]:
                 rows.append({**row, "error": str(e)})
                 continue
         rows.append({**row, **{k: r[k] for k in (
-            "tensor_wire_bytes", "tensor_formula_bytes", "param_bytes_per_device", "compile_s",
-            "flops_per_device")},
-            "tensor_formula_unmodelled": r.get("tensor_formula_unmodelled"),
+            "tensor_wire_bytes", "tensor_formula_bytes", "tensor_formula_unmodelled",
+            "param_bytes_per_device", "compile_s", "flops_per_device")},
             "wire_bytes": sum(r["collectives_wire"].values()),
             "temp_bytes": r["memory"].get("temp_bytes", 0)})
     return rows

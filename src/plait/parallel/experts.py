@@ -258,8 +258,8 @@ def dropless(x: jax.Array, idx: jax.Array, gate: jax.Array, w: Weights, activati
             x, gate = sums.gather(x, AXIS), sums.gather(gate, AXIS)
             idx = jax.lax.all_gather(idx, AXIS, tiled=True)
             first = jax.lax.axis_index(AXIS) * next(iter(w.values())).shape[0]
-            y = sums.sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X, bulk,
-                                           spill), AXIS)
+            y = sums.sum_scatter(_ragged_group(x, idx - first, gate, w, activation, how, X,
+                                               bulk, spill), AXIS)
         else:
             y = _ragged_group(x, idx, gate, w, activation, how, bulk=bulk, spill=spill)
         if hidden:

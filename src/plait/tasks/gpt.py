@@ -95,8 +95,6 @@ class GPTTask(DecoderCheckpoints, Task):
                             "replica); set sync.method = \"allreduce\" and sync.reduce = "
                             "\"flat\"")
         if exp.model.fp8_history and (self.local or self.pipeline):
-            # Its scaling state combines by maximum over microbatches and replicas, which a
-            # pipeline's stages and a per-replica sync method would sum.
             what, fix = ((f"sync.method = \"{exp.sync.method}\" (its replicas would sum the "
                           "scaling state, which combines by maximum)",
                           "use sync.method = \"allreduce\"") if self.local else

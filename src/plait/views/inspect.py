@@ -21,7 +21,7 @@ def render_comparison(name: str, rows: list[dict]) -> None:
             continue
         formula = r["tensor_formula_bytes"]
         if formula is None:
-            unmodelled.add(r.get("tensor_formula_unmodelled") or "this model")
+            unmodelled.add(r["tensor_formula_unmodelled"])
             shown, ratio = "-", "-"
         else:
             shown = size_text(formula)
@@ -57,8 +57,7 @@ def render(r: dict) -> None:
     if "tensor_formula_bytes" in r:
         formula = (f" (formula {size_text(r['tensor_formula_bytes'])})"
                    if r["tensor_formula_bytes"] is not None else
-                   f" (no formula for {r['tensor_formula_unmodelled']})"
-                   if r.get("tensor_formula_unmodelled") else "")
+                   f" (no formula for {r['tensor_formula_unmodelled']})")
         c.print(f"tensor mode {r['tensor_mode']}: {size_text(r['tensor_wire_bytes'])} over tensor "
                 f"axes per device per step{formula}; parameters "
                 f"{size_text(r['param_bytes_per_device'])} per device")
