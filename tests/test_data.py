@@ -61,8 +61,15 @@ def test_token_file_errors(tmp_path):
     with pytest.raises(UserError, match=r"fewer than model.seq_len"):
         TokenFile(out, "uint16", seq_len=500, seed=0, vocab=256)
     (tmp_path / "odd.bin").write_bytes(b"abc")
-    with pytest.raises(UserError, match=r"not a whole number of uint16"):
+    with pytest.raises(UserError, match=r"not a whole number of uint16 tokens; check "
+                       r"data.dtype"):
         TokenFile(tmp_path / "odd.bin", "uint16", seq_len=1, seed=0, vocab=256)
+    # read at the wrong width (plait eval's --dtype): the ids are the sign, so the line
+    # names the width as well as the vocabulary
+    with pytest.raises(UserError, match=r"token id \d+ >= model.vocab = 256 .*; raise "
+                       r"model.vocab or re-tokenize, or check --dtype \(uint32: the file's "
+                       r"id width\)"):
+        TokenFile(out, "uint32", seq_len=8, seed=0, vocab=256, dtype_key="--dtype")
 
 
 def test_training_on_a_token_file(tmp_path):

@@ -146,7 +146,14 @@ def test_all_checkpoints_corrupt_is_an_error_and_keeps_them(exp_file, tmp_path, 
         _corrupt(run_dir / "checkpoints" / step)
     before = snapshot(run_dir)
     line = fails(capsys, "train", path, "--mesh", "data=2", "--run-dir", run_dir, "--steps", "16")
-    assert "no usable checkpoint" in line and "tried steps 12, 8" in line
+    assert "no usable checkpoint" in line and "tried steps 12, 8; step 8: " in line
+    assert line.endswith("move the directory away to start afresh")
+    assert snapshot(run_dir) == before
+    # a reader cannot start afresh: its line says what is left to do
+    line = fails(capsys, "sample", run_dir, "--prompt", "a", "--tokens", "2")
+    assert "tried steps 12, 8; step 8: " in line, line
+    assert line.endswith("nothing can be read from this run; train it again into another "
+                         "--run-dir"), line
     assert snapshot(run_dir) == before
 
 

@@ -552,7 +552,7 @@ def test_an_interrupted_sweep_says_what_it_kept(tmp_path, capsys, monkeypatch):
     from plait.cli import main
 
     def interrupted(*args, journal, **kwargs):
-        journal.parent.mkdir(parents=True)
+        journal.parent.mkdir(parents=True, exist_ok=True)  # made by the command
         journal.write_text("{}\n{}\n")
         raise KeyboardInterrupt
 

@@ -176,6 +176,7 @@ class Checkpoints:
         """Newest checkpoint that loads, resharded onto `abstract_state`'s shardings."""
         steps = self.steps()
         unusable: list[int] = []
+        reason = ""
         for step in steps:
             try:
                 out = self.manager.restore(step, args=ocp.args.Composite(
@@ -187,14 +188,17 @@ class Checkpoints:
                 return state, meta
             except Exception as e:  # corrupt or unreadable: fall back
                 reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-                log.warning("checkpoint at step %d in %s is unusable (%s); trying an older one",
-                            step, self.directory, reason)
                 unusable.append(step)
+                if step != steps[-1]:  # the last one's reason goes into the error
+                    log.warning("checkpoint at step %d in %s is unusable (%s); trying an "
+                                "older one", step, self.directory, reason)
         if steps:
-            raise UserError(
-                f"no usable checkpoint in '{self.directory}' (tried steps "
-                f"{', '.join(map(str, steps))}); move the directory away to start afresh"
-            )
+            fix = ("nothing can be read from this run; train it again into another "
+                   "--run-dir" if self.read_only else "move the directory away to start "
+                   "afresh")
+            raise UserError(f"no usable checkpoint in '{self.directory}' (tried steps "
+                            f"{', '.join(map(str, steps))}; step {steps[-1]}: {reason}); "
+                            f"{fix}")
         return None
 
     def _move_aside(self, steps: list[int]) -> None:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from plait import cluster, quiet, xla_flags
+from plait import cluster, output_paths, quiet, xla_flags
 from plait.cli_args import parser
 from plait.cli_data import cmd_data
 from plait.errors import UserError, reported
@@ -58,6 +58,9 @@ def cmd_eval(args) -> int:
         raise UserError("--png draws the loss of every kept checkpoint; add --step all")
     run_dir = Path(args.run_dir)
     exp, _ = decoder_run(run_dir, "plait eval scores")
+    for flag, path, suffix in (("--png", args.png, ".png"), ("--json", args.json, ".json")):
+        if path:  # written after the scoring: refused, if it must be, before it
+            output_paths.file(path, flag, suffix)
     cluster.join(args)
     mesh = _mesh(args, exp, f"the [mesh] of {run_dir / 'config.toml'}")
     import jax
@@ -230,7 +233,7 @@ def cmd_sweep(args) -> int:
     mesh_lib.provision_devices(mesh_lib.MeshSpec({"data": args.devices}, "--devices"),
                                args.devices)
     hw = load_hardware(args.hardware or "cpu-2core")  # "auto" asks the devices just set up
-    out = Path(args.out or f"sweeps/{exp.name}-{args.devices}")
+    out = output_paths.directory(args.out or f"sweeps/{exp.name}-{args.devices}", "--out")
     t0 = time.perf_counter()
     failed: list[str] = []
     journal = out / sweep.JOURNAL
@@ -303,6 +306,8 @@ def cmd_schedule(args) -> int:
     from plait.views.schedule import show
 
     s = schedules.build(args.name, args.stages, args.microbatches, args.virtual_stages or 0)
+    if args.png:
+        output_paths.file(args.png, "--png", ".png")
     show(s, args.json, args.png, args.recompute)
     return 0
 

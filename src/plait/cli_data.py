@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from plait import output_paths
 from plait.errors import UserError
 
 
@@ -45,6 +46,7 @@ def cmd_data(args) -> int:
         if args.chat_template is not None and args.chat is None:
             raise UserError("--chat-template renders conversations: pass --chat NAME, the "
                             "field that holds them")
+        output_paths.file(out, "OUT.bin", ".bin")
         got = encode_corpus(inputs, out, args.field, args.dtype, args.tokenizer, args.eos,
                             held, args.prompt_field, args.chat, args.chat_template)
         end = (f", each ended by id {got['eos']}" if got["eos"] is not None
@@ -71,6 +73,7 @@ def cmd_data(args) -> int:
         if value is not None:
             raise UserError(f"{flag} reads prompts and responses from JSON Lines or Parquet "
                             "records (*.jsonl, *.parquet); a text file is one document")
+    output_paths.file(out, "OUT.bin", ".bin")
     written = encode_text_file(text, out, args.dtype, args.tokenizer, held)
     if args.tokenizer:
         from plait.data.tokenizer import HFTokenizer

@@ -52,7 +52,7 @@ def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> TokenFile
                         f"make it again with `{fix}`")
     return TokenFile(path, dtype, exp.model.seq_len, exp.seed, exp.model.vocab,
                      key="--data", spare=0, row_start="anywhere",
-                     document_mask=exp.data.document_mask)
+                     document_mask=exp.data.document_mask, dtype_key="--dtype")
 
 
 def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = None,

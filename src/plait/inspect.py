@@ -12,6 +12,7 @@ from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
 from plait.hardware import Hardware
+from plait.kinds import is_decoder
 from plait.tasks import make_task
 
 
@@ -74,6 +75,10 @@ def tensor_mode_meshes(n: int) -> list[tuple[str, dict[str, int]]]:
 
 def compare_tensor_modes(exp: Experiment, n: int) -> list[dict]:
     """Compile the step once per tensor mode on n devices; measured vs formula bytes, memory."""
+    if not is_decoder(exp.model):
+        raise UserError(f"--compare-tensor-modes compares how a decoder's layers split over "
+                        f"the tensor modes; {exp.name} is a {exp.model.kind} model, which "
+                        "runs on data and fsdp axes only; drop --compare-tensor-modes")
     console = Console(stderr=True, highlight=False)
     rows = []
     for mode, axes in tensor_mode_meshes(n):

@@ -111,13 +111,14 @@ def decoder_run(run_dir: Path, does: str = "plait sample generates text from",
     return exp, ckpt_dir
 
 
-def load(run_dir: Path, step: int | None):
-    """(the run's experiment, the per-layer model, its parameters on one device, step)."""
+def load(run_dir: Path, step: int | None, does: str = "plait sample generates text from"):
+    """(the run's experiment, the per-layer model, its parameters on one device, step);
+    `does`: what the command does with such runs, for the line refusing another kind."""
     from plait import mesh as mesh_lib
     from plait.checkpoint import Checkpoints
     from plait.tasks.gpt import GPTTask
 
-    exp, ckpt_dir = decoder_run(run_dir)
+    exp, ckpt_dir = decoder_run(run_dir, does)
     # The checkpoint's own layout: layers one entry each, no pipeline, one model, on
     # one device.
     one = exp.model_copy(update={

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from plait import output_paths
 from plait.errors import UserError
 
 FORMAT = "plait-criteo-1"
@@ -189,10 +190,7 @@ def convert(sources: list[str], out: str, malformed: str = "skip",
     names = [_part_name(p) for p in paths]
     if len(set(names)) != len(names):
         raise UserError("two inputs have the same name; rename one (each becomes a part)")
-    dest = Path(out)
-    if dest.exists() and not dest.is_dir():
-        raise UserError(f"--out '{dest}' is a file; pass a directory")
-    dest.mkdir(parents=True, exist_ok=True)
+    dest = output_paths.directory(out, "--out")
     manifest = _manifest(dest)
     for source, name in zip(paths, names, strict=True):
         size = source.stat().st_size

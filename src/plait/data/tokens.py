@@ -33,13 +33,14 @@ INDEX_SUFFIX = ".documents"
 class TokenFile:
     def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab: int,
                  key: str = "data.path", spare: int = 1, row_start: str = "auto",
-                 document_mask: bool = False):
+                 document_mask: bool = False, dtype_key: str = "data.dtype"):
         """`spare`: tokens the file must hold past one window of seq_len + 1 (random
         offsets need one; consecutive windows, plait eval's, none). `row_start`
         (data.row_start): rows start "anywhere", at a "document" start, or "auto"
         (at documents where the file has a loss mask and an index: fine-tuning
         records). `document_mask`: each token that starts a document carries DOC_START
-        (plait.loss_mask), from the file's document index."""
+        (plait.loss_mask), from the file's document index. `dtype_key`: where the user
+        sets `dtype`, for the messages."""
         path = Path(path)
         if not path.is_file():
             raise UserError(
@@ -53,7 +54,7 @@ class TokenFile:
         if size % itemsize:
             raise UserError(
                 f"data file '{path}' is {size} bytes, not a whole number of {dtype} tokens; "
-                "check data.dtype"
+                f"check {dtype_key}"
             )
         need = seq_len + 1 + spare
         if size // itemsize < max(need, 1):  # an empty file cannot even be mapped
@@ -64,6 +65,7 @@ class TokenFile:
             )
         self.path, self.tokens = path, np.memmap(path, dtype=dtype, mode="r")
         self.seq_len, self.seed, self.vocab, self.key = seq_len, seed, vocab, key
+        self.dtype, self.dtype_key = dtype, dtype_key
         self.mask = _read_mask(path, len(self.tokens), key)
         self.row_start = resolve_row_start(path, row_start, key)
         if document_mask and not index_path(path).is_file():
@@ -119,7 +121,8 @@ class TokenFile:
             at = offset + int(np.argmax(np.asarray(ids) >= self.vocab))
             raise UserError(f"data file '{self.path}' ({self.key}) has token id {top} >= "
                             f"model.vocab = {self.vocab} (the first at token {at:,}); raise "
-                            "model.vocab or re-tokenize")
+                            f"model.vocab or re-tokenize, or check {self.dtype_key} "
+                            f"({self.dtype}: the file's id width)")
 
 
 def loss_mask_path(token_file: str | Path) -> Path:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from plait import output_paths
 from plait.data import chat
 from plait.errors import UserError
 from plait.hf import config_json, layout
@@ -109,15 +110,21 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _fresh_dir(path: Path, flag: str) -> Path:
-    """A temporary sibling of `path`, which must not hold anything yet."""
+def _check_fresh(path: Path, flag: str) -> None:
+    """`path` holds nothing yet, and the directory it goes in is made."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise UserError(f"{flag} {path} already exists and is not empty; choose a new "
                         "directory (nothing there was touched)")
+    output_paths.parent(path, flag)
+
+
+def _fresh_dir(path: Path, flag: str) -> Path:
+    """A temporary sibling of `path`, which must not hold anything yet."""
+    _check_fresh(path, flag)
     tmp = path.parent / f".{path.name}.partial"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     return tmp
 
 
@@ -228,7 +235,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
     if dtype not in ("float32", "bfloat16"):
         raise UserError(f"--dtype {dtype}: export writes float32 or bfloat16")
     run_dir, out = Path(run_dir), Path(out)
-    exp, _, params, at = load(run_dir, step)
+    _check_fresh(out, "--out")  # before the checkpoint is read
+    exp, _, params, at = load(run_dir, step, "plait export converts")
     cfg = exp.model
     config = config_json.hf_config(cfg, dtype)  # refuses layouts no architecture holds
     tmp = _fresh_dir(out, "--out")

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from plait import output_paths
 from plait.config import Experiment
 from plait.config_files import tomllib
 from plait.errors import UserError
@@ -46,17 +47,7 @@ def _gib(n: float) -> str:
 
 def prepare(run_dir: Path) -> None:
     """Make `run_dir` and prove a file can be written, flushed and removed in it."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir '{run_dir}' is a file, not a directory; pass a directory "
-                        "(it is made if missing)")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UserError(f"cannot make the run directory '{run_dir}': a part of its path is a "
-                        "file; pass another --run-dir") from None
-    except OSError as e:
-        raise UserError(f"cannot make the run directory '{run_dir}': "
-                        f"{CAUSES.get(e.errno, e.strerror)}; pass another --run-dir") from None
+    output_paths.directory(run_dir, "--run-dir")
     probe = run_dir / f".plait-write-test-{os.getpid()}"
     try:
         with open(probe, "wb") as f:
