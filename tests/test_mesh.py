@@ -69,6 +69,22 @@ def test_more_devices_than_accelerators_exist(monkeypatch):
     assert M.provision_devices(M.load_spec("data=-1")) == 4
 
 
+def test_processes_that_cannot_share_the_mesh_equally_are_refused(monkeypatch):
+    """plait launch --processes 3 on a mesh of 8: each process simulated 2 CPU devices
+    and the run ended in "needs 8 devices but this process has 6"; with 16, one each,
+    and the 8 processes outside the mesh hung until the others lost them."""
+    monkeypatch.setattr(M, "_PENDING_PROCESSES", 3)
+    with pytest.raises(UserError, match=r"mesh data=8 needs 8 devices, which 3 processes "
+                       r"cannot share equally .*; use a process count that divides 8 "
+                       r"\(2, 4, 8\)"):
+        M.provision_devices(M.load_spec("data=8"))
+    monkeypatch.setattr(M, "_PENDING_PROCESSES", 16)
+    with pytest.raises(UserError, match=r"which 16 processes cannot share"):
+        M.provision_devices(M.load_spec("data=8"))
+    monkeypatch.setattr(M, "_PENDING_PROCESSES", 2)
+    assert M.provision_devices(M.load_spec("data=8")) == 8
+
+
 def test_experiment_mesh_falls_back_to_cpu_devices_where_accelerators_are_fewer(
         monkeypatch, capsys):
     """The quickstart's own mesh (8 devices) on a one-GPU machine runs on simulated CPU

@@ -80,6 +80,10 @@ def test_sample_from_a_chosen_step_leaves_the_run_untouched(trained, capsys):
     (["--tokens", "40"], "plus --tokens 40 is more than model.seq_len = 32"),
     (["--prompt", ""], "the prompt is empty"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
+    # a command line's byte that is not UTF-8 (Python keeps it as a lone surrogate): the
+    # byte-level codec's encode raised UnicodeEncodeError
+    (["--prompt", "caf\udce9"], "--prompt is not UTF-8 text (a byte that is not UTF-8 at "
+                                "character 3); pass it in UTF-8"),
 ])
 def test_sample_mistakes_are_one_line(trained, capsys, args, needle):
     argv = ["sample", str(trained), "--prompt", "abc", *args]

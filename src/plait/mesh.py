@@ -259,6 +259,14 @@ def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
     platform = devices[0].platform
     if has_free and requested is None and platform != "cpu":
         want = len(devices)
+    if platform == "cpu" and want % _PENDING_PROCESSES:
+        # 3 processes simulated 2 devices each for a mesh of 8 (then "needs 8 devices but
+        # this process has 6"); 16 processes one each, and the 8 outside the mesh hung
+        fits = ", ".join(str(p) for p in range(2, want + 1) if want % p == 0)
+        raise UserError(f"mesh {spec.inline()} needs {want} devices, which "
+                        f"{_PENDING_PROCESSES} processes cannot share equally (each simulates "
+                        f"its share of CPU devices); use a process count that divides {want}"
+                        + (f" ({fits})" if fits else ", or one process"))
     if len(devices) < want:
         if platform == "cpu" and flag_count is not None:
             raise UserError(

@@ -160,6 +160,17 @@ def _check(tokens: int, temperature: float, top_k: int, chat: bool, system: str 
         raise UserError(f"--top-k must be >= 0 (0: no cut), got {top_k}")
     if system is not None and not chat:
         raise UserError("--system is a chat's first message; pass --chat with it")
+    _utf8(system, "--system")
+
+
+def _utf8(text: str | None, flag: str) -> None:
+    """One line for text that is not UTF-8 (Python keeps a command line's stray bytes as
+    lone surrogates, which no tokenizer encodes)."""
+    try:
+        (text or "").encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{flag} is not UTF-8 text (a byte that is not UTF-8 at character "
+                        f"{e.start}); pass it in UTF-8") from None
 
 
 class _Model:
@@ -224,6 +235,7 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
     with the assistant's turn opened, and the answer ends at the template's end-of-text
     token."""
     _check(tokens, temperature, top_k, chat, system)
+    _utf8(prompt, "--prompt")
     m = _Model(Path(run_dir), step, tokens, temperature, top_k, chat, system)
     ids = (m.conversation([{"role": "user", "content": prompt}]) if chat
            else m.codec.encode(prompt))
@@ -243,6 +255,7 @@ def converse(run_dir: str | Path, messages: Iterable[str], tokens: int, temperat
     turns: list[dict] = []
     left_out = 0
     for i, message in enumerate(x for x in messages if x.strip()):
+        _utf8(message, f"message {i + 1} on standard input")
         turns.append({"role": "user", "content": message.rstrip("\n")})
         ids = m.conversation(turns)
         while not m.fits(ids) and len(turns) > 1:  # the oldest exchange goes first
