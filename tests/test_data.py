@@ -185,3 +185,53 @@ def test_an_id_past_the_vocabulary_deep_in_the_file_stops_training_in_one_line(t
     assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "token id 300 >= model.vocab = 256" in err[0], err
+
+
+def test_a_token_file_of_another_tokenizer_than_the_runs_is_refused(tmp_path, capsys):
+    """An imported run (its tokenizer.json beside the step-0 checkpoint) trained on a
+    byte-level token file: the model learned byte ids as if they were its tokenizer's,
+    and `plait sample` decoded them with the tokenizer. Refused before the run directory
+    is touched; a run with checkpoints and no tokenizer is refused a tokenized file the
+    same way (the file would have replaced nothing, but the ids mean other text); the
+    run's own tokenizer, or a new run directory, is taken."""
+    import hashlib
+    import shutil
+
+    from helpers import ROOT
+
+    from plait.cli import main
+    from plait.data.tokenizer import RUN_FILE
+    from plait.tasks.gpt_data import run_files
+
+    def snapshot_files(d):
+        return {str(p): hashlib.sha1(p.read_bytes()).hexdigest()
+                for p in sorted(d.rglob("*")) if p.is_file()}
+
+    hf = ROOT / "tests" / "data" / "hf" / "llama3"
+    run = tmp_path / "imported"
+    assert main(["import", str(hf), "--run-dir", str(run), "--seq-len", "16"]) == 0
+    (tmp_path / "a.txt").write_text("the mesh trains " * 100)
+    encode_text_file(tmp_path / "a.txt", tmp_path / "bytes.bin")
+    encode_text_file(tmp_path / "a.txt", tmp_path / "bpe.bin", tokenizer=run / RUN_FILE)
+    capsys.readouterr()
+    before = snapshot_files(run)
+    assert main(["train", str(run / "config.toml"), "--run-dir", str(run), "--steps", "1",
+                 "--mesh", "data=1", "--set", f'data.path="{tmp_path / "bytes.bin"}"']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and (
+        f"data file '{tmp_path / 'bytes.bin'}' (data.path) was tokenized byte-level (no "
+        f"tokenizer), not as the run '{run}' was; make it again with `plait data ... "
+        f"--tokenizer {run / RUN_FILE}`") in err[0], err
+    assert snapshot_files(run) == before
+
+    bpe = TokenFile(tmp_path / "bpe.bin", "uint16", seq_len=8, seed=0, vocab=512)
+    assert run_files(bpe, run) == {RUN_FILE: bpe.tokenizer}
+    assert run_files(bpe, tmp_path / "new") == {RUN_FILE: bpe.tokenizer}
+    byte_run = tmp_path / "byte-run"
+    (byte_run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"was tokenized with bpe.bin.tokenizer.json, not "
+                       r"as the run .* was; make it again with `plait data without "
+                       r"--tokenizer`"):
+        run_files(bpe, byte_run)
+    shutil.rmtree(byte_run / "checkpoints")  # a fresh directory takes the data's
+    assert run_files(bpe, byte_run) == {RUN_FILE: bpe.tokenizer}

@@ -167,9 +167,10 @@ class Task(abc.ABC):
         """Held-out evaluation logged with the training metrics, or None."""
         return None
 
-    def run_files(self, source: Source) -> dict[str, Path]:
+    def run_files(self, source: Source, run_dir: Path) -> dict[str, Path]:
         """Files the run directory keeps a copy of, by name (e.g. the tokenizer its token
-        file was made with, which `plait sample` decodes with)."""
+        file was made with, which `plait sample` decodes with); a UserError where the data
+        does not go with what `run_dir` already holds (asked before anything is written)."""
         return {}
 
     # ------------------------------------------------------------------ figures

@@ -290,8 +290,8 @@ class GPTTask(DecoderCheckpoints, Task):
     def batch(self, source: Source, step: int) -> jax.Array:
         return data.global_batch(source, step, self.batch_shape, self.batch_sharding)
 
-    def run_files(self, source: Source) -> dict[str, Path]:
-        return gpt_data.run_files(source)
+    def run_files(self, source: Source, run_dir: Path) -> dict[str, Path]:
+        return gpt_data.run_files(source, run_dir)
 
     def evaluator(self, source: Source) -> Evaluator | None:
         return gpt_data.evaluator(self)

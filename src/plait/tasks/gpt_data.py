@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from plait.config import Experiment
+from plait.errors import UserError
 from plait.tasks.base import Evaluator, Source
 
 
@@ -32,14 +33,28 @@ def source(exp: Experiment, documents: bool) -> Source:
     return token_file(exp, d.path or "", "data.path", documents)
 
 
-def run_files(source: Source) -> dict[str, Path]:
-    """The files a run keeps beside its checkpoints: the data's tokenizer."""
+def run_files(source: Source, run_dir: Path) -> dict[str, Path]:
+    """The files a run keeps beside its checkpoints: the data's tokenizer. A token file
+    tokenized otherwise than the run's checkpoints were (its tokenizer.json, or bytes: a
+    run with checkpoints and none) is refused: it trained the model on another text's ids,
+    and replaced the tokenizer an imported run came with (plait eval refuses such a file)."""
     from plait.data.tokenizer import RUN_FILE
     from plait.data.tokens import TokenFile
 
-    if isinstance(source, TokenFile) and source.tokenizer is not None:
-        return {RUN_FILE: source.tokenizer}
-    return {}
+    if not isinstance(source, TokenFile):  # synthetic tokens: ids of no text
+        return {}
+    ours = run_dir / RUN_FILE
+    mine = ours.read_bytes() if ours.is_file() else None
+    made = source.tokenizer.read_bytes() if source.tokenizer is not None else None
+    if mine != made and (mine is not None or (run_dir / "checkpoints").is_dir()):
+        how = (f"with {source.tokenizer.name}" if made is not None
+               else "byte-level (no tokenizer)")
+        fix = (f"plait data ... --tokenizer {ours}" if mine is not None
+               else "plait data without --tokenizer")
+        raise UserError(f"data file '{source.path}' ({source.key}) was tokenized {how}, not "
+                        f"as the run '{run_dir}' was; make it again with `{fix}`, or use "
+                        "a new --run-dir")
+    return {RUN_FILE: source.tokenizer} if source.tokenizer is not None else {}
 
 
 def evaluator(task) -> Evaluator | None:

@@ -75,6 +75,7 @@ class Run:
                           dict(mesh.shape))
         self.task = make_task(exp, mesh)
         self.source = self.task.source()  # checks data files before anything is written
+        self.run_files = self.task.run_files(self.source, self.run_dir)
         self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
         self.mesh_text = hosts.mesh_text(mesh)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -93,7 +94,7 @@ class Run:
                 self.ckpts.check_model(exp.model, self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if self.is_writer:
-                for name, path in self.task.run_files(self.source).items():
+                for name, path in self.run_files.items():
                     tmp = self.run_dir / f".{name}.tmp"
                     shutil.copyfile(path, tmp)
                     tmp.replace(self.run_dir / name)
