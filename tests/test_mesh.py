@@ -83,6 +83,10 @@ def test_processes_that_cannot_share_the_mesh_equally_are_refused(monkeypatch):
         M.provision_devices(M.load_spec("data=8"))
     monkeypatch.setattr(M, "_PENDING_PROCESSES", 2)
     assert M.provision_devices(M.load_spec("data=8")) == 8
+    # a -1 axis takes a device per core, rounded up to an equal share for each process
+    monkeypatch.setattr(M.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(M, "_PENDING_PROCESSES", 3)
+    assert M.provision_devices(M.load_spec("data=-1")) == 6
 
 
 def test_experiment_mesh_falls_back_to_cpu_devices_where_accelerators_are_fewer(

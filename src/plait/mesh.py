@@ -244,8 +244,8 @@ def provision_devices(spec: MeshSpec, requested: int | None = None) -> int:
     has_free = any(s == -1 for s in spec.axes.values())
     if requested is not None:
         want = requested
-    elif has_free:
-        want = max(fixed_product(spec), os.cpu_count() or 1)
+    elif has_free:  # on CPU, a share of equal size for every process of the run
+        want = math.lcm(max(fixed_product(spec), os.cpu_count() or 1), _PENDING_PROCESSES)
     else:
         want = fixed_product(spec)
     flag_count = _xla_flag_device_count()
