@@ -27,6 +27,11 @@ def _one_line(capsys, argv) -> str:
     (["train.steps=ten"],
      "config key 'train.steps' in --set train.steps: input should be a valid integer"),
     (['data.source="tokens"'], 'data.source = "tokens" needs data.path, a token file'),
+    # a check of the [model] table that the file passed: named as the --set's, without
+    # the whole table printed after it
+    (["model.heads=3"], "config key 'model' in --set model.heads: model.d_model = 64 is not "
+                        "divisible by model.heads = 3; pick d_model a multiple of heads, or "
+                        "set model.head_dim"),
 ])
 def test_set_mistakes_name_set_and_the_right_key(sets, needle, capsys, tmp_path):
     args = ["train", QUICK, "--mesh", "data=1", "--run-dir", str(tmp_path / "r")]
@@ -35,7 +40,15 @@ def test_set_mistakes_name_set_and_the_right_key(sets, needle, capsys, tmp_path)
     line = _one_line(capsys, args)
     assert needle in line, line
     assert "quickstart.toml" not in line or "tokens" in needle
+    assert "(table)" not in line, line
     assert not (tmp_path / "r").exists()
+
+
+def test_sets_that_pass_a_tables_check_together_are_taken():
+    from plait.config_files import load_experiment
+
+    exp = load_experiment(QUICK, ["model.heads=3", "model.d_model=96"])
+    assert (exp.model.heads, exp.model.d_model) == (3, 96)
 
 
 def test_indivisible_sizes_suggest_the_right_direction(capsys):

@@ -84,10 +84,23 @@ def validate(raw: dict, source: str) -> Experiment:
         msg = err["msg"].removeprefix("Value error, ")
         if not loc:  # a check across sections: the message names its keys
             raise UserError(f"{msg} (in {source})") from None
+        if isinstance(value, dict):  # a check across a table's keys, which it names
+            raise UserError(f"config key '{loc}' in {source}: {msg[:1].lower() + msg[1:]}"
+                            ) from None
         raise UserError(
             f"config key '{loc}' in {source}: {msg[:1].lower() + msg[1:]}, "
             f"got {value!r} ({_type_name(value)})"
         ) from None
+
+
+def _error_at(raw: dict) -> str | None:
+    """Where the first validation error of `raw` is ("" for a check across sections),
+    or None where it validates."""
+    try:
+        Experiment.model_validate(raw)
+    except ValidationError as e:
+        return ".".join(str(p) for p in e.errors()[0]["loc"])
+    return None
 
 
 def parse_value(text: str) -> Any:
@@ -140,16 +153,19 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
                         "experiments/quickstart.toml")
     raw.setdefault("name", path.stem)
     _check_unknown_keys(raw, Experiment, "", str(path))
+    # a check of a table (model.heads=3 against model.d_model = 64) that held until a
+    # --set: that --set is named if the check still fails after the last one
+    valid, broke = bool(overrides) and _error_at(raw) is None, None
     for assignment in overrides:
         apply_override(raw, assignment)
         key = assignment.split("=", 1)[0].strip()
-        try:  # an error in a key or value given with --set names --set, not the file
-            _check_unknown_keys(raw, Experiment, "", f"--set {key}")
-            Experiment.model_validate(raw)
-        except UserError:
-            raise
-        except ValidationError as e:
-            if ".".join(str(p) for p in e.errors()[0]["loc"]) == key:
-                validate(raw, f"--set {key}")
+        _check_unknown_keys(raw, Experiment, "", f"--set {key}")
+        loc = _error_at(raw)
+        if loc == key:  # an error in a key or value given with --set names --set
+            validate(raw, f"--set {key}")
+        if loc is not None and valid and loc and key.startswith(loc + "."):
+            broke = (loc, key)
+        valid = loc is None
     _name_is_plain(raw, str(path))
-    return validate(raw, str(path))
+    blamed = broke is not None and _error_at(raw) == broke[0]
+    return validate(raw, f"--set {broke[1]}" if blamed else str(path))
