@@ -163,7 +163,7 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
         loc = _error_at(raw)
         if loc == key:  # an error in a key or value given with --set names --set
             validate(raw, f"--set {key}")
-        if loc is not None and valid and loc and key.startswith(loc + "."):
+        if valid and loc and key.startswith(loc + "."):
             broke = (loc, key)
         valid = loc is None
     _name_is_plain(raw, str(path))

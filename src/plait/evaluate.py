@@ -39,17 +39,10 @@ class Windows:
 
 def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> TokenFile:
     """The file (and its loss mask), checked against the run's tokenizer and vocabulary."""
-    from plait.data.tokenizer import RUN_FILE, sidecar
+    from plait.data.tokenizer import check_tokenized_as_run
 
-    ours, theirs = run_dir / RUN_FILE, sidecar(path)
-    mine = ours.read_bytes() if ours.is_file() else None
-    made = theirs.read_bytes() if path.is_file() and theirs.is_file() else None
-    if path.is_file() and mine != made:
-        how = f"with {theirs.name}" if made is not None else "byte-level (no tokenizer)"
-        fix = (f"plait data ... --tokenizer {ours}" if mine is not None
-               else "plait data without --tokenizer")
-        raise UserError(f"'{path}' was tokenized {how}, not as the run '{run_dir}' was; "
-                        f"make it again with `{fix}`")
+    if path.is_file():  # a missing file: TokenFile's line
+        check_tokenized_as_run(path, run_dir, f"'{path}'")
     return TokenFile(path, dtype, exp.model.seq_len, exp.seed, exp.model.vocab,
                      key="--data", spare=0, row_start="anywhere",
                      document_mask=exp.data.document_mask, dtype_key="--dtype")

@@ -99,6 +99,21 @@ def for_run(run_dir: str | Path) -> Codec:
     return HFTokenizer(path) if path.is_file() else Bytes()
 
 
+def check_tokenized_as_run(token_file: Path, run_dir: Path, what: str,
+                           alternative: str = "") -> None:
+    """One line where `token_file` (named `what`) was not tokenized as the run in
+    `run_dir` was: the same tokenizer file beside both, or none (bytes) for both."""
+    ours, theirs = run_dir / RUN_FILE, sidecar(token_file)
+    mine = ours.read_bytes() if ours.is_file() else None
+    made = theirs.read_bytes() if theirs.is_file() else None
+    if mine != made:
+        how = f"with {theirs.name}" if made is not None else "byte-level (no tokenizer)"
+        fix = (f"plait data ... --tokenizer {ours}" if mine is not None
+               else "plait data without --tokenizer")
+        raise UserError(f"{what} was tokenized {how}, not as the run '{run_dir}' was; make "
+                        f"it again with `{fix}`{alternative}")
+
+
 def keep_beside(tokenizer: HFTokenizer, token_file: Path) -> None:
     tmp = sidecar(token_file).with_suffix(".tmp")
     shutil.copyfile(tokenizer.path, tmp)

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 
 from plait.config import Experiment
-from plait.errors import UserError
 from plait.tasks.base import Evaluator, Source
 
 
@@ -38,22 +37,15 @@ def run_files(source: Source, run_dir: Path) -> dict[str, Path]:
     tokenized otherwise than the run's checkpoints were (its tokenizer.json, or bytes: a
     run with checkpoints and none) is refused: it trained the model on another text's ids,
     and replaced the tokenizer an imported run came with (plait eval refuses such a file)."""
-    from plait.data.tokenizer import RUN_FILE
+    from plait.data.tokenizer import RUN_FILE, check_tokenized_as_run
     from plait.data.tokens import TokenFile
 
     if not isinstance(source, TokenFile):  # synthetic tokens: ids of no text
         return {}
-    ours = run_dir / RUN_FILE
-    mine = ours.read_bytes() if ours.is_file() else None
-    made = source.tokenizer.read_bytes() if source.tokenizer is not None else None
-    if mine != made and (mine is not None or (run_dir / "checkpoints").is_dir()):
-        how = (f"with {source.tokenizer.name}" if made is not None
-               else "byte-level (no tokenizer)")
-        fix = (f"plait data ... --tokenizer {ours}" if mine is not None
-               else "plait data without --tokenizer")
-        raise UserError(f"data file '{source.path}' ({source.key}) was tokenized {how}, not "
-                        f"as the run '{run_dir}' was; make it again with `{fix}`, or use "
-                        "a new --run-dir")
+    if (run_dir / RUN_FILE).is_file() or (run_dir / "checkpoints").is_dir():
+        check_tokenized_as_run(source.path, run_dir,
+                               f"data file '{source.path}' ({source.key})",
+                               ", or use a new --run-dir")
     return {RUN_FILE: source.tokenizer} if source.tokenizer is not None else {}
 
 
