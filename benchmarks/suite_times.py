@@ -1,10 +1,10 @@
 """Where the test suite's time went, from `python -m pytest -n 2 --compile-times DIR`
 (tests/compile_times.py): the sum over the workers of the tests' wall time, the share
 JAX spent tracing, lowering and compiling in the tests' own processes (a test's `plait`
-subprocesses count in its wall time only), the files and tests that took longest, and
-the jitted functions whose compiles cost most, and how many compiles the persistent cache
-answered (a steadier measure of a cut than this machine's wall time). Reads the workers'
-JSON; runs nothing."""
+subprocesses count in its wall time only), the files and tests that took longest, the
+tests that waited with a core idle, and the jitted functions whose compiles cost most,
+and how many compiles the persistent cache answered (a steadier measure of a cut than
+this machine's wall time). Reads the workers' JSON; runs nothing."""
 
 from __future__ import annotations
 
@@ -43,16 +43,24 @@ def summary(out: Path, top: int) -> dict:
 
     def row(times):
         jax_s = sum(times[s] for s in STAGES)
-        return {"wall_s": round(times["wall"], 1), "jax_compile_s": round(jax_s, 1),
-                "rest_s": round(times["wall"] - jax_s, 1)}
+        r = {"wall_s": round(times["wall"], 1), "jax_compile_s": round(jax_s, 1),
+             "rest_s": round(times["wall"] - jax_s, 1)}
+        if "cpu" in times:  # older JSON has none
+            r["cpu_s"] = round(times["cpu"], 1)
+        return r
 
-    def longest(table):
-        return {k: row(v) for k, v in sorted(table.items(), key=lambda kv: -kv[1]["wall"])[:top]}
+    def longest(table, key=lambda t: t["wall"]):
+        return {k: row(v) for k, v in sorted(table.items(), key=lambda kv: -key(kv[1]))[:top]}
+
+    def waited(t):  # wall time with no CPU of its own or of a waited-for child
+        return t["wall"] - t["cpu"] if "cpu" in t else 0.0
 
     return {"workers": len(workers), "tests": len(tests), "total": row(total),
             "by_stage_s": {s: round(total[s], 1) for s in STAGES},
             "compiles": total["compiles"], "cache_hits": total["cache_hits"],
             "files": longest(files), "tests_longest": longest(tests),
+            "tests_waiting": {k: v for k, v in longest(tests, waited).items()
+                              if v.get("cpu_s", v["wall_s"]) < v["wall_s"]},
             "functions": {k: {"s": round(v, 1), "calls": calls[k], "cache_hits": hits[k]}
                           for k, v in functions.most_common(top)}}
 
@@ -73,6 +81,11 @@ def main() -> None:
         print(f"\nlongest {title}: wall s, in-process JAX compile s")
         for name, r in s[key].items():
             print(f"{r['wall_s']:8.1f} {r['jax_compile_s']:8.1f}  {name}")
+    if s["tests_waiting"]:
+        print("\ntests that waited longest (a core idle): wall s, CPU s of the test and its"
+              " waited-for subprocesses")
+        for name, r in s["tests_waiting"].items():
+            print(f"{r['wall_s']:8.1f} {r['cpu_s']:8.1f}  {name}")
     print("\ncostliest jitted functions (stage name: s, calls, of them cache hits)")
     for name, r in s["functions"].items():
         print(f"{r['s']:8.1f} {r['calls']:6d} {r['cache_hits']:6d}  {name}")

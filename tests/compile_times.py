@@ -3,7 +3,8 @@ per test worker, each test's wall time and the seconds JAX spent in this process
 tracing, lowering and compiling (by jitted function), from `jax.monitoring`'s
 events, and how many of its compiles the persistent cache answered (a "compile" event
 times those too: it spans the cache's read). `python benchmarks/suite_times.py DIR` sums
-them. A test's `plait` subprocesses are in its wall time only."""
+them. A test's `plait` subprocesses are in its wall time and, once waited for, in its CPU
+time only."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ STAGES = {"/jax/core/compile/jaxpr_trace_duration": "trace",
           "/jax/core/compile/backend_compile_duration": "compile"}
 # Recorded inside a compile (before its duration event) when the persistent cache had it.
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of the children it has waited for: a test whose
+    wall time is far above it waited (on a subprocess's timeout, a sleep, a lock) with
+    a core to spare."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 class CompileTimes:
@@ -56,9 +65,10 @@ class CompileTimes:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        self.test, t0 = item.nodeid, time.perf_counter()
+        self.test, t0, c0 = item.nodeid, time.perf_counter(), _cpu()
         yield
         self.tests[item.nodeid]["wall"] += time.perf_counter() - t0
+        self.tests[item.nodeid]["cpu"] += _cpu() - c0
         self.test = None
 
     def pytest_sessionfinish(self, session):
