@@ -32,6 +32,27 @@ def _one_line(capsys, argv) -> str:
     (["model.heads=3"], "config key 'model' in --set model.heads: model.d_model = 64 is not "
                         "divisible by model.heads = 3; pick d_model a multiple of heads, or "
                         "set model.head_dim"),
+    # each of these trained into NaN, aborted XLA or raised a traceback, most steps later
+    (["optimizer.lr=inf"], "config key 'optimizer.lr' in --set optimizer.lr: input should be "
+                           "a finite number, got inf (float)"),
+    (["sync.alpha=inf"], "input should be a finite number"),  # XLA aborted (status -6)
+    (["model.norm_eps=inf"], "input should be a finite number"),  # pydantic's traceback
+    (["optimizer.b2=1.0"], "config key 'optimizer.b2' in --set optimizer.b2: input should be "
+                           "less than 1, got 1.0"),
+    (["optimizer.min_lr_ratio=2.0"], "input should be less than or equal to 1"),
+    (["seed=-1"], "config key 'seed' in --set seed: input should be greater than or equal to 0"),
+    (["optimizer.warmup_steps=100000000000"], "input should be less than or equal to "
+                                              "2147483647"),  # OverflowError in the schedule
+    # a union's member in the key, and the experiment file blamed for the --set
+    (['model.scan_layers="yes"'], "config key 'model.scan_layers' in --set "
+                                  "model.scan_layers: input should be a valid boolean or "
+                                  "'auto', got 'yes' (string)"),
+    (["data.successors=1000"], "data.successors = 1,000 is more than the model.vocab = 256 "
+                               "tokens a synthetic stream can go on to"),  # MemoryError
+    # XLA: "UNIMPLEMENTED: Scatter operations with more than 2147483647 scatter indices"
+    (["train.global_batch=100000000000"], "train.global_batch = 100,000,000,000 in "
+                                          "train.microbatches = 1: one microbatch's "
+                                          "activations take at least"),
 ])
 def test_set_mistakes_name_set_and_the_right_key(sets, needle, capsys, tmp_path):
     args = ["train", QUICK, "--mesh", "data=1", "--run-dir", str(tmp_path / "r")]
@@ -39,7 +60,7 @@ def test_set_mistakes_name_set_and_the_right_key(sets, needle, capsys, tmp_path)
         args += ["--set", s]
     line = _one_line(capsys, args)
     assert needle in line, line
-    assert "quickstart.toml" not in line or "tokens" in needle
+    assert "quickstart.toml" not in line or "tokens" in needle or "data." in needle
     assert "(table)" not in line, line
     assert not (tmp_path / "r").exists()
 

@@ -79,7 +79,9 @@ def test_sample_from_a_chosen_step_leaves_the_run_untouched(trained, capsys):
     (["--step", "5"], "--step 5: no checkpoint of step 5"),
     (["--tokens", "40"], "plus --tokens 40 is more than model.seq_len = 32"),
     (["--prompt", ""], "the prompt is empty"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be a number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a number >= 0"),  # sampled before
+    (["--seed", str(2**64)], "--seed must be between 0 and 2**63 - 1"),  # OverflowError
     # a command line's byte that is not UTF-8 (Python keeps it as a lone surrogate): the
     # byte-level codec's encode raised UnicodeEncodeError
     (["--prompt", "caf\udce9"], "--prompt is not UTF-8 text (a byte that is not UTF-8 at "

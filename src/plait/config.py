@@ -17,11 +17,17 @@ from plait.model_schema import (  # noqa: F401 - the schema's names, re-exported
     ModelSection,
     NonNegFloat,
     NonNegInt,
+    NonNegSteps,
     PosFloat,
     PosInt,
     RopeScaling,
     Section,
+    Steps,
 )
+
+# An Adam / momentum decay rate: 1 or more never forgets (Adam's bias correction
+# divides by 1 - b**t = 0: NaN on the first step).
+DecayRate = Annotated[float, Field(ge=0, lt=1)]
 
 # How an embedding table can be laid over devices (plait.parallel.embedding runs each).
 TABLE_PLACEMENTS = ("table", "row", "column", "replicated")
@@ -61,7 +67,7 @@ class DataConfig(Section):
     eval_batches: NonNegInt = 2
     # Evaluate at the log steps that are multiples of this, and at the last step
     # (0 = at every log step).
-    eval_every_steps: NonNegInt = 0
+    eval_every_steps: NonNegSteps = 0
 
 
 class EmbeddingConfig(Section):
@@ -87,7 +93,7 @@ class EmbeddingConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: PosInt = 100
+    steps: Steps = 100
     global_batch: PosInt = 8
     microbatches: PosInt = 1
     # A step whose loss or gradient norm is NaN/Inf: "stop" the run before anything of
@@ -132,7 +138,7 @@ class ContextConfig(Section):
 class OptimizerConfig(Section):
     name: Literal["adamw", "sgd", "adagrad"] = "adamw"
     lr: PosFloat = 3e-4
-    warmup_steps: NonNegInt = 0
+    warmup_steps: NonNegSteps = 0
     # The learning rate after warmup, each ending at lr * min_lr_ratio on step
     # decay_steps and staying there: "cosine"; "linear" (transformers' default for
     # fine-tuning); "wsd", warmup-stable-decay: lr held, then a linear cooldown over the
@@ -140,11 +146,12 @@ class OptimizerConfig(Section):
     # cooldown without a bend in its lr); "constant": lr throughout, no decay.
     schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     cooldown_fraction: Annotated[float, Field(gt=0, le=1)] = 0.2
-    decay_steps: PosInt | None = None
-    min_lr_ratio: NonNegFloat = 0.1
+    decay_steps: Steps | None = None
+    # The last learning rate as a share of lr: at most lr itself.
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.1
     weight_decay: NonNegFloat = 0.1
-    b1: NonNegFloat = 0.9
-    b2: NonNegFloat = 0.95
+    b1: DecayRate = 0.9
+    b2: DecayRate = 0.95
     eps: PosFloat = 1e-8
     # Adagrad's accumulator of squared gradients starts here: optax's 0.1, or 0 as
     # torch.optim.Adagrad and the reference DLRM do (the DLRM experiments).
@@ -159,10 +166,12 @@ class SyncConfig(Section):
     center model sharded over the data axis (plait.parallel.local_sgd)."""
 
     method: Literal["allreduce", "easgd", "diloco"] = "allreduce"
-    period: PosInt = 4  # EASGD's tau / DiLoCo's H: local steps between exchanges
-    alpha: PosFloat = 0.1  # EASGD's elasticity (the center moves by beta = P * alpha)
+    period: Steps = 4  # EASGD's tau / DiLoCo's H: local steps between exchanges
+    # EASGD's elasticity: each replica moves this share of the way to the center (past
+    # it above 1; the center moves by beta = P * alpha)
+    alpha: Annotated[float, Field(gt=0, le=1)] = 0.1
     outer_lr: PosFloat = 0.7  # DiLoCo's outer learning rate
-    outer_momentum: NonNegFloat = 0.9  # DiLoCo's outer Nesterov momentum
+    outer_momentum: DecayRate = 0.9  # DiLoCo's outer Nesterov momentum
     # "allreduce"'s gradient reduction: "hierarchical" reduces within each host first
     # (the data axis has parts across and within hosts: data=S@dcn,data=F), "flat" is
     # one all-reduce over data; "auto" is hierarchical wherever it applies.
@@ -182,20 +191,21 @@ class PrecisionConfig(Section):
 
 class CheckpointConfig(Section):
     enabled: bool = True
-    every_steps: NonNegInt = 100
+    every_steps: NonNegSteps = 100
     keep: PosInt = 3
     async_save: bool = True
 
 
 class LogConfig(Section):
-    every_steps: PosInt = 10
+    every_steps: Steps = 10
     tensorboard: bool = True
     console: Literal["auto", "bar", "line", "none"] = "auto"
 
 
 class Experiment(Section):
     name: str = "experiment"
-    seed: int = 0
+    # Seeds numpy's generators (non-negative) and JAX's keys (int64).
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
     # A subclass of ModelSection, chosen by the table's `kind` (plait.tasks).
     model: SerializeAsAny[ModelSection] = GPTConfig()
     data: DataConfig = DataConfig()

@@ -72,16 +72,37 @@ def _type_name(value: Any) -> str:
             dict: "table"}.get(type(value), type(value).__name__)
 
 
+def _key(err: dict) -> str:
+    """The dotted key of a validation error, without the members of a union pydantic
+    tried (scan_layers = "yes": ('model', 'scan_layers', 'bool') and the same with
+    "literal['auto']")."""
+    return ".".join(str(p) for p in err["loc"]
+                    if not (isinstance(p, str) and (p in ("bool", "int", "float", "str")
+                                                    or "[" in p)))
+
+
+def _message(e: ValidationError) -> tuple[str, dict]:
+    """The first error's key and message; a value no member of a union takes gets the
+    members' wants in one ("input should be a valid boolean or 'auto'")."""
+    errors = e.errors()
+    key = _key(errors[0])
+    wants = [x["msg"].removeprefix("Value error, ") for x in errors if _key(x) == key]
+    prefix = "Input should be "
+    if len(wants) > 1 and all(w.startswith(prefix) for w in wants):
+        wants = [wants[0], *(w.removeprefix(prefix) for w in wants[1:])]
+        return key, {**errors[0], "msg": " or ".join(wants)}
+    return key, {**errors[0], "msg": wants[0]}
+
+
 def validate(raw: dict, source: str) -> Experiment:
     """Build an Experiment from a raw dict, with one-line errors."""
     _check_unknown_keys(raw, Experiment, "", source)
     try:
         return Experiment.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
+        loc, err = _message(e)
         value = err.get("input")
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = err["msg"]
         if not loc:  # a check across sections: the message names its keys
             raise UserError(f"{msg} (in {source})") from None
         if isinstance(value, dict):  # a check across a table's keys, which it names
@@ -99,7 +120,7 @@ def _error_at(raw: dict) -> str | None:
     try:
         Experiment.model_validate(raw)
     except ValidationError as e:
-        return ".".join(str(p) for p in e.errors()[0]["loc"])
+        return _key(e.errors()[0])
     return None
 
 

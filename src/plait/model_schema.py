@@ -15,9 +15,17 @@ PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosFloat = Annotated[float, Field(gt=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
+# A count of steps: JAX counts them in int32 (the optimizer's count, the schedule's
+# argument, the step in the state), so one past 2**31 - 1 fails inside a jitted call.
+Steps = Annotated[int, Field(gt=0, le=2**31 - 1)]
+NonNegSteps = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # No key takes an infinite or NaN float: `inf` and `nan` are valid TOML, and an
+    # infinite rate or decay trains to NaN (or, as sync.alpha, aborts XLA) steps later.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
 
 class ModelSection(Section):

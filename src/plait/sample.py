@@ -12,6 +12,7 @@ the result decoded, with the tokenizer the run was trained with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -149,13 +150,15 @@ def read_params(task, ckpts, run_dir: Path, step: int | None) -> tuple[dict, int
     return take(state), int(meta["step"]), note
 
 
-def _check(tokens: int, temperature: float, top_k: int, chat: bool, system: str | None
-           ) -> None:
+def _check(tokens: int, temperature: float, top_k: int, chat: bool, system: str | None,
+           seed: int) -> None:
     if tokens < 1:
         raise UserError(f"--tokens must be at least 1, got {tokens}")
-    if temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0: always the most likely token), "
-                        f"got {temperature}")
+    if not 0 <= seed < 2**63:  # JAX's keys take an int64
+        raise UserError(f"--seed must be between 0 and 2**63 - 1, got {seed}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UserError(f"--temperature must be a number >= 0 (0: always the most likely "
+                        f"token), got {temperature}")
     if top_k < 0:
         raise UserError(f"--top-k must be >= 0 (0: no cut), got {top_k}")
     if system is not None and not chat:
@@ -234,7 +237,7 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
     is a user's message (after `system`'s, if given) put through the run's chat template
     with the assistant's turn opened, and the answer ends at the template's end-of-text
     token."""
-    _check(tokens, temperature, top_k, chat, system)
+    _check(tokens, temperature, top_k, chat, system, seed)
     _utf8(prompt, "--prompt")
     m = _Model(Path(run_dir), step, tokens, temperature, top_k, chat, system)
     ids = (m.conversation([{"role": "user", "content": prompt}]) if chat
@@ -250,7 +253,7 @@ def converse(run_dir: str | Path, messages: Iterable[str], tokens: int, temperat
     `system`'s message). Turns that no longer fit model.seq_len with --tokens to spare
     are left out from the oldest (the system message stays); info["left_out"] counts
     them. The checkpoint is read once."""
-    _check(tokens, temperature, top_k, True, system)
+    _check(tokens, temperature, top_k, True, system, seed)
     m = _Model(Path(run_dir), step, tokens, temperature, top_k, True, system)
     turns: list[dict] = []
     left_out = 0

@@ -34,13 +34,25 @@ def check_memory(exp: Experiment, mesh: Mesh) -> None:
     like model.layers = 1000000000 would otherwise build for minutes and swap."""
     from plait.hardware import mesh_device_memory
 
-    params = task_class(exp.model.kind).param_count(exp.model)
+    task = task_class(exp.model.kind)
+    params = task.param_count(exp.model)
     need = params * 4 * (1 + _SLOTS.get(exp.optimizer.name, 0))
     have = mesh_device_memory(mesh) * mesh.devices.size
+    devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices"
     if need > have:
         raise UserError(
             f"the model has {params:,} parameters: with its {exp.optimizer.name} state that "
             f"is {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of the mesh's "
-            f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices; shrink the model "
-            "(model.layers, model.d_model, table rows) or use more devices")
+            f"{devices}; shrink the model (model.layers, model.d_model, table rows) or use "
+            "more devices")
+    batch = task.microbatch_bytes(exp)
+    if need + batch > have:
+        t = exp.train
+        raise UserError(
+            f"train.global_batch = {t.global_batch:,} in train.microbatches = "
+            f"{t.microbatches}: one microbatch's activations take at least "
+            f"{batch / 2**30:,.1f} GiB ({(need + batch) / 2**30:,.1f} GiB with the "
+            f"parameters and {exp.optimizer.name} state), more than the "
+            f"{have / 2**30:,.1f} GiB of the mesh's {devices}; lower train.global_batch "
+            "or raise train.microbatches")
 

@@ -207,6 +207,14 @@ class Task(abc.ABC):
         return 0
 
     @classmethod
+    def microbatch_bytes(cls, exp: Experiment) -> int:
+        """A lower bound on what one microbatch's activations take over the whole mesh,
+        from the config alone; 0 where the kind does not say. With param_count, it
+        refuses a batch that cannot fit before anything is built (XLA cannot even
+        compile some: a gather of more than 2**31 rows)."""
+        return 0
+
+    @classmethod
     def sweep_variants(cls, exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:
         """The settings (dotted config keys) worth sweeping on a mesh of these sizes, e.g.
         pipeline schedules; [{}] for none. A UserError says why the sizes do not fit."""

@@ -327,6 +327,13 @@ class GPTTask(DecoderCheckpoints, Task):
     def param_count(cls, cfg) -> int:
         return gpt_counts.param_count(cfg)
 
+    @classmethod
+    def microbatch_bytes(cls, exp: Experiment) -> int:
+        """One residual stream of a microbatch (every layer reads and writes one)."""
+        m, t = exp.model, exp.train
+        width = 2 if exp.precision.compute == "bfloat16" else 4
+        return t.global_batch // t.microbatches * m.seq_len * m.d_model * width
+
     def flops_per_unit(self) -> float:
         return gpt_counts.flops_per_token(self.exp.model)
 

@@ -58,7 +58,11 @@ def _axes_text(axes: tuple[str, ...], n: int) -> str:
 
 
 def _check_batch(exp: Experiment, sizes: dict[str, int], rules: sharding.Rules) -> None:
-    t = exp.train
+    t, d = exp.train, exp.data
+    if d.source == "synthetic" and d.successors > exp.model.vocab:
+        raise UserError(f"data.successors = {d.successors:,} is more than the model.vocab = "
+                        f"{exp.model.vocab} tokens a synthetic stream can go on to; pick at "
+                        f"most {exp.model.vocab}")
     if t.global_batch % t.microbatches:
         raise UserError(f"train.global_batch = {t.global_batch} is not divisible by "
                         f"train.microbatches = {t.microbatches}")
