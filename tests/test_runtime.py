@@ -130,3 +130,20 @@ def test_a_steps_time_runs_from_the_previous_steps_end_to_its_own(tmp_path, monk
     records = run(tiny(train={"steps": 6}), "data=1", tmp_path)["records"]
     times = {r["step"]: r["step_time_s"] for r in records if r["step"] >= 3}
     assert times[6] >= 0.8 * statistics.median(times.values()) >= 0.2, times
+
+
+def test_the_step_watcher_is_done_before_the_loop_returns():
+    """StepEnds' daemon thread waits on each step's outputs; one still inside XLA when
+    Python finalises is stopped by a forced unwind that XLA's C++ catches, and the
+    process aborts ("FATAL: exception not rethrown", status -6) after a run that
+    succeeded. `close` therefore waits for the steps it watches."""
+    import jax.numpy as jnp
+
+    from plait.train.metrics import StepEnds
+
+    product = jax.jit(lambda a: (a @ a) @ a)
+    x = jnp.ones((1024, 1024))
+    ends = StepEnds()
+    futures = [ends.submit(product(x)) for _ in range(4)]
+    ends.close()
+    assert all(f.done() for f in futures)
