@@ -52,7 +52,7 @@ def _one_line(capsys, argv) -> str:
     # XLA: "UNIMPLEMENTED: Scatter operations with more than 2147483647 scatter indices"
     (["train.global_batch=100000000000"], "train.global_batch = 100,000,000,000 in "
                                           "train.microbatches = 1: one microbatch's "
-                                          "activations take at least"),
+                                          "residual stream takes at least"),
 ])
 def test_set_mistakes_name_set_and_the_right_key(sets, needle, capsys, tmp_path):
     args = ["train", QUICK, "--mesh", "data=1", "--run-dir", str(tmp_path / "r")]
@@ -62,6 +62,29 @@ def test_set_mistakes_name_set_and_the_right_key(sets, needle, capsys, tmp_path)
     assert needle in line, line
     assert "quickstart.toml" not in line or "tokens" in needle or "data." in needle
     assert "(table)" not in line, line
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("experiment,sets,needle", [
+    ("dlrm-tiny", ["model.embedding_rows=[]"], "config key 'model.embedding_rows' in --set "
+                                               "model.embedding_rows: list should have at "
+                                               "least 1 item"),  # IndexError
+    ("dlrm-tiny", ["model.embedding_rows=[0, 10]"], "config key 'model.embedding_rows.0' in "
+                                                    "--set model.embedding_rows: input should "
+                                                    "be greater than 0"),  # the file blamed
+    ("dlrm-tiny", ["data.ids_per_lookup=100000000"],  # OverflowError in the step's trace
+     "data.ids_per_lookup = 100,000,000 ids: the batch takes at least"),
+    ("llama-tiny", ["model.rope_scaling.low_freq_factor=8.0"],  # XLA aborted (status -6)
+     "model.rope_scaling.high_freq_factor = 4.0 must be above low_freq_factor = 8.0"),
+    ("llama-tiny", ['model.attention="cudnn"'],  # "cuDNN is not detected" in the trace
+     "model.attention = \"cudnn\" runs cuDNN's fused attention on NVIDIA GPUs, not cpu"),
+])
+def test_model_kinds_mistakes_are_one_line(experiment, sets, needle, capsys, tmp_path):
+    args = ["train", str(ROOT / "experiments" / f"{experiment}.toml"), "--mesh", "data=1",
+            "--run-dir", str(tmp_path / "r")]
+    for s in sets:
+        args += ["--set", s]
+    assert needle in _one_line(capsys, args)
     assert not (tmp_path / "r").exists()
 
 

@@ -27,6 +27,33 @@ def test_auto_attention_per_platform(platform, kind, compute, heads, want):
     assert attention_for(cfg, compute, platform, kind)[0] == want
     forced = cfg.model_copy(update={"attention": "xla"})
     assert attention_for(forced, compute, platform, kind) == ("xla", "model.attention")
+    # a run trained on cuDNN's is read with XLA's off an NVIDIA GPU (eval, sample; plait
+    # train refuses it there: tasks.gpt_runtime.check_attention); it raised "cuDNN is
+    # not detected" from inside the trace
+    cudnn = cfg.model_copy(update={"attention": "cudnn"})
+    nvidia = platform == "gpu" and "NVIDIA" in kind
+    assert attention_for(cudnn, compute, platform, kind)[0] == ("cudnn" if nvidia else "xla")
+
+
+@pytest.mark.parametrize("kind,compute,heads,needle", [
+    ("cpu", "float32", 8, "runs cuDNN's fused attention on NVIDIA GPUs, not cpu; use "
+                          "model.attention = \"auto\""),
+    ("NVIDIA H100 80GB HBM3", "float32", 8, "runs in bfloat16, not precision.compute = "
+                                            "\"float32\""),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 3, "a head size that is a multiple of 8 up to 128, "
+                                             "not 256"),
+])
+def test_cudnn_attention_where_it_cannot_run_is_refused(kind, compute, heads, needle):
+    from helpers import FakeGPU
+
+    from plait.errors import UserError
+    from plait.tasks.gpt_runtime import check_attention
+
+    cfg = tiny(model={"d_model": 768, "heads": heads, "attention": "cudnn"}).model
+    device = jax.devices()[0] if kind == "cpu" else FakeGPU(kind)
+    with pytest.raises(UserError, match=needle):
+        check_attention(cfg, compute, device)
+    check_attention(cfg.model_copy(update={"attention": "auto"}), compute, device)
 
 
 @pytest.mark.parametrize("platform,layers,want", [

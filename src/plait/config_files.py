@@ -182,8 +182,8 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
         key = assignment.split("=", 1)[0].strip()
         _check_unknown_keys(raw, Experiment, "", f"--set {key}")
         loc = _error_at(raw)
-        if loc == key:  # an error in a key or value given with --set names --set
-            validate(raw, f"--set {key}")
+        if loc == key or (loc or "").startswith(key + "."):  # in a value given with --set
+            validate(raw, f"--set {key}")  # (or an item of its list or table) names --set
         if valid and loc and key.startswith(loc + "."):
             broke = (loc, key)
         valid = loc is None

@@ -47,10 +47,19 @@ class RopeScaling(Section):
     original_context / low_freq_factor are stretched by `factor`, those shorter than
     original_context / high_freq_factor kept, the band between interpolated."""
 
-    factor: PosFloat = 8.0
+    factor: Annotated[float, Field(ge=1)] = 8.0
     low_freq_factor: PosFloat = 1.0
     high_freq_factor: PosFloat = 4.0
     original_context: PosInt = 8192
+
+    @model_validator(mode="after")
+    def _a_band(self) -> RopeScaling:
+        """The band between is interpolated over high_freq_factor - low_freq_factor (a
+        division by zero at equal factors; Hugging Face's llama3 check asks the same)."""
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"model.rope_scaling.high_freq_factor = {self.high_freq_factor} "
+                             f"must be above low_freq_factor = {self.low_freq_factor}")
+        return self
 
 
 class MoEConfig(Section):
@@ -271,10 +280,10 @@ class DLRMConfig(ModelSection):
     cross layers (0 = the original dot interaction)."""
 
     kind: Literal["dlrm"] = "dlrm"
-    embedding_rows: list[PosInt] = [1000, 1000]
+    embedding_rows: Annotated[list[PosInt], Field(min_length=1)] = [1000, 1000]
     embedding_dim: PosInt = 16
-    bottom_mlp: list[PosInt] = [64, 16]
-    top_mlp: list[PosInt] = [64, 1]
+    bottom_mlp: Annotated[list[PosInt], Field(min_length=1)] = [64, 16]
+    top_mlp: Annotated[list[PosInt], Field(min_length=1)] = [64, 1]
     dense_features: PosInt = 13
     pooling: Literal["sum", "mean"] = "sum"
     cross_layers: NonNegInt = 0

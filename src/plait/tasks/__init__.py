@@ -31,7 +31,9 @@ def check_memory(exp: Experiment, mesh: Mesh) -> None:
     """Refuse, before anything is built, a model whose parameters and optimizer state
     alone (float32, no activations) exceed the memory of the mesh's devices (training
     allocates for real; the sweep prices other hardware and does not ask): a typo
-    like model.layers = 1000000000 would otherwise build for minutes and swap."""
+    like model.layers = 1000000000 would otherwise build for minutes and swap. So is a
+    batch whose least part (Task.batch_memory) does not fit beside them: XLA cannot
+    compile some (train.global_batch = 10**11: a scatter of more than 2**31 rows)."""
     from plait.hardware import mesh_device_memory
 
     task = task_class(exp.model.kind)
@@ -45,14 +47,10 @@ def check_memory(exp: Experiment, mesh: Mesh) -> None:
             f"is {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of the mesh's "
             f"{devices}; shrink the model (model.layers, model.d_model, table rows) or use "
             "more devices")
-    batch = task.microbatch_bytes(exp)
+    batch, what, fix = task.batch_memory(exp)
     if need + batch > have:
-        t = exp.train
         raise UserError(
-            f"train.global_batch = {t.global_batch:,} in train.microbatches = "
-            f"{t.microbatches}: one microbatch's activations take at least "
-            f"{batch / 2**30:,.1f} GiB ({(need + batch) / 2**30:,.1f} GiB with the "
-            f"parameters and {exp.optimizer.name} state), more than the "
-            f"{have / 2**30:,.1f} GiB of the mesh's {devices}; lower train.global_batch "
-            "or raise train.microbatches")
+            f"{what} takes at least {batch / 2**30:,.1f} GiB ({(need + batch) / 2**30:,.1f} "
+            f"GiB with the parameters and {exp.optimizer.name} state), more than the "
+            f"{have / 2**30:,.1f} GiB of the mesh's {devices}; {fix}")
 

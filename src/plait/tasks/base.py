@@ -207,12 +207,12 @@ class Task(abc.ABC):
         return 0
 
     @classmethod
-    def microbatch_bytes(cls, exp: Experiment) -> int:
-        """A lower bound on what one microbatch's activations take over the whole mesh,
-        from the config alone; 0 where the kind does not say. With param_count, it
-        refuses a batch that cannot fit before anything is built (XLA cannot even
-        compile some: a gather of more than 2**31 rows)."""
-        return 0
+    def batch_memory(cls, exp: Experiment) -> tuple[int, str, str]:
+        """(bytes, what they are, what to change): a lower bound on what one microbatch
+        takes on the whole mesh, from the config alone; 0 where the kind does not say.
+        With param_count, it refuses a batch that cannot fit before anything is built
+        (XLA cannot even compile some: a scatter of more than 2**31 rows)."""
+        return 0, "", ""
 
     @classmethod
     def sweep_variants(cls, exp: Experiment, sizes: dict[str, int]) -> list[dict[str, Any]]:

@@ -275,6 +275,16 @@ class DLRMTask(Task):
         return (sum(cfg.table_rows) * cfg.embedding_dim
                 + mlp([cfg.dense_features, *cfg.bottom_mlp]) + mlp(cfg.top_mlp))
 
+    @classmethod
+    def batch_memory(cls, exp: Experiment) -> tuple[int, str, str]:
+        """A batch's ids, dense features and pooled embeddings (int32, float32)."""
+        m, ids, rows = exp.model, exp.data.ids_per_lookup, exp.train.global_batch
+        tables = len(m.embedding_rows)
+        per_row = 4 * (m.dense_features + tables * (ids + m.embedding_dim))
+        return (rows * per_row,
+                f"train.global_batch = {rows:,} rows of {tables} bags of data.ids_per_lookup "
+                f"= {ids:,} ids: the batch", "lower train.global_batch or data.ids_per_lookup")
+
     def num_params(self) -> int:
         """Dense parameters plus every table's rows x dimension."""
         m = self.exp.model

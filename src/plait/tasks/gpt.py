@@ -328,11 +328,14 @@ class GPTTask(DecoderCheckpoints, Task):
         return gpt_counts.param_count(cfg)
 
     @classmethod
-    def microbatch_bytes(cls, exp: Experiment) -> int:
+    def batch_memory(cls, exp: Experiment) -> tuple[int, str, str]:
         """One residual stream of a microbatch (every layer reads and writes one)."""
         m, t = exp.model, exp.train
         width = 2 if exp.precision.compute == "bfloat16" else 4
-        return t.global_batch // t.microbatches * m.seq_len * m.d_model * width
+        return (t.global_batch // t.microbatches * m.seq_len * m.d_model * width,
+                f"train.global_batch = {t.global_batch:,} in train.microbatches = "
+                f"{t.microbatches}: one microbatch's residual stream",
+                "lower train.global_batch or raise train.microbatches")
 
     def flops_per_unit(self) -> float:
         return gpt_counts.flops_per_token(self.exp.model)

@@ -19,11 +19,16 @@ def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str,
     """(implementation, why) for `model.attention`: "auto" takes the fused cuDNN flash
     kernel of `jax.nn.dot_product_attention` where it applies (an NVIDIA GPU, bf16 compute,
     a head size cuDNN takes), XLA's attention otherwise. (JAX's own default chose XLA's
-    unfused attention on an H100, 2.2x slower: docs/benchmarks.md, "GPU facts".)"""
+    unfused attention on an H100, 2.2x slower: docs/benchmarks.md, "GPU facts".) A run
+    trained on "cudnn" is read with XLA's off an NVIDIA GPU (plait eval, sample, export;
+    plait train refuses it there: check_attention)."""
+    nvidia = platform == "gpu" and "nvidia" in device_kind.lower()
+    if cfg.attention == "cudnn" and not nvidia:
+        return "xla", f"model.attention = \"cudnn\", no cuDNN on {platform}"
     if cfg.attention != "auto":
         return cfg.attention, "model.attention"
     head = cfg.head_size
-    if platform != "gpu" or "nvidia" not in device_kind.lower():
+    if not nvidia:
         return "xla", f"auto: no fused kernel on {platform}"
     if compute != "bfloat16":
         return "xla", "auto: cuDNN flash attention needs bf16 compute"
@@ -140,6 +145,26 @@ def check_kernels(cfg, device) -> None:
     raise UserError(f"model.{key} = \"pallas\" runs a Triton kernel on NVIDIA GPUs, not "
                     f"{where}; use model.{key} = \"auto\" (the kernel where it runs, "
                     "XLA's elsewhere) or \"xla\"")
+
+
+def check_attention(cfg, compute: str, device) -> None:
+    """Refuse `model.attention = "cudnn"` where cuDNN's fused kernel cannot run, in one
+    line (JAX raised "cuDNN is not detected" from inside the step's trace)."""
+    if getattr(cfg, "attention", "xla") != "cudnn":
+        return
+    fix = "; use model.attention = \"auto\" (cuDNN where it runs, XLA's elsewhere) or \"xla\""
+    if device.platform != "gpu" or "nvidia" not in device.device_kind.lower():
+        kind = device.device_kind
+        where = kind if kind == device.platform else f"{kind} ({device.platform})"
+        raise UserError(f"model.attention = \"cudnn\" runs cuDNN's fused attention on "
+                        f"NVIDIA GPUs, not {where}{fix}")
+    if compute != "bfloat16":
+        raise UserError(f"model.attention = \"cudnn\" runs in bfloat16, not precision.compute "
+                        f"= \"{compute}\"; set precision.compute = \"bfloat16\"{fix[1:]}")
+    head = cfg.head_size
+    if head % 8 or head > 128:
+        raise UserError(f"model.attention = \"cudnn\" takes a head size that is a multiple of "
+                        f"8 up to 128, not {head}{fix}")
 
 
 def check_grouped(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str, int]) -> None:

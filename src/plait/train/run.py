@@ -24,7 +24,7 @@ from plait.errors import RunFailed, UserError
 from plait.kinds import is_decoder
 from plait.models import fp8
 from plait.tasks import check_memory, make_task
-from plait.tasks.gpt_runtime import check_grouped, check_kernels
+from plait.tasks.gpt_runtime import check_attention, check_grouped, check_kernels
 from plait.train import lock, rundir
 from plait.train.metrics import MetricsLog
 from plait.train.state import schedule_text
@@ -70,6 +70,7 @@ class Run:
         if exp.precision.matmul == "fp8":
             fp8.check_devices(mesh.devices.flat)
         check_kernels(exp.model, mesh.devices.flat[0])
+        check_attention(exp.model, exp.precision.compute, mesh.devices.flat[0])
         if getattr(exp.model, "moe", None) is not None:
             check_grouped(exp.model, exp.precision.compute, mesh.devices.flat[0],
                           dict(mesh.shape))
