@@ -106,6 +106,14 @@ def test_other_model_in_run_dir_is_refused_and_kept(exp_file, tmp_path, capsys):
     assert snapshot(run_dir) == before
     fails(capsys, "train", exp_file, "--mesh", "data=5", "--devices", "8", "--run-dir", run_dir)
     assert snapshot(run_dir) == before
+    # another optimizer's state: orbax called every checkpoint unusable and the line
+    # ended "move the directory away to start afresh"
+    line = fails(capsys, "train", exp_file, "--mesh", "data=2", "--run-dir", run_dir,
+                 "--set", 'optimizer.name="sgd"', "--steps", "20")
+    assert line.endswith('checkpoints were trained with optimizer.name = "adamw" (its state '
+                         'is kept with them), this run asks for "sgd"; use optimizer.name = '
+                         '"adamw" or a new --run-dir'), line
+    assert snapshot(run_dir) == before
 
 
 def _checkpointed_run(tmp_path, exp_file):

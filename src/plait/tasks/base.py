@@ -73,6 +73,9 @@ class Task(abc.ABC):
     unit: ClassVar[str] = "samples"
     # Mesh axes `plait sweep` factors the devices over (others stay 1).
     sweep_axes: ClassVar[tuple[str, ...]] = ("data", "fsdp")
+    # Config keys that choose the optimizer state a checkpoint holds: a run resumed
+    # with another value is refused (its state does not read as the other's).
+    optimizer_keys: ClassVar[tuple[str, ...]] = ("optimizer.name",)
 
     @classmethod
     def sweep_axes_for(cls, exp: Experiment) -> tuple[str, ...]:

@@ -86,6 +86,7 @@ class HeldOutAUC:
 class DLRMTask(Task):
     unit = "samples"
     sweep_axes = BATCH_AXES
+    optimizer_keys = ("optimizer.name", "embedding.optimizer")
 
     def __init__(self, exp: Experiment, mesh: Mesh):
         super().__init__(exp, mesh)

@@ -146,7 +146,22 @@ class Run:
                     "optimizer state fresh")
         if meta.get("config") is None:
             return abstract, lambda state: state, None
+        self._same_optimizer(meta["config"])
         return self.task.restore_plan(meta["config"])
+
+    def _same_optimizer(self, saved_config: dict) -> None:
+        """Refuse another optimizer than the checkpoint's, in one line: orbax found the
+        state's trees unlike, and every checkpoint was called unusable, with "move the
+        directory away to start afresh" after it."""
+        for key in self.task.optimizer_keys:
+            section, name = key.split(".")
+            saved = (saved_config.get(section) or {}).get(name)
+            now = getattr(getattr(self.exp, section), name)
+            if saved is not None and saved != now:
+                raise UserError(
+                    f"the run directory's checkpoints were trained with {key} = \"{saved}\" "
+                    f"(its state is kept with them), this run asks for \"{now}\"; use "
+                    f"{key} = \"{saved}\" or a new --run-dir")
 
     def meta_for(self, step: int) -> dict:
         exp = self.exp
