@@ -116,6 +116,34 @@ def test_other_model_in_run_dir_is_refused_and_kept(exp_file, tmp_path, capsys):
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.parametrize("name,kind", [("checkpoints", "file"), ("metrics.jsonl", "directory"),
+                                       ("summary.json", "directory")])
+def test_a_run_directory_entry_of_the_wrong_kind_is_one_line(exp_file, tmp_path, capsys, name,
+                                                              kind):
+    """NotADirectoryError inside orbax, IsADirectoryError after the resume read the
+    metrics or after the last step (summary.json)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    if kind == "file":
+        (run_dir / name).write_text("x")
+    else:
+        (run_dir / name).mkdir()
+    line = fails(capsys, "train", exp_file, "--mesh", "data=1", "--run-dir", run_dir)
+    assert line.endswith(f"'{run_dir / name}' is a {kind}, where plait keeps its "
+                         f"{'directory' if kind == 'file' else 'file'} {name}; move it away "
+                         "or pass another --run-dir"), line
+
+
+def test_metrics_that_are_not_utf8_are_trimmed_like_torn_lines(tmp_path):
+    """A resume's trim of metrics.jsonl raised UnicodeDecodeError on a torn write's bytes."""
+    from plait.train.metrics import trim_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n\x00\xff garbage\n{"step": 2}\n{"step": 3}\n{"st')
+    trim_jsonl(path, 2)
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
 def _checkpointed_run(tmp_path, exp_file):
     exp = tiny(checkpoint=CKPT, train={"steps": 12},
                log=LINE_LOG)

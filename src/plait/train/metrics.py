@@ -39,12 +39,13 @@ def trim_jsonl(path: Path, keep_through_step: int) -> None:
     """Drop records after `keep_through_step` (and a torn last line) before a resume.
 
     Those steps are about to be run again from the checkpoint, and will produce
-    the same records; keeping both would show every such step twice.
+    the same records; keeping both would show every such step twice. A line that is
+    not UTF-8 JSON (a torn write's bytes) is dropped with the torn ones.
     """
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:

@@ -45,9 +45,24 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
+# What plait keeps in a run directory: True for a directory, False for a file.
+ENTRIES = {"checkpoints": True, "tensorboard": True, "config.toml": False,
+           "metrics.jsonl": False, "summary.json": False, "plait.lock": False,
+           "plait.log": False}
+
+
 def prepare(run_dir: Path) -> None:
-    """Make `run_dir` and prove a file can be written, flushed and removed in it."""
+    """Make `run_dir` and prove a file can be written, flushed and removed in it; the
+    names plait writes there must not be taken by the other kind (a file `checkpoints`
+    failed as NotADirectoryError inside orbax, a directory `metrics.jsonl` as
+    IsADirectoryError after the resume read it)."""
     output_paths.directory(run_dir, "--run-dir")
+    for name, is_dir in ENTRIES.items():
+        path = run_dir / name
+        if path.exists() and path.is_dir() != is_dir:
+            raise UserError(f"'{path}' is a {'file' if is_dir else 'directory'}, where plait "
+                            f"keeps its {'directory' if is_dir else 'file'} {name}; move it "
+                            "away or pass another --run-dir")
     probe = run_dir / f".plait-write-test-{os.getpid()}"
     try:
         with open(probe, "wb") as f:
