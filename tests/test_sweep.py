@@ -3,6 +3,7 @@
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,30 @@ def test_no_valid_shape_says_why():
 def test_unknown_hardware_is_one_line():
     with pytest.raises(UserError, match=r"unknown hardware 'h900'; known: .*h100-node"):
         load_hardware("h900")
+
+
+@pytest.mark.parametrize("was,now,needle", [
+    ("memory_bytes = 85899345920", "memory_bytes = 0",  # ZeroDivisionError in the pricing
+     "memory_bytes = 0: input should be greater than 0"),
+    ("intra_node_bandwidth = 450e9", "intra_node_bandwidth = 0",  # ZeroDivisionError
+     "intra_node_bandwidth = 0: input should be greater than 0"),
+    ("memory_bytes = 85899345920", 'memory_bytes = "80GB"',  # TypeError
+     "memory_bytes = '80GB': input should be a valid number"),
+    ("peak_fp32_flops = 494.7e12", "peak_fp32_flops = -1.0",  # ranked on nonsense
+     "peak_fp32_flops = -1.0: input should be greater than 0"),
+    ("efficiency = 0.55", "efficiency = nan", "efficiency = nan: input should be a finite"),
+    ("devices_per_node = 8", "devices_per_node = 2.5",
+     "devices_per_node = 2.5: input should be a valid integer"),
+])
+def test_a_hardware_file_of_wrong_values_is_one_line(tmp_path, was, now, needle):
+    from helpers import ROOT
+
+    text = (ROOT / "meshes" / "h100-node.toml").read_text()
+    assert was in text
+    path = tmp_path / "mine.toml"
+    path.write_text(text.replace(was, now))
+    with pytest.raises(UserError, match=f"hardware '{path}': {re.escape(needle)}"):
+        load_hardware(str(path))
 
 
 def test_hardware_auto_is_the_description_closest_to_the_device(monkeypatch):

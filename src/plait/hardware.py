@@ -130,6 +130,40 @@ class Hardware:
 _OPTIONAL = ("efficiency", "shared_compute", "memory_bandwidth")
 
 
+def _checked(raw: dict, path: Path) -> dict:
+    """The [hardware] table's known keys, typed and in range, or a one-line refusal (a
+    memory or a bandwidth of 0 failed as ZeroDivisionError deep in the sweep's pricing,
+    a string as a TypeError, and a negative peak ranked shapes on nonsense)."""
+    from typing import Annotated
+
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+    positive, at_least_0 = Field(gt=0), Field(ge=0)
+
+    class Table(BaseModel):
+        model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+        name: str
+        peak_bf16_flops: Annotated[float, positive]
+        peak_fp32_flops: Annotated[float, positive]
+        memory_bytes: Annotated[float, positive]
+        devices_per_node: Annotated[int, positive]
+        intra_node_bandwidth: Annotated[float, positive]
+        intra_node_latency: Annotated[float, at_least_0]
+        inter_node_bandwidth: Annotated[float, positive]
+        inter_node_latency: Annotated[float, at_least_0]
+        efficiency: Annotated[float, Field(gt=0, le=1)] = 0.5
+        memory_bandwidth: Annotated[float, at_least_0] = 0.0  # 0: not priced
+        shared_compute: bool = False
+
+    try:
+        return Table.model_validate(raw).model_dump()
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(x) for x in err["loc"])
+        raise UserError(f"hardware '{path}': {key} = {err.get('input')!r}: "
+                        f"{err['msg'][:1].lower() + err['msg'][1:]}") from None
+
+
 def search_path() -> list[Path]:
     """Where hardware names are looked up, in order."""
     dirs = [Path(p) for p in os.environ.get("PLAIT_HARDWARE_PATH", "").split(os.pathsep) if p]
@@ -170,8 +204,7 @@ def load_hardware(name: str) -> Hardware:
     missing = sorted(f for f in fields - set(raw) if f not in _OPTIONAL)
     if missing:
         raise UserError(f"hardware '{path}' lacks {', '.join(missing)}")
-    known = {k: v for k, v in raw.items() if k in fields}
-    return Hardware(**known, extra={k: v for k, v in raw.items() if k not in fields})
+    return Hardware(**_checked(raw, path), extra={k: v for k, v in raw.items() if k not in fields})
 
 
 def for_device(device_kind: str) -> str:
