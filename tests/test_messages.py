@@ -88,6 +88,17 @@ def test_model_kinds_mistakes_are_one_line(experiment, sets, needle, capsys, tmp
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("steps,needle", [
+    ("0", "input should be greater than 0, got 0"),
+    ("3000000000", "input should be less than or equal to 2147483647"),  # int32 step count
+])
+def test_a_wrong_steps_flag_is_named_as_given(steps, needle, capsys, tmp_path):
+    line = _one_line(capsys, ["train", QUICK, "--steps", steps, "--mesh", "data=1",
+                              "--run-dir", str(tmp_path / "r")])
+    assert line.startswith("plait: error: config key 'train.steps' in --steps: ") and \
+        needle in line, line
+
+
 def test_sets_that_pass_a_tables_check_together_are_taken():
     from plait.config_files import load_experiment
 
