@@ -422,13 +422,13 @@ def test_a_shape_that_does_not_run_is_said_and_ranked_after_those_that_do(capsys
     compiled, refused by plait train's check) is said in a line and ranked after the
     shapes that ran, instead of ending the sweep with the others unmeasured."""
     exp = tiny(model={"layers": 1})
-    rows = [{"rank": 1, "mesh": "data=2", "settings": {"train.global_batch": 2**22},
+    rows = [{"rank": 1, "mesh": "data=2", "settings": {"train.global_batch": 2**19},
              "fits": True, "predicted_step_s": 0.01},
             {"rank": 2, "mesh": "fsdp=2", "settings": {}, "fits": True,
              "predicted_step_s": 0.02}]
     sweep.measure_runs(exp, rows, 2, steps=3)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and err[0].startswith("plait sweep: rank 1 (data=2 4194304) did not "
+    assert len(err) == 2 and err[0].startswith("plait sweep: rank 1 (data=2 524288) did not "
                                                "run: the compiled train step needs"), err
     assert err[1].startswith("plait sweep: trained 2/2 rank 2 (fsdp=2): ") and \
         err[1].endswith(" ms a step"), err  # off a terminal, a line a shape
