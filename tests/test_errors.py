@@ -134,6 +134,24 @@ def test_a_run_directory_entry_of_the_wrong_kind_is_one_line(exp_file, tmp_path,
                          "or pass another --run-dir"), line
 
 
+@pytest.mark.parametrize("address,needle", [
+    ("localhost", "--coordinator 'localhost' is not HOST:PORT"),  # IndexError inside JAX
+    ("localhost:abc", "--coordinator 'localhost:abc' is not HOST:PORT"),  # JAX: SIGSEGV
+    ("localhost:70000", "--coordinator localhost:70000: port 70000 is not a TCP port"),
+    ("nosuchhost.invalid:1234", "the host nosuchhost.invalid does not resolve"),  # a wait
+])
+def test_a_coordinator_address_that_cannot_be_is_one_line(exp_file, capsys, address, needle):
+    line = fails(capsys, "train", exp_file, "--coordinator", address, "--num-processes", "1",
+                 "--process-id", "0")
+    assert needle in line, line
+
+
+def test_a_launch_port_that_is_not_a_port_is_one_line(exp_file, capsys):
+    line = fails(capsys, "launch", "--processes", "2", "--port", "70000", "--", "train",
+                 exp_file)  # both processes started, and one took 70000 as some port
+    assert "--port 70000 is not a TCP port; use one from 1 to 65535" in line, line
+
+
 def test_metrics_that_are_not_utf8_are_trimmed_like_torn_lines(tmp_path):
     """A resume's trim of metrics.jsonl raised UnicodeDecodeError on a torn write's bytes."""
     from plait.train.metrics import trim_jsonl

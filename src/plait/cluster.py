@@ -16,6 +16,31 @@ def from_environment() -> bool:
         int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in os.environ)
 
 
+def check_port(port: int, said: str) -> None:
+    """`said`: how the user wrote it, for the message."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"{said} is not a TCP port; use one from 1 to 65535")
+
+
+def check_coordinator(address: str) -> None:
+    """HOST:PORT with a port and a host that resolves: JAX split the address itself and
+    raised IndexError without a port, crashed (SIGSEGV) on a port that is not a number,
+    took 70000, and waited minutes for a host that does not exist."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UserError(f"--coordinator {address!r} is not HOST:PORT (e.g. node0:1234, "
+                        "the host of process 0 and a free port)")
+    check_port(int(port), f"--coordinator {address}: port {port}")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"--coordinator {address}: the host {host} does not resolve "
+                        f"({getattr(e, 'strerror', None) or e}); use the host of process 0"
+                        ) from None
+
+
 def seconds(name: str, default: int) -> int:
     text = os.environ.get(name, str(default))
     try:
@@ -44,6 +69,7 @@ def join(args) -> None:
         if not 0 <= args.process_id < args.num_processes:
             raise UserError(
                 f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}")
+        check_coordinator(args.coordinator)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Deliberate timeouts (docs/reliability.md): a process silent for HEARTBEAT seconds is
     # presumed dead and the run ends; a finishing process waits SHUTDOWN for the others.

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from plait.cluster import check_port
 from plait.errors import UserError
 
 LAUNCHABLE = ("train", "inspect", "plan", "eval")
@@ -41,6 +42,8 @@ def launch(processes: int, command: list[str], port: int | None = None) -> int:
     if any(a.startswith(("--coordinator", "--num-processes", "--process-id")) for a in command):
         raise UserError("plait launch sets --coordinator, --num-processes and --process-id "
                         "itself; drop them from the command")
+    if port:  # 0 or none: a free one
+        check_port(port, f"--port {port}")
     address = f"127.0.0.1:{port or _free_port()}"
     procs = []
     for i in range(processes):
