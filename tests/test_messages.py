@@ -117,13 +117,28 @@ def test_indivisible_sizes_suggest_the_right_direction(capsys):
     (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not a text file"),
     (b'name = "../../escape"\n[train]\nsteps = 2\n', "must be a plain directory name"),
     (b'name = "/tmp/abs"\n', "must be a plain directory name"),
+    # every key of [model] was "unknown (a 3 model)", each suggesting itself
+    (b'[model]\nkind = 3\nlayers = 2\n', "config key 'model.kind' in {path}: input should be "
+                                         "the name of a model kind (gpt, llama, dlrm), got 3"),
+    (b'[mesh]\ndata = 8\n[mesh.dcn]\ndata = 2\n', "an experiment's [mesh] holds axis sizes "
+                                                "only; give the parts across hosts with --mesh"),
 ])
 def test_bad_experiment_files_are_one_line(content, needle, capsys, tmp_path):
     path = tmp_path / "exp.toml"
     path.write_bytes(content)
     line = _one_line(capsys, ["train", str(path), "--mesh", "data=1"])
-    assert needle in line, line
+    assert needle.format(path=path) in line, line
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_experiment_with_a_byte_order_mark_reads(tmp_path):
+    """Windows editors start UTF-8 files with one; tomllib said "Invalid statement (at
+    line 1, column 1)"."""
+    from plait.config_files import load_experiment
+
+    path = tmp_path / "exp.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + (ROOT / "experiments" / "quickstart.toml").read_bytes())
+    assert load_experiment(path).model.d_model == 64
 
 
 def test_a_directory_as_the_experiment_says_so(capsys, tmp_path):

@@ -221,6 +221,15 @@ class Experiment(Section):
     # Default mesh of the experiment: axis name -> size (see plait.mesh).
     mesh: dict[str, int] | None = None
 
+    @field_validator("mesh", mode="before")
+    @classmethod
+    def _sizes_only(cls, raw: Any) -> Any:
+        if isinstance(raw, dict) and isinstance(raw.get("dcn"), dict):
+            raise ValueError("an experiment's [mesh] holds axis sizes only; give the parts "
+                             "across hosts with --mesh (data=2@dcn,fsdp=-1) or in a mesh "
+                             "file's [mesh.dcn]")
+        return raw
+
     @field_validator("model", mode="before")
     @classmethod
     def _model_of_its_kind(cls, raw: Any) -> Any:

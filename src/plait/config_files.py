@@ -45,6 +45,12 @@ def all_keys(model: type[BaseModel] = Experiment, prefix: str = "") -> list[str]
 
 
 def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: str) -> None:
+    if model is Experiment and isinstance(raw.get("model"), dict):
+        kind = raw["model"].get("kind", "gpt")
+        if not isinstance(kind, str):  # else every key of [model] was called unknown
+            raise UserError(f"config key 'model.kind' in {source}: input should be the name "
+                            f"of a model kind ({', '.join(kinds.kinds())}), got {kind!r} "
+                            f"({_type_name(kind)})")
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in model.model_fields:
@@ -105,9 +111,9 @@ def validate(raw: dict, source: str) -> Experiment:
         msg = err["msg"]
         if not loc:  # a check across sections: the message names its keys
             raise UserError(f"{msg} (in {source})") from None
-        if isinstance(value, dict):  # a check across a table's keys, which it names
+        if isinstance(value, dict) and err["type"] == "value_error":  # a check across a
             raise UserError(f"config key '{loc}' in {source}: {msg[:1].lower() + msg[1:]}"
-                            ) from None
+                            ) from None  # table's keys, which it names
         raise UserError(
             f"config key '{loc}' in {source}: {msg[:1].lower() + msg[1:]}, "
             f"got {value!r} ({_type_name(value)})"

@@ -21,8 +21,8 @@ def read_toml(path: Path, what: str) -> dict:
         raise UserError(f"{what} '{path}' is a directory; pass a .toml file in it")
     if not path.is_file():
         raise UserError(f"{what} '{path}' not found; check the path")
-    try:
-        return tomllib.loads(path.read_text())
+    try:  # utf-8-sig: a byte-order mark (Windows editors write one) is not TOML's
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError:
         raise UserError(f"{what} '{path}' is not a text file (not UTF-8); pass a TOML "
                         "file") from None
