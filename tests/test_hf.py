@@ -180,6 +180,12 @@ IMPORT_ERRORS = [
     (_config_edit(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
      "rotary scaling 'yarn' is not one plait runs"),
     (_config_edit(sliding_window=16), "sliding-window attention (16 tokens)"),
+    # values plait's schema refuses: pydantic's traceback
+    (_config_edit(rms_norm_eps=0.0), "config key 'model.norm_eps' in "),
+    (_config_edit(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                   "high_freq_factor": 1.0, "rope_theta": 500000.0,
+                                   "original_max_position_embeddings": 16}),
+     "high_freq_factor = 1.0 must be above low_freq_factor = 4.0"),
     (_sharded_without_one, "lacks the shard b.safetensors"),
     (_drop_tensor, "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
     (lambda d: (d / "config.json").unlink(), "has no config.json"),

@@ -136,18 +136,21 @@ def _publish(tmp: Path, final: Path) -> None:
     tmp.rename(final)
 
 
-def _experiment(hf: dict, table: dict, name: str):
-    from plait.config import Experiment
+def _experiment(hf: dict, table: dict, name: str, where: str):
+    """The run's experiment; a value plait does not take (rms_norm_eps = 0, a rope
+    scaling band upside down) is one line naming plait's key and the file (pydantic's
+    traceback before)."""
+    from plait.config_files import validate
 
     bf16 = str(hf.get("torch_dtype") or hf.get("dtype") or "").endswith("bfloat16")
-    return Experiment.model_validate({
+    return validate({
         "name": name, "model": table,
         "data": {"source": "tokens"},
         "train": {"steps": 1000, "global_batch": 8},
         "optimizer": {"lr": 2e-5, "warmup_steps": 20, "weight_decay": 0.0, "min_lr_ratio": 0.1},
         "precision": {"compute": "bfloat16" if bf16 else "float32"},
         "checkpoint": {"every_steps": 200, "keep": 2},
-    })
+    }, f"{where} (as plait's keys)")
 
 
 def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = None
@@ -176,7 +179,7 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
         table = config_json.model_table(hf, where, seq_len)
     except KeyError as e:
         raise UserError(f"{where} lacks {e.args[0]}, which {arch} needs") from None
-    exp = _experiment(hf, table, run_dir.name or "imported")
+    exp = _experiment(hf, table, run_dir.name or "imported", where)
     tensors = Tensors(hf_dir)
     expected = abstract_model(exp.model).shapes()
     tmp = _fresh_dir(run_dir, "--run-dir")
