@@ -31,20 +31,26 @@ def legend(s: schedules.Schedule) -> list[tuple[str, str, str | None]]:
 
 def draw(s: schedules.Schedule, path: str) -> None:
     """One row per rank, one box per tick, coloured by action (like the Chimera paper's figures)."""
+    from matplotlib.collections import PatchCollection
     from matplotlib.patches import Patch
 
     plt = pyplot()
     ticks = len(s.table)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5) + 2.5, 0.45 * s.stages + 1.4))
+    # One collection of boxes per colour and hatch (the up pipe of Chimera is drawn
+    # hatched): a patch each took most of the 46 s a 64-stage ZB-H1 chart took.
+    boxes: dict[tuple[str, bool], list] = {}
     for t, row in enumerate(s.table):
         for r, a in enumerate(row):
             if a is None:
                 continue
-            # The up pipe of Chimera is drawn hatched.
-            ax.add_patch(plt.Rectangle((t, r), 0.95, 0.9, color=_COLORS[a.kind],
-                                       hatch="//" if a.pipe else None, alpha=0.9))
+            boxes.setdefault((a.kind, bool(a.pipe)), []).append(
+                plt.Rectangle((t, r), 0.95, 0.9))
             ax.text(t + 0.47, r + 0.45, str(a.mb), ha="center", va="center", fontsize=7,
                     color="white")
+    for (kind, pipe), rects in boxes.items():
+        ax.add_collection(PatchCollection(rects, facecolor=_COLORS[kind], edgecolor=_COLORS[kind],
+                                          hatch="//" if pipe else None, alpha=0.9))
     ax.set_xlim(0, ticks)
     ax.set_ylim(s.stages, 0)
     ax.set_yticks([r + 0.45 for r in range(s.stages)], [f"rank {r}" for r in range(s.stages)])
