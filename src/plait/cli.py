@@ -123,16 +123,11 @@ def _setup(args):
     """Experiment, mesh spec, devices and Mesh: everything checked before any file is written."""
     from plait.config_files import load_experiment
 
-    sets = list(args.sets)
-    steps = getattr(args, "steps", None)
-    if steps is not None:
-        sets.append(f"train.steps={steps}")
-    try:
-        exp = load_experiment(args.experiment, sets)
-    except UserError as e:  # --steps is the user's word for the last --set
-        if steps is None or "--set train.steps" not in str(e):
-            raise
-        raise UserError(str(e).replace("--set train.steps", "--steps")) from None
+    sets, said = list(args.sets), {}
+    if getattr(args, "steps", None) is not None:
+        sets.append(f"train.steps={args.steps}")
+        said["train.steps"] = "--steps"
+    exp = load_experiment(args.experiment, sets, said)
     if args.mesh == "auto":
         from plait.sweep.auto import auto_mesh
 

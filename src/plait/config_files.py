@@ -138,7 +138,8 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def apply_override(raw: dict, assignment: str) -> None:
+def apply_override(raw: dict, assignment: str, named: str | None = None) -> None:
+    """Set KEY=VALUE in `raw`; `named`: how the user gave it (default "--set KEY")."""
     if "=" not in assignment:
         raise UserError(f"--set expects key=value, got '{assignment}' (e.g. --set train.steps=50)")
     key, text = assignment.split("=", 1)
@@ -148,7 +149,7 @@ def apply_override(raw: dict, assignment: str) -> None:
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise UserError(f"--set {key}: '{part}' is a value, not a table")
+            raise UserError(f"{named or f'--set {key}'}: '{part}' is a value, not a table")
         node = child
     node[parts[-1]] = parse_value(text.strip())
 
@@ -172,8 +173,16 @@ def _name_is_plain(raw: dict, source: str) -> None:
                         "'..' or '~'); pick another name, or place the run with --run-dir")
 
 
-def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
+def load_experiment(path: str | Path, overrides: list[str] = (),
+                    said: dict[str, str] | None = None) -> Experiment:
+    """The experiment file with `overrides` (KEY=VALUE) applied. An error in an override
+    names it as the user gave it: `said[KEY]` (e.g. "--steps", "--vary model.heads"),
+    else "--set KEY"."""
     path = Path(path)
+
+    def named(key: str) -> str:
+        return (said or {}).get(key, f"--set {key}")
+
     raw = read_toml(path, "experiment file")
     if not raw:
         raise UserError(f"experiment file '{path}' is empty; start from "
@@ -184,15 +193,15 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     # --set: that --set is named if the check still fails after the last one
     valid, broke = bool(overrides) and _error_at(raw) is None, None
     for assignment in overrides:
-        apply_override(raw, assignment)
         key = assignment.split("=", 1)[0].strip()
-        _check_unknown_keys(raw, Experiment, "", f"--set {key}")
+        apply_override(raw, assignment, named(key))
+        _check_unknown_keys(raw, Experiment, "", named(key))
         loc = _error_at(raw)
         if loc == key or (loc or "").startswith(key + "."):  # in a value given with --set
-            validate(raw, f"--set {key}")  # (or an item of its list or table) names --set
+            validate(raw, named(key))  # (or an item of its list or table) names --set
         if valid and loc and key.startswith(loc + "."):
             broke = (loc, key)
         valid = loc is None
     _name_is_plain(raw, str(path))
     blamed = broke is not None and _error_at(raw) == broke[0]
-    return validate(raw, f"--set {broke[1]}" if blamed else str(path))
+    return validate(raw, named(broke[1]) if blamed else str(path))

@@ -59,15 +59,10 @@ def combinations(path: str | Path, sets: list[str], texts: list[str]
     for no `--vary`."""
     from plait.config_files import load_experiment
 
-    def load(assignments: list[str]):
-        try:
-            return load_experiment(path, [*sets, *assignments])
-        except UserError as e:  # the error names --set KEY: the user wrote --vary KEY
-            said = str(e)
-            for a in assignments:
-                key = a.split("=", 1)[0]
-                said = said.replace(f"--set {key}", f"--vary {key}")
-            raise UserError(said) from None
+    def load(assignments: list[str]):  # an error names --vary KEY, as the user wrote it
+        keys = [a.split("=", 1)[0] for a in assignments]
+        return load_experiment(path, [*sets, *assignments],
+                               said={k: f"--vary {k}" for k in keys})
 
     values: dict[str, list[str]] = {}
     for text in texts:
