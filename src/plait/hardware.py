@@ -17,6 +17,9 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from plait.errors import UserError
 
@@ -95,23 +98,33 @@ def mesh_device_memory(mesh) -> float:
     return device_memory_bytes(mesh.devices.flat[0], local)
 
 
+# Strict per field (a whole strict dataclass takes only an instance of itself).
+_Positive = Annotated[float, Field(gt=0, strict=True)]
+_AtLeast0 = Annotated[float, Field(ge=0, strict=True)]
+
+
 @dataclass
 class Hardware:
-    """A target machine for the sweep's cost model (see plait.sweep.cost)."""
+    """A target machine for the sweep's cost model (see plait.sweep.cost). A [hardware]
+    table is validated against these fields' types and bounds (load_hardware): a memory
+    or a bandwidth of 0 failed as ZeroDivisionError deep in the sweep's pricing, a
+    string as a TypeError, and a negative peak ranked shapes on nonsense."""
 
-    name: str
-    peak_bf16_flops: float
-    peak_fp32_flops: float
-    memory_bytes: float
-    devices_per_node: int
-    intra_node_bandwidth: float
-    intra_node_latency: float
-    inter_node_bandwidth: float
-    inter_node_latency: float
-    efficiency: float = 0.5
-    # Bytes/s of device memory: prices a DLRM's row gathers and sparse updates.
-    memory_bandwidth: float = 0.0
-    shared_compute: bool = False
+    __pydantic_config__ = ConfigDict(allow_inf_nan=False)
+
+    name: Annotated[str, Field(strict=True)]
+    peak_bf16_flops: _Positive
+    peak_fp32_flops: _Positive
+    memory_bytes: _Positive
+    devices_per_node: Annotated[int, Field(gt=0, strict=True)]
+    intra_node_bandwidth: _Positive
+    intra_node_latency: _AtLeast0
+    inter_node_bandwidth: _Positive
+    inter_node_latency: _AtLeast0
+    efficiency: Annotated[float, Field(gt=0, le=1, strict=True)] = 0.5
+    # Bytes/s of device memory: prices a DLRM's row gathers and sparse updates (0: not).
+    memory_bandwidth: _AtLeast0 = 0.0
+    shared_compute: Annotated[bool, Field(strict=True)] = False
     extra: dict = field(default_factory=dict)
 
     def peak(self, dtype: str, n: int) -> float:
@@ -128,40 +141,6 @@ class Hardware:
 
 
 _OPTIONAL = ("efficiency", "shared_compute", "memory_bandwidth")
-
-
-def _checked(raw: dict, path: Path) -> dict:
-    """The [hardware] table's known keys, typed and in range, or a one-line refusal (a
-    memory or a bandwidth of 0 failed as ZeroDivisionError deep in the sweep's pricing,
-    a string as a TypeError, and a negative peak ranked shapes on nonsense)."""
-    from typing import Annotated
-
-    from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-    positive, at_least_0 = Field(gt=0), Field(ge=0)
-
-    class Table(BaseModel):
-        model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-        name: str
-        peak_bf16_flops: Annotated[float, positive]
-        peak_fp32_flops: Annotated[float, positive]
-        memory_bytes: Annotated[float, positive]
-        devices_per_node: Annotated[int, positive]
-        intra_node_bandwidth: Annotated[float, positive]
-        intra_node_latency: Annotated[float, at_least_0]
-        inter_node_bandwidth: Annotated[float, positive]
-        inter_node_latency: Annotated[float, at_least_0]
-        efficiency: Annotated[float, Field(gt=0, le=1)] = 0.5
-        memory_bandwidth: Annotated[float, at_least_0] = 0.0  # 0: not priced
-        shared_compute: bool = False
-
-    try:
-        return Table.model_validate(raw).model_dump()
-    except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(x) for x in err["loc"])
-        raise UserError(f"hardware '{path}': {key} = {err.get('input')!r}: "
-                        f"{err['msg'][:1].lower() + err['msg'][1:]}") from None
 
 
 def search_path() -> list[Path]:
@@ -204,7 +183,15 @@ def load_hardware(name: str) -> Hardware:
     missing = sorted(f for f in fields - set(raw) if f not in _OPTIONAL)
     if missing:
         raise UserError(f"hardware '{path}' lacks {', '.join(missing)}")
-    return Hardware(**_checked(raw, path), extra={k: v for k, v in raw.items() if k not in fields})
+    known = {k: v for k, v in raw.items() if k in fields}
+    try:
+        return TypeAdapter(Hardware).validate_python(
+            {**known, "extra": {k: v for k, v in raw.items() if k not in fields}})
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(x) for x in err["loc"])
+        raise UserError(f"hardware '{path}': {key} = {err.get('input')!r}: "
+                        f"{err['msg'][:1].lower() + err['msg'][1:]}") from None
 
 
 def for_device(device_kind: str) -> str:
