@@ -14,6 +14,21 @@ from plait.errors import UserError
 from plait.models import gpt_counts
 
 
+def _nvidia(platform: str, device_kind: str) -> bool:
+    return platform == "gpu" and "nvidia" in device_kind.lower()
+
+
+def _cudnn_takes(head: int) -> bool:
+    """Whether cuDNN's fused attention takes this head size (a multiple of 8, <= 128)."""
+    return head % 8 == 0 and head <= 128
+
+
+def _device_text(device) -> str:
+    """"cpu", or "NVIDIA A100 (gpu)": a device as the refusals name it."""
+    kind = device.device_kind
+    return kind if kind == device.platform else f"{kind} ({device.platform})"
+
+
 def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str,
                   document_mask: bool = False) -> tuple[str, str]:
     """(implementation, why) for `model.attention`: "auto" takes the fused cuDNN flash
@@ -22,7 +37,7 @@ def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str,
     unfused attention on an H100, 2.2x slower: docs/benchmarks.md, "GPU facts".) A run
     trained on "cudnn" is read with XLA's off an NVIDIA GPU (plait eval, sample, export;
     plait train refuses it there: check_attention)."""
-    nvidia = platform == "gpu" and "nvidia" in device_kind.lower()
+    nvidia = _nvidia(platform, device_kind)
     if cfg.attention == "cudnn" and not nvidia:
         return "xla", f"model.attention = \"cudnn\", no cuDNN on {platform}"
     if cfg.attention != "auto":
@@ -35,7 +50,7 @@ def attention_for(cfg: GPTConfig, compute: str, platform: str, device_kind: str,
     if document_mask:
         return "xla", "auto: a document mask (data.document_mask), which plait does not give "\
             "cuDNN's fused kernel"
-    if head % 8 or head > 128:
+    if not _cudnn_takes(head):
         return "xla", f"auto: head size {head} is not one cuDNN takes (a multiple of 8, <= 128)"
     return "cudnn", "auto: fused flash attention on an NVIDIA GPU"
 
@@ -140,11 +155,10 @@ def check_kernels(cfg, device) -> None:
     asked = [key for key in KERNEL_KEYS if getattr(cfg, key, "xla") == "pallas"]
     if not asked or (device.platform == "gpu" and getattr(device, "compute_capability", None)):
         return
-    kind, key = device.device_kind, asked[0]
-    where = kind if kind == device.platform else f"{kind} ({device.platform})"
+    key = asked[0]
     raise UserError(f"model.{key} = \"pallas\" runs a Triton kernel on NVIDIA GPUs, not "
-                    f"{where}; use model.{key} = \"auto\" (the kernel where it runs, "
-                    "XLA's elsewhere) or \"xla\"")
+                    f"{_device_text(device)}; use model.{key} = \"auto\" (the kernel where it "
+                    "runs, XLA's elsewhere) or \"xla\"")
 
 
 def check_attention(cfg, compute: str, device) -> None:
@@ -153,16 +167,14 @@ def check_attention(cfg, compute: str, device) -> None:
     if getattr(cfg, "attention", "xla") != "cudnn":
         return
     fix = "; use model.attention = \"auto\" (cuDNN where it runs, XLA's elsewhere) or \"xla\""
-    if device.platform != "gpu" or "nvidia" not in device.device_kind.lower():
-        kind = device.device_kind
-        where = kind if kind == device.platform else f"{kind} ({device.platform})"
+    if not _nvidia(device.platform, device.device_kind):
         raise UserError(f"model.attention = \"cudnn\" runs cuDNN's fused attention on "
-                        f"NVIDIA GPUs, not {where}{fix}")
+                        f"NVIDIA GPUs, not {_device_text(device)}{fix}")
     if compute != "bfloat16":
         raise UserError(f"model.attention = \"cudnn\" runs in bfloat16, not precision.compute "
                         f"= \"{compute}\"; set precision.compute = \"bfloat16\"{fix[1:]}")
     head = cfg.head_size
-    if head % 8 or head > 128:
+    if not _cudnn_takes(head):
         raise UserError(f"model.attention = \"cudnn\" takes a head size that is a multiple of "
                         f"8 up to 128, not {head}{fix}")
 
