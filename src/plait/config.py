@@ -29,6 +29,9 @@ from plait.model_schema import (  # noqa: F401 - the schema's names, re-exported
 # divides by 1 - b**t = 0: NaN on the first step).
 DecayRate = Annotated[float, Field(ge=0, lt=1)]
 
+# Seeds numpy's generators (non-negative) and JAX's keys (int64).
+MAX_SEED = 2**63 - 1
+
 # How an embedding table can be laid over devices (plait.parallel.embedding runs each).
 TABLE_PLACEMENTS = ("table", "row", "column", "replicated")
 
@@ -204,8 +207,7 @@ class LogConfig(Section):
 
 class Experiment(Section):
     name: str = "experiment"
-    # Seeds numpy's generators (non-negative) and JAX's keys (int64).
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] = 0
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] = 0
     # A subclass of ModelSection, chosen by the table's `kind` (plait.tasks).
     model: SerializeAsAny[ModelSection] = GPTConfig()
     data: DataConfig = DataConfig()

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from plait.config import MAX_SEED
 from plait.errors import UserError
 
 
@@ -154,7 +155,7 @@ def _check(tokens: int, temperature: float, top_k: int, chat: bool, system: str 
            seed: int) -> None:
     if tokens < 1:
         raise UserError(f"--tokens must be at least 1, got {tokens}")
-    if not 0 <= seed < 2**63:  # JAX's keys take an int64
+    if not 0 <= seed <= MAX_SEED:
         raise UserError(f"--seed must be between 0 and 2**63 - 1, got {seed}")
     if not math.isfinite(temperature) or temperature < 0:
         raise UserError(f"--temperature must be a number >= 0 (0: always the most likely "

@@ -36,8 +36,8 @@ def check_memory(exp: Experiment, mesh: Mesh) -> None:
     compile some (train.global_batch = 10**11: a scatter of more than 2**31 rows)."""
     from plait.hardware import mesh_device_memory
 
-    task = task_class(exp.model.kind)
-    params = task.param_count(exp.model)
+    kind = task_class(exp.model.kind)
+    params = kind.param_count(exp.model)
     need = params * 4 * (1 + _SLOTS.get(exp.optimizer.name, 0))
     have = mesh_device_memory(mesh) * mesh.devices.size
     devices = f"{mesh.devices.size} {mesh.devices.flat[0].platform} devices"
@@ -47,7 +47,7 @@ def check_memory(exp: Experiment, mesh: Mesh) -> None:
             f"is {need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of the mesh's "
             f"{devices}; shrink the model (model.layers, model.d_model, table rows) or use "
             "more devices")
-    batch, what, fix = task.batch_memory(exp)
+    batch, what, fix = kind.batch_memory(exp)
     if need + batch > have:
         raise UserError(
             f"{what} takes at least {batch / 2**30:,.1f} GiB ({(need + batch) / 2**30:,.1f} "
