@@ -202,8 +202,21 @@ def test_sweep_command_writes_ranked_outputs_and_mesh_auto_trains_the_top_row(
     # programs to compile, one each) and ranks without measuring: by the model's own time.
     one = write_experiment(tmp_path / "one.toml", tiny(model={"layers": 1},
                                                        train={"steps": 3, "global_batch": 4}))
+    from plait import sweep
+
+    pools = []
+    real_sweep = sweep.run_sweep
+
+    def spy(*args, **kw):
+        pools.append(kw.get("workers"))
+        return real_sweep(*args, **kw)
+
+    monkeypatch.setattr(sweep, "run_sweep", spy)
     assert main(["train", str(one), "--mesh", "auto", "--devices", "2",
                  "--run-dir", str(tmp_path / "run")]) == 0
+    # On CPUs in one process it compiles in worker processes as `plait sweep` does, when
+    # there are enough programs to pay for them (None: the sweep's default; three: none).
+    assert pools == [None]
     said = capsys.readouterr().out
     assert "--mesh auto: compiling the 2-device mesh shapes to rank them" in said
     [cached] = (tmp_path / "cache" / "plait" / "mesh-auto").glob("*.json")
