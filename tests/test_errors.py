@@ -50,6 +50,10 @@ def snapshot(run_dir: Path) -> dict:
      r"with a pipeline, split the batch with pipeline.microbatches"),
     (["--mesh", "pipeline=2", "--set", 'pipeline.schedule="chimera"', "--set",
       "pipeline.microbatches=3"], r"Chimera needs .* microbatches a multiple of the stages"),
+    (["--mesh", "pipeline=2", "--set", "pipeline.microbatches=1048576", "--set",
+      "train.global_batch=1048576"],
+     r"the 1f1b schedule of 2 stages x 1048576 microbatches is 4,194,304 actions to lay "
+     r"out, more than plait takes \(2,097,152: about a minute\); use fewer microbatches"),
     (["--mesh", "tensor=8", "--set", "model.heads=4"],
      r"model.heads = 4 is not divisible by the tensor axis \(8\)"),
     (["--mesh", "fsdp=8", "--set", "model.d_model=36", "--set", "model.heads=4"],

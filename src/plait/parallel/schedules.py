@@ -27,6 +27,9 @@ of it.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 from plait.errors import UserError
 from plait.parallel.schedule_base import BX, DURATION, Action, B, F, Schedule, ScheduleKind, W
 
@@ -130,30 +133,64 @@ def kind(name: str) -> ScheduleKind:
     return SCHEDULES[name]
 
 
-def _greedy(s: Schedule, pending: dict[int, list[Action]], key, may_start) -> list[list[Action]]:
-    """Build programs by a lockstep run: each tick, each rank starts its best ready action."""
-    done: set[Action] = set()
+def _greedy(s: Schedule, pending: dict[int, dict[Action, None]], key,
+            may_start) -> list[list[Action]]:
+    """Build programs by a lockstep run: each tick, each rank starts its best ready action
+    (least `key` of those `may_start(rank, action, in_flight)` allows; in flight are
+    the rank's microbatches between forward and backward). An action is ready once the
+    last of its dependencies has run: counted down, and each rank's ready actions kept
+    in key order, so a tick looks only as far as the first one that may start (a
+    chimera of 16 stages and 1024 microbatches took minutes when every tick searched
+    every pending action). `pending` (each rank's actions, an ordered set) loses each
+    action as it starts; a `may_start` may read it."""
+    users: dict[Action, list[Action]] = {}
+    waiting: dict[Action, int] = {}
+    rank_of: dict[Action, int] = {}
+    order: dict[Action, tuple] = {}
+    for r, actions in pending.items():
+        for i, a in enumerate(actions):
+            rank_of[a], order[a] = r, (key(a), i)  # i: ties go to the earlier action
+            deps = s.deps(a)
+            waiting[a] = len(deps)
+            for d in deps:
+                users.setdefault(d, []).append(a)
+    ready = {r: sorted((order[a], a) for a in actions if not waiting[a])
+             for r, actions in pending.items()}
+    inflight = dict.fromkeys(range(s.stages), 0)
     progs: list[list[Action]] = [[] for _ in range(s.stages)]
-    ticks = 0
-    while any(pending.values()):
+    ticks, left = 0, sum(len(x) for x in pending.values())
+    while left:
         started = []
         for r in range(s.stages):
-            ready = [a for a in pending[r]
-                     if all(d in done for d in s.deps(a)) and may_start(r, a, progs[r])]
-            if ready:
-                a = min(ready, key=key)
-                pending[r].remove(a)
-                progs[r].append(a)
-                started.append(a)
-        done.update(started)
+            for i, (_, a) in enumerate(ready[r]):
+                if may_start(r, a, inflight[r]):
+                    del ready[r][i]
+                    del pending[r][a]
+                    progs[r].append(a)
+                    inflight[r] += 1 if a.kind == F else -1 if a.kind in (B, W) else 0
+                    started.append(a)
+                    break
+        for a in started:  # ready from the next tick on: lockstep
+            for u in users.get(a, ()):
+                waiting[u] -= 1
+                if not waiting[u]:
+                    bisect.insort(ready[rank_of[u]], (order[u], u))
+        left -= len(started)
         ticks += 1
         if ticks > 8 * sum(len(p) for p in progs) + 64:
             raise AssertionError(f"{s.name} schedule does not make progress")
     return progs
 
 
-def _inflight(prog: list[Action]) -> int:
-    return sum(1 for a in prog if a.kind == F) - sum(1 for a in prog if a.kind in (B, W))
+def _by_rank(s: Schedule, microbatches: int, pipe_of) -> dict[int, dict[Action, None]]:
+    """Each rank's forward and backward of every microbatch through its pipe
+    (`pipe_of(m)`), in microbatch order."""
+    pending: dict[int, dict[Action, None]] = {r: {} for r in range(s.stages)}
+    for m in range(microbatches):
+        p = pipe_of(m)
+        for st in range(s.stages):
+            pending[s.rank_of(p, st)].update({Action(F, p, st, m): None, Action(B, p, st, m): None})
+    return pending
 
 
 def _chimera_unit(s: Schedule) -> list[list[Action]]:
@@ -161,13 +198,9 @@ def _chimera_unit(s: Schedule) -> list[list[Action]]:
     first, then the stage nearest the end of its pipe; at most D in flight per rank.
     Its peaks run from D/2 + 1 (the end ranks) to D (the middle), as in the paper."""
     D = s.stages
-    pending: dict[int, list[Action]] = {r: [] for r in range(D)}
-    for m in range(D):
-        p = int(m >= D // 2)
-        for st in range(D):
-            pending[s.rank_of(p, st)] += [Action(F, p, st, m), Action(B, p, st, m)]
-    return _greedy(s, pending, key=lambda a: (a.kind != B, -a.stage, a.mb),
-                   may_start=lambda r, a, prog: a.kind == B or _inflight(prog) < D)
+    return _greedy(s, _by_rank(s, D, lambda m: int(m >= D // 2)),
+                   key=lambda a: (a.kind != B, -a.stage, a.mb),
+                   may_start=lambda r, a, inflight: a.kind == B or inflight < D)
 
 
 def _chimera_programs(s: Schedule) -> list[list[Action]]:
@@ -183,19 +216,15 @@ def _chimera_programs(s: Schedule) -> list[list[Action]]:
         return unit.programs
     unit.table = _lockstep(unit)
     cap = peak_inflight(unit)
-    pending: dict[int, list[Action]] = {r: [] for r in range(D)}
-    for m in range(N):
-        p = int(m % D >= D // 2)
-        for st in range(D):
-            pending[s.rank_of(p, st)] += [Action(F, p, st, m), Action(B, p, st, m)]
+    pending = _by_rank(s, N, lambda m: int(m % D >= D // 2))
 
-    def may_start(r: int, a: Action, prog: list[Action]) -> bool:
-        oldest = min(x.mb // D for x in pending[r] + [a])
-        if a.mb // D == oldest:
-            return a.kind == B or _inflight(prog) < D
-        forwards_left = any(x.kind == F and x.mb // D == oldest for x in pending[r])
-        return a.mb // D == oldest + 1 and not forwards_left and (
-            a.kind == B or _inflight(prog) < cap[r])
+    def may_start(r: int, a: Action, inflight: int) -> bool:
+        # pending[r] is in microbatch order: its oldest unit comes first.
+        unit, oldest = a.mb // D, next(iter(pending[r])).mb // D
+        if unit == oldest:
+            return a.kind == B or inflight < D
+        return unit == oldest + 1 and (a.kind == B or inflight < cap[r]) and not any(
+            x.kind == F for x in itertools.takewhile(lambda x: x.mb // D == oldest, pending[r]))
 
     return _greedy(s, pending, key=lambda a: (a.kind != B, a.mb // D, -a.stage, a.mb),
                    may_start=may_start)
