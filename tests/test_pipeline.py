@@ -118,6 +118,21 @@ def test_schedule_legend_names_every_mark():
     assert "second pipe (x.1 in the text)" in chimera and "number in a box: microbatch" in chimera
     zb = [label for label, _, _ in legend(schedules.build("zb-h1", 4, 4))]
     assert "W: backward, weight gradients" in zb and "second pipe (x.1 in the text)" not in zb
+    small = legend(schedules.build("1f1b", 4, 4), numbered=False)
+    assert small[-1][0] == "boxes too small to number: microbatches in the text table"
+
+
+def test_a_long_schedule_is_drawn_within_the_charts_bounds(tmp_path):
+    """Boxes shrink past MAX_INCHES and lose their numbers (64 stages x 512 microbatches
+    had drawn a chart 370 inches wide: 167 s, 2.2 GB)."""
+    from PIL import Image
+
+    from plait.views.schedule import MAX_INCHES, draw
+
+    s = schedules.build("1f1b", 4, 160)  # 326 ticks: 0.17 inch each, unnumbered
+    draw(s, str(tmp_path / "long.png"))
+    width, height = Image.open(tmp_path / "long.png").size
+    assert 0.9 * MAX_INCHES[0] * 120 < width <= MAX_INCHES[0] * 120 and height < 600
 
 
 def test_inspect_cuts_shapes_between_arrays():

@@ -7,6 +7,7 @@ import json
 from plait.parallel import schedules
 from plait.views.common import pyplot
 
+MAX_INCHES = (60.0, 40.0)  # a chart's width and height at most (7200 x 4800 pixels)
 _COLORS = {"F": "#4c72b0", "B": "#dd8452", "Bx": "#c44e52", "W": "#55a868"}
 _NAMES = {"F": "F: forward", "B": "B: backward", "Bx": "Bx: backward, input gradients",
           "W": "W: backward, weight gradients"}
@@ -17,15 +18,18 @@ NOTATION = ("F3 = forward of microbatch 3 (B backward, Bx its input-gradient hal
             "drawn hatched; . = idle")
 
 
-def legend(s: schedules.Schedule) -> list[tuple[str, str, str | None]]:
+def legend(s: schedules.Schedule, numbered: bool = True) -> list[tuple[str, str, str | None]]:
     """(label, colour, hatch) of each legend entry: the actions the table has, the
-    second pipe when it has one, and what the numbers in the boxes are."""
+    second pipe when it has one, and what the numbers in the boxes are (when they are
+    drawn: `numbered`)."""
     acts = [a for row in s.table for a in row if a is not None]
     kinds = sorted({a.kind for a in acts}, key=list(_COLORS).index)
     out: list[tuple[str, str, str | None]] = [(_NAMES[k], _COLORS[k], None) for k in kinds]
     if any(a.pipe for a in acts):
         out.append(("second pipe (x.1 in the text)", "white", "//"))
-    out.append(("number in a box: microbatch", "white", None))
+    out.append(("number in a box: microbatch" if numbered
+                else "boxes too small to number: microbatches in the text table",
+                "white", None))
     return out
 
 
@@ -36,7 +40,13 @@ def draw(s: schedules.Schedule, path: str) -> None:
 
     plt = pyplot()
     ticks = len(s.table)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * ticks + 1.5) + 2.5, 0.45 * s.stages + 1.4))
+    # A box is 0.32 x 0.45 inches until the chart would pass MAX_INCHES: then smaller,
+    # and unnumbered once a number would not fit (64 stages x 512 microbatches of 1F1B
+    # drew 1150 ticks 370 inches wide with 65k labels: 167 s and 2.2 GB).
+    tick_w = min(0.32, (MAX_INCHES[0] - 4.0) / ticks)  # 1.5 of margins, 2.5 of legend
+    rank_h = min(0.45, (MAX_INCHES[1] - 1.4) / s.stages)
+    numbered = tick_w >= 0.2 and rank_h >= 0.25
+    fig, ax = plt.subplots(figsize=(max(6.0, tick_w * ticks + 1.5) + 2.5, rank_h * s.stages + 1.4))
     # One collection of boxes per colour and hatch (the up pipe of Chimera is drawn
     # hatched): with a patch each, a 32-stage ZB-H1 chart took 12.3 s, now 7.4 s.
     boxes: dict[tuple[str, bool], list] = {}
@@ -46,8 +56,9 @@ def draw(s: schedules.Schedule, path: str) -> None:
                 continue
             boxes.setdefault((a.kind, bool(a.pipe)), []).append(
                 plt.Rectangle((t, r), 0.95, 0.9))
-            ax.text(t + 0.47, r + 0.45, str(a.mb), ha="center", va="center", fontsize=7,
-                    color="white")
+            if numbered:
+                ax.text(t + 0.47, r + 0.45, str(a.mb), ha="center", va="center", fontsize=7,
+                        color="white")
     for (kind, pipe), rects in boxes.items():
         ax.add_collection(PatchCollection(rects, facecolor=_COLORS[kind], edgecolor=_COLORS[kind],
                                           hatch="//" if pipe else None, alpha=0.9))
@@ -61,7 +72,7 @@ def draw(s: schedules.Schedule, path: str) -> None:
                  + f" - bubble {f['bubble']:.3f}, {f['ticks']} ticks, "
                  f"peak in flight {max(f['peak_inflight'])}")
     handles = [Patch(facecolor=color, edgecolor="black" if hatch else color, hatch=hatch,
-                     label=label) for label, color, hatch in legend(s)]
+                     label=label) for label, color, hatch in legend(s, numbered)]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
