@@ -130,6 +130,36 @@ def test_corpus_mistakes_are_one_line(corpus, tmp_path, capsys, args, message, m
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args,message", [
+    # OUT.bin or a file beside it is an input: `plait data t.txt t.txt` had replaced the
+    # text with its own tokens
+    (["t.txt", "t.txt"], "OUT.bin 't.txt' is the input 't.txt': writing would overwrite it"),
+    (["d.jsonl", "d.jsonl"], "OUT.bin 'd.jsonl' is the input 'd.jsonl'"),
+    (["d.jsonl", "out.bin", "--tokenizer", "out.bin.loss_mask"],
+     "OUT.bin's out.bin.loss_mask 'out.bin.loss_mask' is the input"),
+    # flags a text file does not read, and an end-of-text token without a tokenizer, had
+    # been ignored
+    (["t.txt", "out.bin", "--field", "body"], "--field reads JSON Lines or Parquet records"),
+    (["t.txt", "out.bin", "--eos", "<|endoftext|>"], "--eos reads JSON Lines or Parquet"),
+    (["t.txt", "out.bin", "--chat-template", "t.txt"], "--chat-template reads JSON Lines"),
+    (["d.jsonl", "out.bin", "--eos", "5"],
+     "--eos '5' names a token of --tokenizer; byte-level ids have no end-of-text token"),
+    (["d.jsonl", "out.bin", "--prompt-field", "text"],  # --field's default
+     "--prompt-field and --field both name 'text'"),
+])
+def test_data_refuses_what_it_would_overwrite_or_ignore(tmp_path, capsys, monkeypatch, args,
+                                                        message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.txt").write_text("some text")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "a doc"}) + "\n")
+    (tmp_path / "out.bin.loss_mask").write_text("{}")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert main(["data", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_an_empty_corpus_is_refused_and_writes_nothing(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "empty.jsonl").write_text("")

@@ -186,6 +186,18 @@ IMPORT_ERRORS = [
                                    "high_freq_factor": 1.0, "rope_theta": 500000.0,
                                    "original_max_position_embeddings": 16}),
      "high_freq_factor = 1.0 must be above low_freq_factor = 4.0"),
+    # values computed with before plait's schema saw them: TypeError, ZeroDivisionError,
+    # numpy's reshape error, and a 10**12-layer model laid out until memory ran out
+    (_config_edit(hidden_size="x"), 'hidden_size = "x" is not a number'),
+    (_config_edit(num_attention_heads=0), "num_attention_heads = 0 is not a size (a whole "
+                                          "number, at least 1)"),
+    (_config_edit(hidden_size=None), "lacks hidden_size, which MistralForCausalLM needs"),
+    (_config_edit(rope_theta="x"), 'rope_theta = "x" is not a number'),
+    (_config_edit(head_dim=10**12), "does not take the shape config.json's sizes give it"),
+    (_config_edit(num_hidden_layers=10**12), "gives 1000000000000 layers but the weights "
+                                             "hold 2; the weights and config.json disagree"),
+    (_config_edit(architectures="MistralForCausalLM"), "is not a list of names"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "is not a JSON object of settings"),
     (_sharded_without_one, "lacks the shard b.safetensors"),
     (_drop_tensor, "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
     (lambda d: (d / "config.json").unlink(), "has no config.json"),

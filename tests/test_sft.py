@@ -95,7 +95,7 @@ def test_records_become_tokens_and_a_mask_that_keeps_the_responses(tmp_path, cap
 
 @pytest.mark.parametrize("args,message", [
     (["text.txt", "out.bin", "--prompt-field", "prompt"],
-     "--prompt-field reads prompts and responses from JSON Lines or Parquet records"),
+     "--prompt-field reads JSON Lines or Parquet records"),
     (["sft.jsonl", "out.bin", "--prompt-field", "response", "--field", "response"],
      "--prompt-field and --field both name 'response'"),
     (["sft.jsonl", "out.bin", "--prompt-field", "question", "--field", "response"],

@@ -129,8 +129,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="TEXT_FILE OUT.bin; JSON Lines / Parquet files or quoted globs then "
                         "OUT.bin; or the word criteo and Criteo TSV day files")
-    d.add_argument("--field", default="text",
-                   help="documents: the text field of each JSON record / Parquet column")
+    d.add_argument("--field", metavar="NAME",
+                   help="documents: the text field of each JSON record / Parquet column "
+                        "(default: text)")
     d.add_argument("--prompt-field", metavar="NAME",
                    help="documents: each record is this prompt then its response (--field); "
                         "training learns the responses, not the prompts (a loss mask is "

@@ -26,7 +26,7 @@ def cmd_data(args) -> int:
         print(f"plait: {args.out} holds {rows:,} rows in {len(manifest['parts'])} part(s); use "
               f"data.source = \"criteo_bin\", data.path = \"{args.out}\"")
         return 0
-    from plait.data.documents import encode_corpus, is_corpus
+    from plait.data.documents import encode_corpus, expand, is_corpus
     from plait.data.tokens import loss_mask_path
     from plait.data.writer import encode_text_file
 
@@ -36,8 +36,9 @@ def cmd_data(args) -> int:
                         f"1 (e.g. 0.05); got {held}")
     if len(args.inputs) >= 2 and is_corpus(args.inputs[:-1]) and not args.out:
         *inputs, out = args.inputs
-        if args.prompt_field is not None and args.prompt_field == args.field:
-            raise UserError(f"--prompt-field and --field both name '{args.field}'; the "
+        field = args.field or "text"
+        if args.prompt_field is not None and args.prompt_field == field:
+            raise UserError(f"--prompt-field and --field both name '{field}'; the "
                             "prompt and the response are two fields of each record")
         if args.chat is not None and args.prompt_field is not None:
             raise UserError("--chat and --prompt-field are two ways to read a record; pass "
@@ -46,9 +47,13 @@ def cmd_data(args) -> int:
         if args.chat_template is not None and args.chat is None:
             raise UserError("--chat-template renders conversations: pass --chat NAME, the "
                             "field that holds them")
+        if args.eos is not None and args.tokenizer is None:
+            raise UserError(f"--eos {args.eos!r} names a token of --tokenizer; byte-level ids "
+                            "have no end-of-text token: pass the tokenizer, or drop --eos")
         output_paths.file(out, "OUT.bin", ".bin")
-        got = encode_corpus(inputs, out, args.field, args.dtype, args.tokenizer, args.eos,
-                            held, args.prompt_field, args.chat, args.chat_template)
+        _keep_inputs(out, [*expand(inputs), args.chat_template], args.tokenizer)
+        got = encode_corpus(inputs, out, field, args.dtype, args.tokenizer, args.eos, held,
+                            args.prompt_field, args.chat, args.chat_template)
         end = (f", each ended by id {got['eos']}" if got["eos"] is not None
                else ", each ended by its chat template" if args.chat is not None
                else " (byte-level: no end-of-text id)")
@@ -69,11 +74,14 @@ def cmd_data(args) -> int:
         raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), documents "
                         "(*.jsonl / *.parquet ...) OUT.bin, or criteo DAY.tsv ... --out DIR")
     text, out = args.inputs
-    for flag, value in (("--prompt-field", args.prompt_field), ("--chat", args.chat)):
+    for flag, value in (("--prompt-field", args.prompt_field), ("--chat", args.chat),
+                        ("--field", args.field), ("--eos", args.eos),
+                        ("--chat-template", args.chat_template)):
         if value is not None:
-            raise UserError(f"{flag} reads prompts and responses from JSON Lines or Parquet "
-                            "records (*.jsonl, *.parquet); a text file is one document")
+            raise UserError(f"{flag} reads JSON Lines or Parquet records (*.jsonl, *.parquet); "
+                            f"a text file is one document: drop {flag}, or pass the records")
     output_paths.file(out, "OUT.bin", ".bin")
+    _keep_inputs(out, [text], args.tokenizer)
     written = encode_text_file(text, out, args.dtype, args.tokenizer, held)
     if args.tokenizer:
         from plait.data.tokenizer import HFTokenizer
@@ -93,3 +101,26 @@ def cmd_data(args) -> int:
 def _print_held_out(path, what: str) -> None:
     print(f"plait: held out {what} in {path}; use data.eval_path = \"{path}\", or "
           f"plait eval RUN_DIR --data {path}")
+
+
+def _keep_inputs(out: str, inputs: list, tokenizer: str | None) -> None:
+    """Refuse an OUT.bin whose files (itself, its held-out twin and what goes beside each:
+    loss mask, document index, tokenizer copy) would overwrite an input: `plait data
+    t.txt t.txt` replaced the text with its own tokens. The tokenizer may be the copy an
+    earlier run kept beside OUT.bin (it is copied onto itself)."""
+    from plait.data.tokenizer import SIDECAR
+    from plait.data.tokens import INDEX_SUFFIX, MASK_SUFFIX
+    from plait.data.writer import held_out_path
+
+    written = [Path(str(base) + suffix) for base in (out, held_out_path(out))
+               for suffix in ("", MASK_SUFFIX, INDEX_SUFFIX, SIDECAR)]
+    given = [(x, written) for x in inputs] + [
+        (tokenizer, [w for w in written if not w.name.endswith(SIDECAR)])]
+    for path_in, outputs in given:
+        if path_in is None or not Path(path_in).is_file():
+            continue
+        for path in outputs:
+            if path.is_file() and path.samefile(path_in):
+                what = "OUT.bin" if path == Path(out) else f"OUT.bin's {path.name}"
+                raise UserError(f"{what} '{path}' is the input '{path_in}': writing would "
+                                "overwrite it; pass another OUT.bin")

@@ -6,6 +6,7 @@ config.json an export writes.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from plait.errors import UserError
@@ -25,6 +26,9 @@ DEFAULT_SEQ_LEN = 2048  # a RoPE model's training length unless --seq-len says o
 
 def architecture(hf: dict, where: str) -> str:
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise UserError(f"{where}: \"architectures\" = {json.dumps(archs)} is not a list of "
+                        f"names; plait imports {', '.join(ARCHITECTURES)}")
     if not archs:
         raise UserError(f"{where} names no architecture (\"architectures\"); plait imports "
                         f"{', '.join(ARCHITECTURES)}")
@@ -52,10 +56,43 @@ def _rope(hf: dict, where: str) -> tuple[float, dict | None]:
                    "original_context": int(scaling["original_max_position_embeddings"])}
 
 
+# The sizes and numbers model_table computes with before plait's schema sees them: a
+# string, null, a boolean or (for a size) zero there was a TypeError or ZeroDivisionError.
+SIZES = ("n_embd", "n_positions", "n_layer", "n_head", "n_inner", "vocab_size", "hidden_size",
+         "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+         "sliding_window", "num_hidden_layers", "intermediate_size", "head_dim",
+         "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+         "shared_expert_intermediate_size", "decoder_sparse_step",
+         "original_max_position_embeddings")
+MAY_BE_ZERO = ("sliding_window", "shared_expert_intermediate_size")  # 0: none
+NUMBERS = ("rope_theta", "rms_norm_eps", "layer_norm_epsilon", "router_aux_loss_coef",
+           "factor", "low_freq_factor", "high_freq_factor")
+
+
+def _check_values(hf: dict, where: str) -> None:
+    """Each size a whole number >= 1 and each number a number, where given (null is
+    "not given" for those transformers leaves optional), in config.json and in its rope
+    scaling table: one line naming the key."""
+    tables = [("", hf)] + [(f"{k}.", hf[k]) for k in ("rope_scaling", "rope_parameters")
+                           if isinstance(hf.get(k), dict)]
+    for prefix, table in tables:
+        for key, value in table.items():
+            if value is None or (key not in SIZES and key not in NUMBERS):  # in rope tables
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UserError(f"{where}: {prefix}{key} = {json.dumps(value)} is not a number")
+            least = 0 if key in MAY_BE_ZERO else 1
+            if key in SIZES and (value != int(value) or value < least):
+                raise UserError(f"{where}: {prefix}{key} = {json.dumps(value)} is not a size "
+                                f"(a whole number, at least {least})")
+
+
 def model_table(hf: dict, where: str, seq_len: int | None = None) -> dict[str, Any]:
     """plait's `[model]` table for a Hugging Face config.json (one-line errors for what
     plait's decoder does not run)."""
     arch = architecture(hf, where)
+    hf = {k: v for k, v in hf.items() if v is not None}  # null: not given (optional keys)
+    _check_values(hf, where)
     if ARCHITECTURES[arch] == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):

@@ -136,6 +136,23 @@ def _publish(tmp: Path, final: Path) -> None:
     tmp.rename(final)
 
 
+def _laid_out(cfg, arch: str, tensors, prefix: str, hf_dir: Path):
+    """layout.to_plait's (path, array) pairs; a tensor too small or too large for the
+    shape config.json's sizes give it (numpy's reshape error before) is one line."""
+    pairs = layout.to_plait(cfg, arch, tensors, prefix)
+    while True:
+        try:
+            yield next(pairs)
+        except StopIteration:
+            return
+        except ValueError as e:
+            if "reshape" not in str(e):
+                raise
+            raise UserError(f"{hf_dir}: tensor '{tensors.last}' does not take the shape "
+                            f"config.json's sizes give it ({e}); the weights and config.json "
+                            "disagree") from None
+
+
 def _experiment(hf: dict, table: dict, name: str, where: str):
     """The run's experiment; a value plait does not take (rms_norm_eps = 0, a rope
     scaling band upside down) is one line naming plait's key and the file (pydantic's
@@ -174,6 +191,9 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
     except ValueError as e:
         raise UserError(f"{config} is not JSON ({e})") from None
     where = str(config)
+    if not isinstance(hf, dict):
+        raise UserError(f"{where} is not a JSON object of settings; pass a Hugging Face "
+                        "model directory")
     arch = config_json.architecture(hf, where)
     try:
         table = config_json.model_table(hf, where, seq_len)
@@ -181,12 +201,16 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
         raise UserError(f"{where} lacks {e.args[0]}, which {arch} needs") from None
     exp = _experiment(hf, table, run_dir.name or "imported", where)
     tensors = Tensors(hf_dir)
+    prefix = layout.gpt2_prefix(tensors.names())
+    held = layout.layers_held(tensors.names(), arch, prefix)
+    if exp.model.layers > held:  # before a model of that depth is laid out
+        raise UserError(f"{where} gives {exp.model.layers} layers but the weights hold "
+                        f"{held}; the weights and config.json disagree")
     expected = abstract_model(exp.model).shapes()
     tmp = _fresh_dir(run_dir, "--run-dir")
     try:
         params: dict = {}
-        prefix = layout.gpt2_prefix(tensors.names())
-        for path, value in layout.to_plait(exp.model, arch, tensors, prefix):
+        for path, value in _laid_out(exp.model, arch, tensors, prefix, hf_dir):
             want = expected
             for k in path:
                 want = want[k]

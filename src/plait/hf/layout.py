@@ -49,6 +49,16 @@ def gpt2_prefix(names: set[str]) -> str:
     return "transformer." if "transformer.wte.weight" in names else ""
 
 
+def layers_held(names: set[str], arch: str, prefix: str = "") -> int:
+    """How many decoder layers a checkpoint's tensor names hold (one past the highest
+    layer index): what config.json's layer count is checked against before a model of
+    that depth is laid out."""
+    head = f"{prefix}h." if ARCHITECTURES[arch] == "gpt2" else "model.layers."
+    found = [int(n[len(head):].split(".", 1)[0]) for n in names
+             if n.startswith(head) and n[len(head):].split(".", 1)[0].isdigit()]
+    return max(found, default=-1) + 1
+
+
 def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
              ) -> Iterator[tuple[Path, np.ndarray]]:
     """(plait path, array) for every parameter, reading one tensor at a time, in the
