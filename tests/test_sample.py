@@ -73,6 +73,13 @@ def test_sample_from_a_chosen_step_leaves_the_run_untouched(trained, capsys):
     assert captured.out.startswith("ab")
     assert "5 tokens from the checkpoint at step 8 (tokenizer: bytes)" in captured.err
     assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == before
+    # Without --tokens: 100, or half a shorter context (this model's 32: the default of 100
+    # had refused every prompt on a model of under 101 positions).
+    assert main(["sample", str(trained), "--prompt", "ab", "--temperature", "0"]) == 0
+    assert "16 tokens from the checkpoint at step 16" in capsys.readouterr().err
+    assert main(["sample", str(trained), "--prompt", "a" * 20]) == 2
+    assert ("the prompt (20 tokens) plus the default --tokens 16 is more than model.seq_len "
+            "= 32; ask for at most 12 tokens") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,needle", [

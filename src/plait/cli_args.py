@@ -174,7 +174,8 @@ def parser() -> argparse.ArgumentParser:
                          "turns before it")
     sp.add_argument("--system", metavar="TEXT",
                     help="--chat: a system message before the prompt")
-    sp.add_argument("--tokens", type=int, default=100, help="how many tokens to generate")
+    sp.add_argument("--tokens", type=int, help="how many tokens to generate (default: 100, or "
+                    "half of model.seq_len if that is less)")
     sp.add_argument("--temperature", type=float, default=1.0,
                     help="softmax temperature; 0 takes the most likely token every time")
     sp.add_argument("--top-k", type=int, default=0,

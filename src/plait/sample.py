@@ -151,9 +151,9 @@ def read_params(task, ckpts, run_dir: Path, step: int | None) -> tuple[dict, int
     return take(state), int(meta["step"]), note
 
 
-def _check(tokens: int, temperature: float, top_k: int, chat: bool, system: str | None,
+def _check(tokens: int | None, temperature: float, top_k: int, chat: bool, system: str | None,
            seed: int) -> None:
-    if tokens < 1:
+    if tokens is not None and tokens < 1:
         raise UserError(f"--tokens must be at least 1, got {tokens}")
     if not 0 <= seed <= MAX_SEED:
         raise UserError(f"--seed must be between 0 and 2**63 - 1, got {seed}")
@@ -177,17 +177,25 @@ def _utf8(text: str | None, flag: str) -> None:
                         f"{e.start}); pass it in UTF-8") from None
 
 
+DEFAULT_TOKENS = 100  # what plait sample generates unless --tokens says
+
+
 class _Model:
     """A run's checkpoint loaded once for sampling: the model, its tokenizer, and with
     `chat` its chat template, end-of-text token and the conversation's opening (the
     system message, if any)."""
 
-    def __init__(self, run_dir: Path, step: int | None, tokens: int, temperature: float,
+    def __init__(self, run_dir: Path, step: int | None, tokens: int | None, temperature: float,
                  top_k: int, chat: bool, system: str | None = None):
         from plait.data.tokenizer import for_run
         from plait.train.step import compute_dtype
 
         self.exp, mdef, self.params, self.at = load(run_dir, step)
+        # --tokens left out: DEFAULT_TOKENS, or half the context of a model whose context is
+        # shorter (the quickstart's 64: the default of 100 had refused every prompt).
+        self.said = "--tokens" if tokens is not None else "the default --tokens"
+        if tokens is None:
+            tokens = min(DEFAULT_TOKENS, max(1, self.exp.model.seq_len // 2))
         self.codec, self.tokens, self.template, self.stop = for_run(run_dir), tokens, None, None
         if chat:
             from plait.data import chat as chats
@@ -217,7 +225,7 @@ class _Model:
             raise UserError("the prompt is empty; give --prompt some text")
         room = self.exp.model.seq_len
         if not self.fits(ids):
-            raise UserError(f"the prompt ({len(ids)} tokens) plus --tokens {self.tokens} is "
+            raise UserError(f"the prompt ({len(ids)} tokens) plus {self.said} {self.tokens} is "
                             f"more than model.seq_len = {room}; ask for at most "
                             f"{max(room - len(ids), 0)} tokens or shorten the prompt")
         if max(ids) >= self.exp.model.vocab:
@@ -231,7 +239,7 @@ class _Model:
                                         "tokens": new, "tokenizer": self.codec.name}
 
 
-def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, top_k: int,
+def sample(run_dir: str | Path, prompt: str, tokens: int | None, temperature: float, top_k: int,
            seed: int, step: int | None, chat: bool = False, system: str | None = None
            ) -> tuple[str, dict]:
     """The generated text (after the prompt) and what made it. With `chat`, the prompt
@@ -246,8 +254,9 @@ def sample(run_dir: str | Path, prompt: str, tokens: int, temperature: float, to
     return m.answer(ids, jax.random.key(seed))
 
 
-def converse(run_dir: str | Path, messages: Iterable[str], tokens: int, temperature: float,
-             top_k: int, seed: int, step: int | None, system: str | None = None
+def converse(run_dir: str | Path, messages: Iterable[str], tokens: int | None,
+             temperature: float, top_k: int, seed: int, step: int | None,
+             system: str | None = None
              ) -> Iterator[tuple[str, dict]]:
     """A conversation: each of `messages` (a user's turn; blank ones skipped) answered in
     turn through the run's chat template, every earlier turn and answer before it (after
