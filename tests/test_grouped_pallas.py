@@ -101,7 +101,7 @@ def test_where_the_kernels_cannot_run_train_refuses_in_one_line(tmp_path, capsys
     assert main(["train", str(path), "--mesh", "data=2", "--run-dir",
                  str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "Hopper GPUs" in err, err
+    assert err.count("\n") == 0 and "Hopper GPUs (compute capability 9.0), not cpu;" in err, err
     assert 'use model.moe.grouped = "auto" or "tiles"' in err, err
     assert not (tmp_path / "run").exists()
     assert GPTTask(exp, make_mesh("data=2")).exp.model.moe.grouped == "tiles"

@@ -93,8 +93,8 @@ def _pallas_obstacle(cfg: GPTConfig, compute: str, device, mesh_shape: dict[str,
     (no `expert` axis: parallel.grouped_pallas)."""
     if not on_hopper(device):
         capability = getattr(device, "compute_capability", None)
-        return "device", (f"{device.device_kind} ({device.platform}"
-                          f"{f' {capability}' if capability else ''})")
+        return "device", (_device_text(device)
+                          + (f", compute capability {capability}" if capability else ""))
     if compute != "bfloat16":
         return "compute", compute
     if mesh_shape.get("expert", 1) > 1:
