@@ -197,6 +197,7 @@ IMPORT_ERRORS = [
     (_config_edit(num_hidden_layers=10**12), "gives 1000000000000 layers but the weights "
                                              "hold 2; the weights and config.json disagree"),
     (_config_edit(architectures="MistralForCausalLM"), "is not a list of names"),
+    (_config_edit(rope_parameters="x"), 'rope_parameters = "x" is not a table of rotary'),
     (lambda d: (d / "config.json").write_text("[1, 2]"), "is not a JSON object of settings"),
     (_sharded_without_one, "lacks the shard b.safetensors"),
     (_drop_tensor, "has no tensor 'model.layers.1.mlp.up_proj.weight'"),

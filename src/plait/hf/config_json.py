@@ -41,6 +41,10 @@ def architecture(hf: dict, where: str) -> str:
 def _rope(hf: dict, where: str) -> tuple[float, dict | None]:
     """(theta, plait's rope_scaling table or None) from either spelling transformers uses
     (rope_theta + rope_scaling, or v5's rope_parameters)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) and not isinstance(hf[key], dict):
+            raise UserError(f"{where}: {key} = {json.dumps(hf[key])} is not a table of rotary "
+                            "settings (rope_type, rope_theta, ...)")
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
     theta = float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
