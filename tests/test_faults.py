@@ -267,6 +267,32 @@ def test_a_model_too_big_for_the_devices_is_refused_before_it_is_built(tmp_path,
             make_task(e, make_mesh("data=1")).num_params()
 
 
+def test_a_state_whose_shards_do_not_fit_each_device_is_refused_before_it_is_made(
+        tmp_path, capsys, monkeypatch):
+    """The whole state fits the devices together, but data=2 keeps a copy on each:
+    refused before the state is made (gpt2-1.3b on data=2 of a 24 GiB host was made
+    asynchronously while its step compiled, and the process was killed for memory); the
+    same state sharded by fsdp=2 passes."""
+    from helpers import make_mesh
+
+    from plait.tasks import make_task
+    from plait.train import memory
+
+    exp = tiny(train={"steps": 1})
+    whole = memory.state_bytes(make_task(exp, make_mesh("data=2")))
+    assert memory.state_bytes(make_task(exp, make_mesh("fsdp=2"))) < 0.6 * whole
+    monkeypatch.setattr(memory, "mesh_device_memory", lambda mesh: 0.75 * whole)
+    path = write_experiment(tmp_path / "t.toml", exp)
+    assert main(["train", str(path), "--mesh", "data=2", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"plait: error: the train state (parameters and adamw state) takes "
+        f"{whole / 2**30:,.1f} GiB per device as mesh data=2 lays it out"), err
+    assert "shard it with fsdp (data keeps a whole copy on each device)" in err[0], err
+    assert not (tmp_path / "r").exists()
+    memory.check_state_fits(make_task(exp, make_mesh("fsdp=2")))  # half of it a device
+
+
 def test_a_step_too_big_for_the_devices_is_refused_after_compiling_and_keeps_the_run(
         tmp_path, capsys):
     """Parameters fit, activations do not: the compiled step's footprint (XLA's buffer

@@ -31,6 +31,45 @@ def step_bytes(compiled) -> dict[str, int] | None:
             "total": memory["total_bytes"]}
 
 
+def state_bytes(task) -> int:
+    """The train state's bytes on one device as the task lays it out (each leaf's shard:
+    a data axis keeps a whole copy, fsdp a slice): the most of any device."""
+    import math
+
+    import jax
+
+    per: dict = {}
+    for leaf in jax.tree.leaves(task.layout.abstract()):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        for device in leaf.sharding.device_set:
+            per[device] = per.get(device, 0) + math.prod(shard) * leaf.dtype.itemsize
+    return max(per.values(), default=0)
+
+
+def check_state_fits(task) -> None:
+    """Refuse, before the state is made, a state whose shards do not fit each device.
+    tasks.check_memory asks only that the whole state fit all devices together; a mesh
+    that replicates it did not fit: gpt2-1.3b on data=2 of this 24 GiB host (2 x 14.8 GiB)
+    was made asynchronously while its step compiled, and the process was killed for
+    memory after printing the step's refusal."""
+    need, have = state_bytes(task), mesh_device_memory(task.mesh)
+    if need <= have:
+        return
+    device = task.mesh.devices.flat[0]
+    where = (f"of the host's memory per device of the mesh ({task.mesh.devices.size} "
+             "simulated)" if device.platform == "cpu" else
+             f"JAX may allocate on each {device.platform} device")
+    raise UserError(
+        f"the train state (parameters and {task.exp.optimizer.name} state) takes "
+        f"{need / GIB:,.1f} GiB per device as mesh {_mesh_text(task.mesh)} lays it out, more "
+        f"than the {have / GIB:,.1f} GiB {where}; shard it with fsdp (data keeps a whole "
+        "copy on each device), use more devices, or shrink the model")
+
+
+def _mesh_text(mesh) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "of one device"
+
+
 def check_step_fits(task, compiled) -> None:
     """Refuse, in one line naming what to change, a compiled step that needs more memory
     per device than its devices have. Only a certain failure is refused: XLA allocates

@@ -26,6 +26,7 @@ from plait.models import fp8
 from plait.tasks import check_memory, make_task
 from plait.tasks.gpt_runtime import check_attention, check_grouped, check_kernels
 from plait.train import lock, rundir
+from plait.train.memory import check_state_fits
 from plait.train.metrics import MetricsLog
 from plait.train.state import schedule_text
 
@@ -75,6 +76,7 @@ class Run:
             check_grouped(exp.model, exp.precision.compute, mesh.devices.flat[0],
                           dict(mesh.shape))
         self.task = make_task(exp, mesh)
+        check_state_fits(self.task)  # before the state is made (asynchronously)
         self.source = self.task.source()  # checks data files before anything is written
         self.run_files = self.task.run_files(self.source, self.run_dir)
         self.resolved = exp.model_copy(update={"mesh": dict(mesh.shape)})
