@@ -198,6 +198,8 @@ IMPORT_ERRORS = [
                                              "hold 2; the weights and config.json disagree"),
     (_config_edit(architectures="MistralForCausalLM"), "is not a list of names"),
     (_config_edit(rope_parameters="x"), 'rope_parameters = "x" is not a table of rotary'),
+    (_config_edit(vocab_size=10**12), "(300 rows for a vocabulary of 1000000000000); the "
+                                      "weights and config.json disagree"),
     (lambda d: (d / "config.json").write_text("[1, 2]"), "is not a JSON object of settings"),
     (_sharded_without_one, "lacks the shard b.safetensors"),
     (_drop_tensor, "has no tensor 'model.layers.1.mlp.up_proj.weight'"),

@@ -146,7 +146,7 @@ def _laid_out(cfg, arch: str, tensors, prefix: str, hf_dir: Path):
         except StopIteration:
             return
         except ValueError as e:
-            if "reshape" not in str(e):
+            if not isinstance(e, layout.ShapeMismatch) and "reshape" not in str(e):
                 raise
             raise UserError(f"{hf_dir}: tensor '{tensors.last}' does not take the shape "
                             f"config.json's sizes give it ({e}); the weights and config.json "

@@ -34,8 +34,16 @@ Path = tuple[str, ...]  # a parameter's place in plait's (canonical) parameter d
 Read = Callable[[str], np.ndarray]
 
 
-def _pad(a: np.ndarray, rows: int, axis: int = 0) -> np.ndarray:
-    """Zero rows (vocabulary padding) up to `rows` along `axis`."""
+class ShapeMismatch(ValueError):
+    """A tensor that config.json's sizes do not fit (convert names it in one line)."""
+
+
+def _pad(a: np.ndarray, rows: int, vocab: int, axis: int = 0) -> np.ndarray:
+    """Zero rows (vocabulary padding) up to `rows` along `axis`; a table of fewer rows
+    than the vocabulary is refused before the padded copy is made (vocab_size = 10**12
+    asked numpy for 233 TiB)."""
+    if a.shape[axis] < vocab:
+        raise ShapeMismatch(f"{a.shape[axis]} rows for a vocabulary of {vocab}")
     extra = rows - a.shape[axis]
     if extra == 0:
         return a
@@ -66,7 +74,7 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
     d, h, kv, hd, V = cfg.d_model, cfg.heads, cfg.n_kv_heads, cfg.head_size, cfg.padded_vocab
     if ARCHITECTURES[arch] == "gpt2":
         p = prefix
-        yield ("tok_embed",), _pad(read(f"{p}wte.weight"), V)
+        yield ("tok_embed",), _pad(read(f"{p}wte.weight"), V, cfg.vocab)
         yield ("pos_embed",), read(f"{p}wpe.weight")
         for i in range(cfg.layers):
             b, blk = f"{p}h.{i}.", ("blocks", str(i))
@@ -84,7 +92,7 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
         yield ("ln_f", "scale"), read(f"{p}ln_f.weight")
         yield ("ln_f", "bias"), read(f"{p}ln_f.bias")
         return
-    yield ("tok_embed",), _pad(read("model.embed_tokens.weight"), V)
+    yield ("tok_embed",), _pad(read("model.embed_tokens.weight"), V, cfg.vocab)
     for i in range(cfg.layers):
         b, blk = f"model.layers.{i}.", ("blocks", str(i))
         a = f"{b}self_attn."
@@ -119,7 +127,7 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
         yield (*blk, "ln2", "scale"), read(f"{b}post_attention_layernorm.weight")
     yield ("ln_f", "scale"), read("model.norm.weight")
     if not cfg.tie_embeddings:
-        yield ("head",), _pad(read("lm_head.weight").T, V, axis=1)
+        yield ("head",), _pad(read("lm_head.weight").T, V, cfg.vocab, axis=1)
 
 
 # Where each MoE family keeps a layer's router and experts: (module prefix, the
