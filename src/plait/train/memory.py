@@ -55,19 +55,24 @@ def check_state_fits(task) -> None:
     need, have = state_bytes(task), mesh_device_memory(task.mesh)
     if need <= have:
         return
-    device = task.mesh.devices.flat[0]
-    where = (f"of the host's memory per device of the mesh ({task.mesh.devices.size} "
-             "simulated)" if device.platform == "cpu" else
-             f"JAX may allocate on each {device.platform} device")
+    from plait.hosts import mesh_text
+
     raise UserError(
         f"the train state (parameters and {task.exp.optimizer.name} state) takes "
-        f"{need / GIB:,.1f} GiB per device as mesh {_mesh_text(task.mesh)} lays it out, more "
-        f"than the {have / GIB:,.1f} GiB {where}; shard it with fsdp (data keeps a whole "
-        "copy on each device), use more devices, or shrink the model")
+        f"{need / GIB:,.1f} GiB per device as mesh {mesh_text(task.mesh)} lays it out, more "
+        f"than the {have / GIB:,.1f} GiB {_where(task.mesh)}; shard it with fsdp (data "
+        "keeps a whole copy on each device), use more devices, or shrink the model")
 
 
-def _mesh_text(mesh) -> str:
-    return ",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "of one device"
+def _where(mesh) -> str:
+    """Whose memory a device's limit is, as the refusals say it. An accelerator's limit
+    is the share JAX's allocator may take (75% unless XLA_PYTHON_CLIENT_MEM_FRACTION
+    says otherwise), which nothing can exceed."""
+    platform = mesh.devices.flat[0].platform
+    if platform == "cpu":
+        return f"of the host's memory per device of the mesh ({mesh.devices.size} simulated)"
+    return (f"JAX may allocate on each {platform} device (its share is "
+            "XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set)")
 
 
 def check_step_fits(task, compiled) -> None:
@@ -77,21 +82,14 @@ def check_step_fits(task, compiled) -> None:
     need = step_bytes(compiled)
     if need is None:
         return
-    device = task.mesh.devices.flat[0]
     have = mesh_device_memory(task.mesh)
     if need["total"] <= have:
         return
-    # An accelerator's limit is the share JAX's allocator may take (75% unless
-    # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise), which the step cannot exceed.
-    where = (f"of the host's memory per device of the mesh ({task.mesh.devices.size} "
-             "simulated)" if device.platform == "cpu" else
-             f"JAX may allocate on each {device.platform} device (its share is "
-             "XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set)")
     raise UserError(
         f"the compiled train step needs {need['total'] / GIB:,.1f} GiB per device "
         f"({need['state'] / GIB:,.1f} GiB of state and batch, {need['work'] / GIB:,.1f} GiB "
         f"of activations and temporaries), more than the {have / GIB:,.1f} GiB "
-        f"{where}; {task.memory_fixes()}")
+        f"{_where(task.mesh)}; {task.memory_fixes()}")
 
 
 def out_of_memory(err: BaseException) -> bool:
