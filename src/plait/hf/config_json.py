@@ -81,7 +81,8 @@ def _check_values(hf: dict, where: str) -> None:
                            if isinstance(hf.get(k), dict)]
     for prefix, table in tables:
         for key, value in table.items():
-            if value is None or (key not in SIZES and key not in NUMBERS):  # in rope tables
+            # (a null is left only in the rope tables: model_table drops config.json's)
+            if value is None or (key not in SIZES and key not in NUMBERS):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UserError(f"{where}: {prefix}{key} = {json.dumps(value)} is not a number")

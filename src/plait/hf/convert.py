@@ -138,19 +138,13 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def _laid_out(cfg, arch: str, tensors, prefix: str, hf_dir: Path):
     """layout.to_plait's (path, array) pairs; a tensor too small or too large for the
-    shape config.json's sizes give it (numpy's reshape error before) is one line."""
-    pairs = layout.to_plait(cfg, arch, tensors, prefix)
-    while True:
-        try:
-            yield next(pairs)
-        except StopIteration:
-            return
-        except ValueError as e:
-            if not isinstance(e, layout.ShapeMismatch) and "reshape" not in str(e):
-                raise
-            raise UserError(f"{hf_dir}: tensor '{tensors.last}' does not take the shape "
-                            f"config.json's sizes give it ({e}); the weights and config.json "
-                            "disagree") from None
+    shape config.json's sizes give it (layout.ShapeMismatch) is one line."""
+    try:
+        yield from layout.to_plait(cfg, arch, tensors, prefix)
+    except layout.ShapeMismatch as e:
+        raise UserError(f"{hf_dir}: tensor '{tensors.last}' does not take the shape "
+                        f"config.json's sizes give it ({e}); the weights and config.json "
+                        "disagree") from None
 
 
 def _experiment(hf: dict, table: dict, name: str, where: str):

@@ -22,6 +22,7 @@ time.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,6 +37,14 @@ Read = Callable[[str], np.ndarray]
 
 class ShapeMismatch(ValueError):
     """A tensor that config.json's sizes do not fit (convert names it in one line)."""
+
+
+def _shaped(a: np.ndarray, *shape: int) -> np.ndarray:
+    """`a` in config.json's shape; ShapeMismatch where its size is another (heads or
+    head_dim of 10**12 were numpy's reshape error)."""
+    if a.size != math.prod(shape):
+        raise ShapeMismatch(f"{a.shape} does not reshape to {shape}")
+    return a.reshape(shape)
 
 
 def _pad(a: np.ndarray, rows: int, vocab: int, axis: int = 0) -> np.ndarray:
@@ -81,9 +90,9 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
             for hf_ln, ln in (("ln_1", "ln1"), ("ln_2", "ln2")):
                 yield (*blk, ln, "scale"), read(f"{b}{hf_ln}.weight")
                 yield (*blk, ln, "bias"), read(f"{b}{hf_ln}.bias")
-            yield (*blk, "attn", "wqkv"), read(f"{b}attn.c_attn.weight").reshape(d, 3, h, hd)
-            yield (*blk, "attn", "bqkv"), read(f"{b}attn.c_attn.bias").reshape(3, h, hd)
-            yield (*blk, "attn", "wo"), read(f"{b}attn.c_proj.weight").reshape(h, hd, d)
+            yield (*blk, "attn", "wqkv"), _shaped(read(f"{b}attn.c_attn.weight"), d, 3, h, hd)
+            yield (*blk, "attn", "bqkv"), _shaped(read(f"{b}attn.c_attn.bias"), 3, h, hd)
+            yield (*blk, "attn", "wo"), _shaped(read(f"{b}attn.c_proj.weight"), h, hd, d)
             yield (*blk, "attn", "bo"), read(f"{b}attn.c_proj.bias")
             yield (*blk, "mlp", "w1"), read(f"{b}mlp.c_fc.weight")
             yield (*blk, "mlp", "b1"), read(f"{b}mlp.c_fc.bias")
@@ -96,8 +105,8 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
     for i in range(cfg.layers):
         b, blk = f"model.layers.{i}.", ("blocks", str(i))
         a = f"{b}self_attn."
-        q = read(f"{a}q_proj.weight").T.reshape(d, h, hd)
-        k, v = (read(f"{a}{n}_proj.weight").T.reshape(d, kv, hd) for n in ("k", "v"))
+        q = _shaped(read(f"{a}q_proj.weight").T, d, h, hd)
+        k, v = (_shaped(read(f"{a}{n}_proj.weight").T, d, kv, hd) for n in ("k", "v"))
         if cfg.fused_qkv:
             yield (*blk, "attn", "wqkv"), np.stack([q, k, v], axis=1)
         else:
@@ -105,17 +114,17 @@ def to_plait(cfg: GPTConfig, arch: str, read: Read, prefix: str = ""
             yield (*blk, "attn", "wkv"), np.stack([k, v], axis=1)
         del q, k, v
         if cfg.qkv_bias:
-            bq = read(f"{a}q_proj.bias").reshape(h, hd)
-            bk, bv = (read(f"{a}{n}_proj.bias").reshape(kv, hd) for n in ("k", "v"))
+            bq = _shaped(read(f"{a}q_proj.bias"), h, hd)
+            bk, bv = (_shaped(read(f"{a}{n}_proj.bias"), kv, hd) for n in ("k", "v"))
             if cfg.fused_qkv:
                 yield (*blk, "attn", "bqkv"), np.stack([bq, bk, bv])
             else:
                 yield (*blk, "attn", "bq"), bq
                 yield (*blk, "attn", "bkv"), np.stack([bk, bv])
-        yield (*blk, "attn", "wo"), read(f"{a}o_proj.weight").T.reshape(h, hd, d)
+        yield (*blk, "attn", "wo"), _shaped(read(f"{a}o_proj.weight").T, h, hd, d)
         if cfg.qk_norm:
-            yield (*blk, "attn", "q_norm"), read(f"{a}q_norm.weight").reshape(h, hd)
-            yield (*blk, "attn", "k_norm"), read(f"{a}k_norm.weight").reshape(kv, hd)
+            yield (*blk, "attn", "q_norm"), _shaped(read(f"{a}q_norm.weight"), h, hd)
+            yield (*blk, "attn", "k_norm"), _shaped(read(f"{a}k_norm.weight"), kv, hd)
         if cfg.moe is not None:
             yield from _experts_to_plait(cfg, read, b, blk, arch)
         else:
