@@ -152,6 +152,8 @@ COUNTING = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% e
      "record 1 of the inputs is not a conversation"),
     (["c.jsonl", "o.bin", "--chat", "messages", "--tokenizer", "{bare}"],
      "no chat template beside"),
+    (["c.jsonl", "o.bin", "--chat", "asked", "--tokenizer", "{t}"],
+     "no record's --chat 'asked' holds an assistant turn: the loss mask would keep none"),
     (["c.jsonl", "o.bin", "--chat", "messages", "--tokenizer", "{t}", "--chat-template",
       "counting.jinja"], "does not render a conversation as the continuation of its first"),
     (["c.jsonl", "o.bin", "--chat", "messages", "--tokenizer", "{t}", "--chat-template",
@@ -160,6 +162,7 @@ COUNTING = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% e
 def test_chat_mistakes_are_one_line(imported, tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CONVERSATIONS[0],
+                                                  "asked": CONVERSATIONS[0][:2],
                                                   "text": "hello"}) + "\n")
     (tmp_path / "counting.jinja").write_text(COUNTING)
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}")

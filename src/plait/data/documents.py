@@ -225,6 +225,12 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
         for writer in (train, held):  # both complete before either replaces a file
             if writer is not None:
                 writer.check_not_empty()
+        if masked and not train.kept:  # every loss would be a mean over no tokens
+            what = (f"no record's --chat '{chat}' holds an assistant turn"
+                    if chat is not None else f"every record's --field '{field}' is empty")
+            raise UserError(f"{what}: the loss mask would keep none of the {train.tokens:,} "
+                            "tokens and training would learn nothing; nothing was written; "
+                            f"check {source} and the field names")
         named = tok if isinstance(tok, HFTokenizer) else None
         written = [train.publish(named)] + ([held.publish(named)] if held else [])
     except BaseException:
