@@ -300,6 +300,9 @@ def test_more_devices_than_can_be_simulated_is_one_line(tmp_path, capsys):
     for flags, said in [(["--top", "-3"], "--top must be at least 1, got -3"),
                         (["--run", "--run-steps", "1"], "--run-steps must be at least 2"),
                         (["--run", "--run-rounds", "0"], "--run-rounds must be at least 1"),
+                        (["--run-steps", "4"], "--run-steps says how --run measures; add "
+                         "--run"),
+                        (["--run-rounds", "2"], "--run-rounds says how --run measures"),
                         (["--vary", "model.remat"], "--vary expects KEY=V1,V2,..."),
                         (["--vary", "model.remat=none,fulll"], "--vary model.remat"),
                         (["--vary", "model.remta=none"], "--vary model.remta"),

@@ -220,6 +220,12 @@ def cmd_sweep(args) -> int:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
     if args.top is not None and args.top < 1:
         raise UserError(f"--top must be at least 1, got {args.top}")
+    for flag, value in (("--run-steps", args.run_steps), ("--run-rounds", args.run_rounds)):
+        if value is not None and not args.run:
+            raise UserError(f"{flag} says how --run measures; add --run to train the top "
+                            f"shapes, or drop {flag}")
+    args.run_steps = 6 if args.run_steps is None else args.run_steps
+    args.run_rounds = 1 if args.run_rounds is None else args.run_rounds
     if args.run_steps < 2:
         raise UserError(f"--run-steps must be at least 2 (the first step compiles and is not "
                         f"timed), got {args.run_steps}")

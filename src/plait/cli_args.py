@@ -71,10 +71,10 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--top", type=int, default=None, help="rows to print (and to --run)")
     sw.add_argument("--run", action="store_true",
                     help="also train the top rows for a few steps here and add measured times")
-    sw.add_argument("--run-steps", type=int, default=6, metavar="STEPS",
+    sw.add_argument("--run-steps", type=int, default=None, metavar="STEPS",
                     help="steps --run trains each shape for; its time is the median of all "
                          "but the first (default: 6; more steady on a noisy machine)")
-    sw.add_argument("--run-rounds", type=int, default=1, metavar="R",
+    sw.add_argument("--run-rounds", type=int, default=None, metavar="R",
                     help="times --run trains each shape, in rank order and back again by "
                          "turns; its time is the median over rounds (default: 1; 2 or more "
                          "where the machine drifts over the run)")
