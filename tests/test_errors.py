@@ -156,6 +156,14 @@ def test_a_launch_port_that_is_not_a_port_is_one_line(exp_file, capsys):
     assert "--port 70000 is not a TCP port; use one from 1 to 65535" in line, line
 
 
+def test_a_mistake_every_launched_process_makes_is_said_once(exp_file, capsys):
+    """Not 'process 0 of 2 failed first': each process refused the same mesh."""
+    line = fails(capsys, "launch", "--processes", "2", "--", "train", exp_file, "--mesh",
+                 "data=3")
+    assert line.startswith("plait: error: mesh data=3 needs 3 devices, which 2 processes "
+                           "cannot share equally"), line
+
+
 def test_metrics_that_are_not_utf8_are_trimmed_like_torn_lines(tmp_path):
     """A resume's trim of metrics.jsonl raised UnicodeDecodeError on a torn write's bytes."""
     from plait.train.metrics import trim_jsonl

@@ -97,7 +97,8 @@ def launch(processes: int, command: list[str], port: int | None = None) -> int:
               if rc < 0 and -rc in signal.valid_signals()]
     i, rc, said = killed[0] if killed else next(
         (f for f in failures if not any(e in f[2] for e in echo)), failures[0])
-    if len(failures) == 1 and i == 0:
+    same = len(failures) == len(procs) and len({f[2] for f in failures}) == 1 and rc > 0
+    if len(failures) == 1 and i == 0 or same:  # one process's, or every process's mistake
         print(f"plait: error: {said}", file=sys.stderr)
     else:
         print(f"plait: error: process {i} of {len(procs)} failed first (exit {rc}): {said}",
