@@ -82,8 +82,9 @@ def test_startup_says_which_attention_and_layout_run(tmp_path, capsys):
 def test_profile_writes_a_trace_of_the_chosen_steps(tmp_path, capsys):
     from plait.cli import main
 
-    exp = write_experiment(tmp_path / "t.toml", tiny(train={"steps": 5},
-                                                     log={"console": "line"}))
+    exp = write_experiment(tmp_path / "t.toml", tiny(
+        train={"steps": 5}, log={"console": "line"},
+        checkpoint={"enabled": True, "every_steps": 5, "keep": 1, "async_save": False}))
     run = tmp_path / "r"
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run),
                  "--profile", "2:4"]) == 0
@@ -94,6 +95,22 @@ def test_profile_writes_a_trace_of_the_chosen_steps(tmp_path, capsys):
     assert perfetto and gzip.decompress(perfetto[0].read_bytes()).startswith(b"{")
     assert main(["train", str(exp), "--profile", "4:2"]) == 2
     assert "need 0 <= START < STOP" in capsys.readouterr().err
+    # A window the run ends inside is traced to its end and said (it was written
+    # without a word); one it never reaches is refused before the step compiles (it had
+    # traced nothing, silently), and so is one a resumed run has passed.
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run), "--steps", "7",
+                 "--profile", "5:9"]) == 0
+    out = capsys.readouterr().out
+    assert "--profile 5:9 traces steps 6-7: the run ends at step 7" in out
+    assert "profile of steps 6-7 written to" in out
+    assert len(list((run / "profile").rglob("*.xplane.pb"))) == 2
+    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run), "--steps", "9",
+                 "--profile", "0:3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--profile 0:3 would trace steps 1-3, but this run resumes at step 7; "
+                        "pick a window after it (e.g. --profile 7:10)"), err
+    assert main(["train", str(exp), "--run-dir", str(tmp_path / "u"), "--profile", "5:7"]) == 2
+    assert "but the run ends at step 5; pick a window before it" in capsys.readouterr().err
 
 
 def test_xla_runtime_error_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys,

@@ -35,7 +35,7 @@ from plait.train.metrics import (
     strict,
 )
 from plait.train.nonfinite import NonFiniteGuard
-from plait.train.profiler import Profiler
+from plait.train.profiler import Profiler, check_window
 from plait.train.run import Run, write_config
 from plait.train.signals import StopFlag
 
@@ -145,6 +145,7 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
                 run.save(state, step)
             if stop.signal is not None:
                 break
+        profiler.close(step, state)
     finally:
         profiler.close()
         prefetch.shutdown(wait=True, cancel_futures=True)
@@ -256,6 +257,14 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
         log.close()
         run.close()
         return {"steps_run": 0, "final_step": start, "records": []}
+    try:
+        profile_note = check_window(profile, start, total)
+    except UserError:
+        _close_quietly(log)
+        run.abandon()
+        raise
+    if profile_note:
+        log.note(profile_note)
     if run.is_writer:
         write_config(run.run_dir, run.resolved, start)
     log.note("plait: compiling the train step ...")
