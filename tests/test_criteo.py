@@ -145,3 +145,32 @@ def test_missing_or_foreign_directories_are_one_line(days, tmp_path):
     assert out.stderr.strip().splitlines() == [
         'plait: error: data.source = "criteo_bin" needs data.path; set it to a directory '
         "made by plait data criteo"]
+
+
+def test_quoted_globs_convert_in_day_order_and_mistakes_are_one_line(days, tmp_path, capsys):
+    """A quoted glob is expanded day_2 before day_10 (the parts' order); a directory, a
+    glob that matches nothing and the token files' flags are one line each (the flags
+    had been ignored), and --malformed is refused off criteo."""
+    from plait.cli import main
+
+    for n in (10, 2):
+        shutil.copy(days / "day_0.tsv", tmp_path / f"day_{n}.tsv")
+    assert main(["data", "criteo", str(tmp_path / "day_*.tsv"), "--out",
+                 str(tmp_path / "bin")]) == 0
+    manifest = json.loads((tmp_path / "bin" / "manifest.json").read_text())
+    assert [p["name"] for p in manifest["parts"]] == ["day_0", "day_2", "day_10"]
+    assert capsys.readouterr().err == ""  # no bar off a terminal, and no blank line
+    (tmp_path / "t.txt").write_text("text")
+    for args, said in [
+            ([str(tmp_path)], f"'{tmp_path}' is a directory; pass its Criteo TSV day files"),
+            ([str(tmp_path / "nope_*")], "matches no file"),
+            ([str(tmp_path / "day_2.tsv"), "--tokenizer", "t.json"],
+             "--tokenizer is for token files"),
+            ([str(tmp_path / "day_2.tsv"), "--dtype", "uint32"], "--dtype is for token files")]:
+        assert main(["data", "criteo", *args, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+    assert main(["data", str(tmp_path / "t.txt"), str(tmp_path / "t.bin"), "--malformed",
+                 "stop"]) == 2
+    assert "--malformed is for Criteo TSV lines" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "t.bin").exists()

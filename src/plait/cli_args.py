@@ -125,7 +125,8 @@ def parser() -> argparse.ArgumentParser:
               "       plait data DOCS.jsonl|DOCS.parquet|'GLOB' [...] OUT.bin [--field text] "
               "[--prompt-field NAME | --chat NAME [--chat-template FILE]] "
               "[--tokenizer tokenizer.json] [--eos TOKEN] [--held-out FRACTION]\n"
-              "       plait data criteo DAY.tsv[.gz] [DAY ...] --out DIR [--malformed skip|stop]")
+              "       plait data criteo DAY.tsv[.gz]|'GLOB' [DAY ...] --out DIR "
+              "[--malformed skip|stop]")
     d.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="TEXT_FILE OUT.bin; JSON Lines / Parquet files or quoted globs then "
                         "OUT.bin; or the word criteo and Criteo TSV day files")
@@ -151,13 +152,15 @@ def parser() -> argparse.ArgumentParser:
                         "(one in every 1/FRACTION) or, for a text file, its last part; "
                         "OUT.bin keeps the rest")
     d.add_argument("--out", help="criteo: the output directory (rerun to convert only new days)")
-    d.add_argument("--dtype", choices=("uint16", "uint32"), default="uint16",
-                   help="element type of the token file (uint16 for vocabularies up to 65536)")
+    d.add_argument("--dtype", choices=("uint16", "uint32"), default=None,
+                   help="element type of the token file (default uint16, for vocabularies "
+                        "up to 65536)")
     d.add_argument("--tokenizer", metavar="tokenizer.json",
                    help="encode with this Hugging Face tokenizers file (kept beside OUT.bin "
                    "and in the runs that train on it); default: byte-level ids 0-255")
-    d.add_argument("--malformed", choices=("skip", "stop"), default="skip",
-                   help="criteo: skip lines that do not parse (counted) or stop at the first")
+    d.add_argument("--malformed", choices=("skip", "stop"), default=None,
+                   help="criteo: skip lines that do not parse (counted; the default) or stop "
+                        "at the first")
     sp = sub.add_parser(
         "sample", help="generate text from a GPT run's checkpoint (KV cache, one device)",
         usage="plait sample RUN_DIR (--prompt TEXT | --chat) [--chat] [--system TEXT] "

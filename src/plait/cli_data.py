@@ -10,6 +10,13 @@ from plait import output_paths
 from plait.errors import UserError
 
 
+def _token_flags(args) -> list[tuple[str, str | None]]:
+    """The flags only token files read (None where not given)."""
+    return [("--field", args.field), ("--prompt-field", args.prompt_field),
+            ("--chat", args.chat), ("--chat-template", args.chat_template),
+            ("--eos", args.eos), ("--tokenizer", args.tokenizer), ("--dtype", args.dtype)]
+
+
 def cmd_data(args) -> int:
     if args.inputs[0] == "criteo":
         from plait.data.criteo_bin import convert
@@ -21,7 +28,11 @@ def cmd_data(args) -> int:
                             "and give it as data.eval_path")
         if len(args.inputs) < 2:
             raise UserError("plait data criteo needs at least one Criteo TSV day file")
-        manifest = convert(args.inputs[1:], args.out, args.malformed)
+        for flag, value in _token_flags(args):
+            if value is not None:
+                raise UserError(f"{flag} is for token files; plait data criteo writes "
+                                "labels, dense and categorical columns: drop it")
+        manifest = convert(args.inputs[1:], args.out, args.malformed or "skip")
         rows = sum(p["rows"] for p in manifest["parts"])
         print(f"plait: {args.out} holds {rows:,} rows in {len(manifest['parts'])} part(s); use "
               f"data.source = \"criteo_bin\", data.path = \"{args.out}\"")
@@ -30,6 +41,10 @@ def cmd_data(args) -> int:
     from plait.data.tokens import loss_mask_path
     from plait.data.writer import encode_text_file
 
+    if args.malformed is not None:
+        raise UserError("--malformed is for Criteo TSV lines (plait data criteo DAY ... --out "
+                        "DIR); drop it")
+    args.dtype = args.dtype or "uint16"
     held = args.held_out or 0.0
     if not 0.0 <= held < 1.0:
         raise UserError(f"--held-out is the fraction held out for evaluation, between 0 and "

@@ -31,6 +31,7 @@ import gzip
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -183,8 +184,11 @@ def _manifest(out: Path) -> dict:
 def convert(sources: list[str], out: str, malformed: str = "skip",
             report: Callable[[str], None] = print) -> dict:
     """Convert Criteo TSV day files into `out`; returns the manifest."""
-    paths = [Path(s) for s in sources]
+    paths = [Path(s) for s in _expanded(sources)]
     for p in paths:
+        if p.is_dir():
+            raise UserError(f"'{p}' is a directory; pass its Criteo TSV day files (.tsv or "
+                            f".gz, or a quoted glob such as '{p}/day_*')")
         if not p.is_file():
             raise UserError(f"'{p}' not found; pass Criteo TSV day files (.tsv or .gz)")
     names = [_part_name(p) for p in paths]
@@ -208,8 +212,34 @@ def convert(sources: list[str], out: str, malformed: str = "skip",
     return manifest
 
 
+def _expanded(sources: list[str]) -> list[str]:
+    """Each source; a quoted glob as the files it matches, day_2 before day_10 (their
+    order is the parts' order, which a shell's sort puts day_10 first in)."""
+    import glob
+
+    out = []
+    for s in sources:
+        if glob.has_magic(s):
+            found = sorted(glob.glob(s), key=_natural)
+            if not found:
+                raise UserError(f"'{s}' matches no file; pass Criteo TSV day files (.tsv or "
+                                ".gz)")
+            out.extend(found)
+        else:
+            out.append(s)
+    return out
+
+
+def _natural(name: str) -> list:
+    """day_2 before day_10."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 def _convert_one(source: Path, dest: Path, name: str, malformed: str, size: int,
                  report: Callable[[str], None]) -> dict:
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -226,17 +256,28 @@ def _convert_one(source: Path, dest: Path, name: str, malformed: str, size: int,
     t0 = time.perf_counter()
     # A gzip file's size is compressed bytes: its bar counts uncompressed ones.
     total = None if source.suffix == ".gz" else size
+    # A bar on a terminal (stderr); off one (logs, nohup) a line every 10 s instead,
+    # and no bar (rich would end it with a stray blank line).
+    lines = not sys.stderr.isatty()
+    said = time.monotonic()
     with contextlib.ExitStack() as stack:
         files = {k: stack.enter_context(open(partial / f, "wb")) for k, f in FILES.items()}
         bar = stack.enter_context(Progress(
             TextColumn(f"plait: {source.name}"), BarColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn(), transient=True))
+            TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
+            console=Console(stderr=True), disable=lines))
         task = bar.add_task("convert", total=total)
         for chunk in _chunks(source, malformed, counts):
             for key, f in files.items():
                 f.write(np.ascontiguousarray(chunk[key]).tobytes())
             counts["rows"] += len(chunk["labels"])
             bar.update(task, completed=counts["bytes"])
+            if lines and time.monotonic() - said >= 10.0:
+                said = time.monotonic()
+                read = counts["bytes"] / 2**20
+                print(f"plait data: {source.name}: {counts['rows']:,} rows, {read:,.0f} "
+                      + (f"of {total / 2**20:,.0f} " if total else "") + "MiB read "
+                      f"({read / (said - t0):,.0f} MiB/s)", file=sys.stderr, flush=True)
     if counts["rows"] == 0:
         shutil.rmtree(partial)
         raise UserError(f"{source}: no line parses as a Criteo line; check the file")
