@@ -92,7 +92,7 @@ def test_dlrm_tables_are_asked_into_huge_pages_and_the_step_keeps_them(huge):
     assert ("hg" in vm_flags(inside)) is huge
     assert (job.pages_note is not None) is huge
     if huge:
-        assert "2 MiB pages" in job.describe(state)[-1]
+        assert "2 MiB pages" in job.state_notes()[-1]
     source = job.source()
     for k in range(3):  # the donated step updates the same buffer: the advice stays
         state, _ = job.step_fn(state, job.batch(source, k))

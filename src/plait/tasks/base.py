@@ -190,7 +190,14 @@ class Task(abc.ABC):
         return None
 
     def describe(self, state: dict) -> list[str]:
-        """Lines the run log prints after its header (e.g. where the tables live)."""
+        """Lines the run log prints after its header (e.g. where the tables live); `state`
+        may be the abstract one (layout.abstract()): a fresh state is made after the step
+        compiles."""
+        return []
+
+    def state_notes(self) -> list[str]:
+        """Lines about the state just made or restored (a DLRM's tables moving to 2 MiB
+        pages)."""
         return []
 
     def placement_report(self) -> dict | None:

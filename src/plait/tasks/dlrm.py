@@ -297,7 +297,10 @@ class DLRMTask(Task):
                 "they live")
 
     def describe(self, state: dict) -> list[str]:
-        return [self.table_state.describe(state), *([self.pages_note] if self.pages_note else [])]
+        return [self.table_state.describe(state)]
+
+    def state_notes(self) -> list[str]:
+        return [self.pages_note] if self.pages_note else []
 
     def report(self, analysis: dict) -> dict:
         lay = self.tables

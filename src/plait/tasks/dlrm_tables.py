@@ -9,6 +9,8 @@ resumes under another plan or mesh.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
@@ -90,13 +92,21 @@ class TableState:
                                           shapes["table_opt"])}
 
     def describe(self, state: dict) -> str:
-        """Which placement each table has, and how much of the tables this process holds."""
+        """Which placement each table has, and how much of the tables this process holds
+        (from the shardings: `state` may be the abstract one, before the state is made)."""
         lay = self.tables
         kinds = ", ".join(f"{k} x{lay.kinds.count(k)}" for k in emb.PLACEMENTS
                           if k in lay.kinds)
         parts = []
         for k, v in state["tables"].items():
-            held = sum(s.data.size for s in v.addressable_shards if s.replica_id == 0)
-            parts.append(f"{k} {held:,}/{v.size:,}")
+            parts.append(f"{k} {_held_once(v):,}/{math.prod(v.shape):,}")
         return (f"plait: tables {kinds}; elements held by this process's devices "
                 f"(one copy): {'; '.join(parts)}")
+
+
+def _held_once(array) -> int:
+    """Elements of `array` on this process's devices, each distinct shard counted once."""
+    seen = {tuple((i.start, i.stop) for i in index) for index in
+            array.sharding.addressable_devices_indices_map(array.shape).values()}
+    return sum(math.prod(len(range(*slice(a, b).indices(n))) for (a, b), n in
+                         zip(index, array.shape, strict=True)) for index in seen)

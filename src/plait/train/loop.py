@@ -281,6 +281,8 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
         raise
     compile_s = time.perf_counter() - t0
     log.note(f"plait: step compiled in {compile_s:.1f}s")
+    if state is None:
+        state = run.fresh_state(log)
     cluster.barrier("step-compiled")  # every process starts the first step together
 
     stop = StopFlag(run)
