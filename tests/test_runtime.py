@@ -95,20 +95,16 @@ def test_profile_writes_a_trace_of_the_chosen_steps(tmp_path, capsys):
     assert perfetto and gzip.decompress(perfetto[0].read_bytes()).startswith(b"{")
     assert main(["train", str(exp), "--profile", "4:2"]) == 2
     assert "need 0 <= START < STOP" in capsys.readouterr().err
-    # A window the run ends inside is traced to its end and said (it was written
-    # without a word); one it never reaches is refused before the step compiles (it had
-    # traced nothing, silently), and so is one a resumed run has passed.
+    # The part of a window a resumed run reaches is traced, and said: a rerun of a
+    # preempted run's command goes on (it had traced nothing, silently, as for a window
+    # the run has passed); a window the run never reaches is refused before the step
+    # compiles.
     assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run), "--steps", "7",
-                 "--profile", "5:9"]) == 0
+                 "--profile", "3:9"]) == 0
     out = capsys.readouterr().out
-    assert "--profile 5:9 traces steps 6-7: the run ends at step 7" in out
+    assert "--profile 3:9 traces steps 6-7: the run resumes at step 5; it ends at step 7" in out
     assert "profile of steps 6-7 written to" in out
     assert len(list((run / "profile").rglob("*.xplane.pb"))) == 2
-    assert main(["train", str(exp), "--mesh", "data=2", "--run-dir", str(run), "--steps", "9",
-                 "--profile", "0:3"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.endswith("--profile 0:3 would trace steps 1-3, but this run resumes at step 7; "
-                        "pick a window after it (e.g. --profile 7:10)"), err
     assert main(["train", str(exp), "--run-dir", str(tmp_path / "u"), "--profile", "5:7"]) == 2
     assert "but the run ends at step 5; pick a window before it" in capsys.readouterr().err
 
@@ -191,3 +187,17 @@ def test_the_step_watcher_is_done_before_the_loop_returns():
     futures = [ends.submit(product(x)) for _ in range(4)]
     ends.close()
     assert all(f.done() for f in futures)
+
+
+@pytest.mark.parametrize("window,start,total,traced,note", [
+    ((2, 4), 0, 10, (2, 4), None),
+    ((2, 40), 0, 10, (2, 10), "traces steps 3-10: it ends at step 10"),
+    ((2, 6), 4, 10, (4, 6), "traces steps 5-6: the run resumes at step 4"),
+    ((2, 4), 4, 10, None, "traces nothing: this run resumes at step 4, after the window"),
+])
+def test_a_profile_window_is_cut_to_the_steps_the_run_takes(window, start, total, traced,
+                                                            note):
+    from plait.train.profiler import check_window
+
+    got, said = check_window(window, start, total)
+    assert got == traced and (said is None if note is None else note in said), said

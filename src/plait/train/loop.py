@@ -258,7 +258,7 @@ def train(exp: Experiment, mesh: Mesh, run_dir: Path,
         run.close()
         return {"steps_run": 0, "final_step": start, "records": []}
     try:
-        profile_note = check_window(profile, start, total)
+        profile, profile_note = check_window(profile, start, total)
     except UserError:
         _close_quietly(log)
         run.abandon()

@@ -10,24 +10,28 @@ from plait.errors import UserError
 from plait.train.metrics import MetricsLog
 
 
-def check_window(window: tuple[int, int] | None, start: int, total: int) -> str | None:
-    """Refuse a --profile window this run will not reach (it resumes past its start, or
-    ends before it) before the step is compiled; a note where the run ends inside it."""
+def check_window(window: tuple[int, int] | None, start: int, total: int
+                 ) -> tuple[tuple[int, int] | None, str | None]:
+    """(the steps the run can trace of a --profile window, a note where that is not all
+    of it), before the step is compiled. A window past the run's end is refused; one a
+    resumed run has passed is said, not refused: a preempted run is rerun with the same
+    command, which must go on."""
     if window is None:
-        return None
+        return None, None
     first, stop = window
     text = f"--profile {first}:{stop}"
-    if first < start:
-        raise UserError(f"{text} would trace steps {first + 1}-{stop}, but this run resumes "
-                        f"at step {start}; pick a window after it (e.g. --profile "
-                        f"{start}:{start + min(stop - first, 5)})")
     if first >= total:
         raise UserError(f"{text} would trace steps {first + 1}-{stop}, but the run ends at "
                         f"step {total}; pick a window before it or raise --steps")
-    if stop > total:
-        return (f"plait: {text} traces steps {first + 1}-{total}: the run ends at step "
-                f"{total}")
-    return None
+    if stop <= start:
+        return None, (f"plait: {text} traces nothing: this run resumes at step {start}, "
+                      "after the window")
+    traced = (max(first, start), min(stop, total))
+    if traced == window:
+        return window, None
+    why = "; ".join(w for w in (f"the run resumes at step {start}" if first < start else "",
+                                f"it ends at step {total}" if stop > total else "") if w)
+    return traced, f"plait: {text} traces steps {traced[0] + 1}-{traced[1]}: {why}"
 
 
 class Profiler:
