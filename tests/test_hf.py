@@ -117,8 +117,15 @@ def test_import_train_export_import_round_trips_bit_for_bit(imported, tmp_path, 
     hf = json.loads((out / "config.json").read_text())
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["num_key_value_heads"] == 2
     again = tmp_path / "again"
+    capsys.readouterr()
     assert main(["import", str(out), "--run-dir", str(again), "--seq-len", "16"]) == 0
+    assert "note:" not in capsys.readouterr().out
     jax.tree.map(np.testing.assert_array_equal, _params(again), after)
+    # Longer than the 16 positions it was trained on (its config.json says so): noted.
+    assert main(["import", str(out), "--run-dir", str(tmp_path / "longer"), "--seq-len",
+                 "32"]) == 0
+    assert "--seq-len 32 is past the 16 positions config.json says the model was trained " \
+        "on" in capsys.readouterr().out
 
 
 def test_export_loads_in_transformers_with_plaits_logits(imported, tmp_path):

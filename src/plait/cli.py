@@ -105,6 +105,12 @@ def cmd_import(args) -> int:
     tok = "its tokenizer" if got["tokenizer"] else "no tokenizer.json (byte-level ids)"
     print(f"plait: imported {got['architecture']} ({m['layers']} layers, d_model "
           f"{m['d_model']}, {', '.join(got['dtypes'])}) into {args.run_dir} with {tok}")
+    trained = got["trained_positions"]
+    if args.seq_len and isinstance(trained, int) and args.seq_len > trained:
+        print(f"plait: note: --seq-len {args.seq_len} is past the {trained:,} positions "
+              "config.json says the model was trained on (max_position_embeddings); its "
+              "rotary positions extend there untrained: fine-tune at that length before "
+              "relying on it")
     print(f"plait: fine-tune with: plait train {args.run_dir}/config.toml --run-dir "
           f"{args.run_dir} --set data.path=TOKENS.bin")
     return 0

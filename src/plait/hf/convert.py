@@ -240,7 +240,8 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"architecture": arch, "model": table, "dtypes": sorted(tensors.dtypes()),
-            "tokenizer": (run_dir / TOKENIZER).is_file(), "experiment": exp}
+            "tokenizer": (run_dir / TOKENIZER).is_file(), "experiment": exp,
+            "trained_positions": hf.get("max_position_embeddings")}
 
 
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
