@@ -590,3 +590,19 @@ def test_the_sweep_enumerates_the_expert_axis_for_a_mixture_of_experts():
     assert "expert" in GPTTask.sweep_axes_for(experiment({"capacity_factor": 0.0}))
     assert "expert" not in GPTTask.sweep_axes_for(tiny(model=MODEL))
     assert GPTTask.sweep_variants(experiment(), {"expert": 4, "data": 2}) == [{}]
+
+
+def test_a_pipelines_expert_and_context_traffic_has_no_formula():
+    """plait inspect of a mixture on expert x pipeline ended in ZeroDivisionError: the
+    formula divided by pipeline.microbatches, 0 for the schedule's choice. A stage holds
+    some of the layers and runs the schedule's microbatches, which expert_bytes and
+    context_bytes do not model: no formula, as for the tensor modes (no compile here:
+    the report of an empty program)."""
+    from plait.tasks import make_task
+
+    for spec in ("data=2,expert=2,pipeline=2", "context=2,expert=2,pipeline=2"):
+        task = make_task(experiment(model=TWO_LAYERS), make_mesh(spec))
+        report = task.report({"collective_ops": [], "wire_by_axes": {}})
+        assert report["experts"]["formula_bytes"] is None, spec
+        if "context" in spec:
+            assert report["context"]["formula_bytes"] is None

@@ -368,15 +368,20 @@ class GPTTask(DecoderCheckpoints, Task):
                "pipeline": self.pipeline.figures if self.pipeline else None}
         if sizes.get("expert", 1) > 1:
             dispatch = "all-to-all" if self.exp.model.moe.capacity_factor else "all-gather"
+            # (no formula with a pipeline: a stage holds some of the layers, and its
+            # microbatches are the schedule's; expert_bytes and context_bytes count
+            # neither)
             out["experts"] = {"size": sizes["expert"], "dispatch": dispatch,
                               "wire_bytes": formulas.expert_wire_bytes(analysis, dispatch),
-                              "formula_bytes": formulas.expert_bytes(self.exp, sizes, platform)}
+                              "formula_bytes": None if self.pipeline else
+                              formulas.expert_bytes(self.exp, sizes, platform)}
         if sizes.get("context", 1) > 1:
             exp = self.exp.model_copy(update={"context": self.exp.context.model_copy(
                 update={"attention": self.context_attention})})
             out["context"] = {"size": sizes["context"], "attention": self.context_attention,
                               "wire_bytes": formulas.context_wire_bytes(analysis),
-                              "formula_bytes": formulas.context_bytes(exp, sizes, platform)}
+                              "formula_bytes": None if self.pipeline else
+                              formulas.context_bytes(exp, sizes, platform)}
         return out
 
     # ------------------------------------------------------------------ sweep

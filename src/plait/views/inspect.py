@@ -64,13 +64,22 @@ def render(r: dict) -> None:
     if r.get("context"):
         x = r["context"]
         parts = ", ".join(f"{size_text(b)} {k}" for k, b in x["wire_bytes"].items()) or "none"
-        want = ", ".join(f"{size_text(b)} {k}" for k, b in x["formula_bytes"].items())
-        c.print(f"context axis {x['size']} ({x['attention']} attention): {parts} over it per "
-                f"device per step (attention formula {want}; the all-reduces also carry the "
-                "weight gradients' sum over the axis)")
+        if x["formula_bytes"] is None:
+            c.print(f"context axis {x['size']} ({x['attention']} attention): {parts} over it "
+                    "per device per step (no formula for a pipeline)")
+        else:
+            want = ", ".join(f"{size_text(b)} {k}" for k, b in x["formula_bytes"].items())
+            c.print(f"context axis {x['size']} ({x['attention']} attention): {parts} over it "
+                    f"per device per step (attention formula {want}; the all-reduces also "
+                    "carry the weight gradients' sum over the axis)")
     if r.get("experts"):
         x = r["experts"]
-        if x.get("dispatch") == "all-gather":
+        if x["formula_bytes"] is None:
+            kinds = "all-gather and reduce-scatter" if x.get("dispatch") == "all-gather" \
+                else "all-to-all"
+            c.print(f"expert axis {x['size']}: {size_text(x['wire_bytes'])} of {kinds} over "
+                    "it per device per step (no formula for a pipeline)")
+        elif x.get("dispatch") == "all-gather":
             c.print(f"expert axis {x['size']}: {size_text(x['wire_bytes'])} of all-gather and "
                     f"reduce-scatter over it per device per step (formula "
                     f"{size_text(x['formula_bytes'])}: the tokens gathered to every expert "
