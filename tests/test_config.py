@@ -39,6 +39,18 @@ def test_unknown_key_suggests_the_closest():
         validate({"optimizer": {"lrr": 1.0}}, "x.toml")
     with pytest.raises(UserError, match=r"unknown config key 'trian'.*'train"):
         validate({"trian": {"steps": 1}}, "x.toml")
+    # Inside a table that may be left out ([model.moe]): named and matched, not pydantic's
+    # "extra inputs are not permitted".
+    with pytest.raises(UserError, match=r"'model.moe.expert'.*did you mean 'model.moe.experts'"):
+        validate({"model": {"kind": "llama", "moe": {"expert": 4}}}, "x.toml")
+    # Another model kind's key is said to be one, and never suggested: a DLRM was asked
+    # "did you mean 'model.attention'?", a key it does not have.
+    with pytest.raises(UserError, match=r"'model.attention' \(a dlrm model\).*it is a key of "
+                       r"gpt and llama models, not of this one"):
+        validate({"model": {"kind": "dlrm", "attention": "xla"}}, "x.toml")
+    with pytest.raises(UserError) as e:
+        validate({"model": {"kind": "dlrm", "interaction": "cat"}}, "x.toml")
+    assert "attention" not in str(e.value), e.value
 
 
 def test_wrong_type_names_key_value_and_type():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,10 @@ def _section_class(model: type[BaseModel], name: str, raw: Any = None) -> type[B
         kind = raw.get("kind", "gpt") if isinstance(raw, dict) else "gpt"
         return model_class(kind) if isinstance(kind, str) else ModelSection
     ann = model.model_fields[name].annotation
-    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    # A table that may be left out (`moe: MoEConfig | None`) is checked like one that may not.
+    tables = [a for a in (typing.get_args(ann) or (ann,))
+              if isinstance(a, type) and issubclass(a, BaseModel)]
+    return tables[0] if len(tables) == 1 else None
 
 
 def all_keys(model: type[BaseModel] = Experiment, prefix: str = "") -> list[str]:
@@ -55,13 +59,20 @@ def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: 
         dotted = f"{prefix}{key}"
         if key not in model.model_fields:
             siblings = [f"{prefix}{k}" for k in model.model_fields]
+            # Suggestions from the whole schema, but not another model kind's keys.
+            others = [k for k in all_keys() if not k.startswith("model.") or
+                      k.startswith(prefix) and prefix.startswith("model.") and k in siblings]
             close = (difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.6)
-                     or difflib.get_close_matches(dotted, all_keys(), n=1, cutoff=0.6))
+                     or difflib.get_close_matches(dotted, others, n=1, cutoff=0.6))
             alias = ALIASES.get(key)
             if alias:
                 close = [alias]
             hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
             kind = f" (a {raw['kind']} model)" if prefix == "model." and "kind" in raw else ""
+            owners = _kinds_with(key) if prefix == "model." else []
+            if owners:
+                hint = (f"; it is a key of {' and '.join(owners)} models, not of this one: drop "
+                        "it, or set model.kind")
             raise UserError(f"unknown config key '{dotted}'{kind} in {source}{hint}")
         section = _section_class(model, key, value)
         if section is not None:
@@ -152,6 +163,11 @@ def apply_override(raw: dict, assignment: str, named: str | None = None) -> None
             raise UserError(f"{named or f'--set {key}'}: '{part}' is a value, not a table")
         node = child
     node[parts[-1]] = parse_value(text.strip())
+
+
+def _kinds_with(key: str) -> list[str]:
+    """The model kinds whose [model] table has `key`."""
+    return [k for k in kinds.kinds() if key in model_class(k).model_fields]
 
 
 # Names users bring from other trainers, for "did you mean" on --set and in files.
