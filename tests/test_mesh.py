@@ -59,6 +59,19 @@ def test_missing_mesh_file():
         M.load_spec("meshes/nope.toml")
 
 
+@pytest.mark.parametrize("text,message", [
+    ("[mesh]\n", "has an empty [mesh] table; give the axis sizes"),  # had run on one device
+    ("[mesh]\ndata = true\n", "axis 'data' must be an integer, got true"),
+    ("[mesh]\ndata = 2.0\n", "axis 'data' must be an integer, got 2.0"),
+])
+def test_mesh_file_mistakes_are_one_line(tmp_path, text, message):
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        M.load_spec(str(path))
+    assert message in str(e.value), e.value
+
+
 def test_more_devices_than_accelerators_exist(monkeypatch):
     import jax
 

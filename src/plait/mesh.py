@@ -107,6 +107,9 @@ def load_spec(arg: str) -> MeshSpec:
             )
         axes = dict(raw["mesh"])
         dcn = axes.pop("dcn", {})
+        if not axes and not dcn:
+            raise UserError(f"mesh file '{path}' has an empty [mesh] table; give the axis "
+                            "sizes (e.g. data = 8; data = 1 for one device)")
         if not isinstance(dcn, dict):
             raise UserError(f"mesh file '{path}': dcn must be a table, [mesh.dcn], of the "
                             "axis parts across hosts (e.g. data = 2)")
@@ -114,7 +117,8 @@ def load_spec(arg: str) -> MeshSpec:
             for k, v in sizes.items():
                 if not isinstance(v, int) or isinstance(v, bool):
                     raise UserError(
-                        f"mesh file '{path}': {table} axis '{k}' must be an integer, got {v!r}")
+                        f"mesh file '{path}': {table} axis '{k}' must be an integer, got "
+                        f"{str(v).lower() if isinstance(v, bool) else repr(v)}")
         return MeshSpec(axes, str(path), dcn=dict(dcn))
     if "=" not in arg:
         raise UserError(f"mesh file '{arg}' not found; pass a file or an inline spec like data=8")
