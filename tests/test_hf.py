@@ -279,3 +279,23 @@ def test_import_and_export_from_the_command_line(tmp_path):
     with safe_open(str(out / "model.safetensors"), framework="numpy") as f:
         assert f.get_slice("model.layers.0.self_attn.q_proj.bias").get_dtype() == "BF16"
         assert "lm_head.weight" not in f.keys()  # noqa: SIM118 - tied
+
+
+def test_import_and_export_say_how_far_they_are_off_a_terminal(imported, tmp_path, capsys,
+                                                                monkeypatch):
+    """An 8B import converts for minutes: off a terminal (stderr not a tty, as under
+    pytest) a line every progress.EVERY_S seconds, 0 here so every tensor says one."""
+    from plait import progress
+
+    monkeypatch.setattr(progress, "EVERY_S", 0.0)
+    out = tmp_path / "hf"
+    assert main(["export", str(imported["llama3"]), "--out", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert any(x.startswith("plait export: converting: ") and " of " in x for x in err), err
+    assert "plait export: writing model.safetensors ..." in err
+    assert main(["import", str(out), "--run-dir", str(tmp_path / "again")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    last = [x for x in err if x.startswith("plait import: converting: ")][-1]
+    done, total = last.split(": ")[2].split(" (")[0].split(" of ")
+    assert done == total, last  # the count reaches the parameters' whole size
+    assert "plait import: writing the step-0 checkpoint ..." in err

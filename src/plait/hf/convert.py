@@ -21,6 +21,7 @@ config.json, model.safetensors (float32 or bfloat16) and the run's tokenizer fil
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from plait import output_paths
 from plait.data import chat
 from plait.errors import UserError
 from plait.hf import config_json, layout
+from plait.progress import Ticker
+from plait.views.common import size_text
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -170,7 +173,6 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
     directory; returns what was imported."""
     import jax
 
-    from plait.checkpoint import Checkpoints
     from plait.models.gpt import abstract_model
 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
@@ -201,39 +203,25 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
         raise UserError(f"{where} gives {exp.model.layers} layers but the weights hold "
                         f"{held}; the weights and config.json disagree")
     expected = abstract_model(exp.model).shapes()
+    total = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(expected))
     tmp = _fresh_dir(run_dir, "--run-dir")
     try:
         params: dict = {}
-        for path, value in _laid_out(exp.model, arch, tensors, prefix, hf_dir):
-            want = expected
-            for k in path:
-                want = want[k]
-            if tuple(value.shape) != tuple(want.shape):
-                raise UserError(f"{hf_dir}: tensor '{tensors.last}' gives {'/'.join(path)} the "
-                                f"shape {tuple(value.shape)}, but config.json's sizes make it "
-                                f"{tuple(want.shape)}; the weights and config.json disagree")
-            _set(params, path, jax.device_put(value))  # the host copy goes with `value`
-            del value
-        (tmp / "config.toml").write_text(exp.to_toml())
-        for name in TOKENIZER_FILES:  # the tokenizer and its chat template, if any
-            if (hf_dir / name).is_file():
-                shutil.copyfile(hf_dir / name, tmp / name)
-        meta = {"step": 0, "params_only": True, "imported_from": str(hf_dir.absolute()),
-                "architecture": arch, "mesh": "-",
-                "data": {"source": exp.data.source, "seed": exp.seed, "next_step": 0,
-                         "samples_seen": 0},
-                "config": json.loads(exp.model_dump_json())}
-        # The host holds the model once while orbax writes it: a cap just above the
-        # largest array keeps orbax to one array in flight, and chunks written one file
-        # each (not into OCDBT, which keeps a whole array's encoded chunks until it is
-        # committed) keep TensorStore's encoding to a few chunks of it at a time
-        # (docs/benchmarks.md, import memory).
-        largest = max(a.nbytes for a in jax.tree.leaves(params))
-        ckpts = Checkpoints(tmp / "checkpoints", keep=exp.checkpoint.keep, async_save=False,
-                            save_concurrent_gb=(largest + 2**20) / 1e9, file_per_chunk=True)
-        ckpts.save(0, {"params": params}, meta, chunk_bytes=IMPORT_CHUNK_BYTES)
-        ckpts.wait()
-        ckpts.close()
+        with Ticker("plait import: converting", total, size_text) as ticker:
+            for path, value in _laid_out(exp.model, arch, tensors, prefix, hf_dir):
+                want = expected
+                for k in path:
+                    want = want[k]
+                if tuple(value.shape) != tuple(want.shape):
+                    raise UserError(f"{hf_dir}: tensor '{tensors.last}' gives "
+                                    f"{'/'.join(path)} the shape {tuple(value.shape)}, but "
+                                    f"config.json's sizes make it {tuple(want.shape)}; the "
+                                    "weights and config.json disagree")
+                _set(params, path, jax.device_put(value))  # the host copy goes with `value`
+                del value
+                ticker.advance(math.prod(want.shape) * want.dtype.itemsize)
+            ticker.phase("plait import: writing the step-0 checkpoint")
+            _write_import(tmp, exp, hf_dir, arch, params)
         del params
         _publish(tmp, run_dir)
     except BaseException:
@@ -242,6 +230,34 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
     return {"architecture": arch, "model": table, "dtypes": sorted(tensors.dtypes()),
             "tokenizer": (run_dir / TOKENIZER).is_file(), "experiment": exp,
             "trained_positions": hf.get("max_position_embeddings")}
+
+
+def _write_import(tmp: Path, exp, hf_dir: Path, arch: str, params: dict) -> None:
+    """The imported run's files into `tmp`: config.toml, the tokenizer, checkpoint 0."""
+    import jax
+
+    from plait.checkpoint import Checkpoints
+
+    (tmp / "config.toml").write_text(exp.to_toml())
+    for name in TOKENIZER_FILES:  # the tokenizer and its chat template, if any
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, tmp / name)
+    meta = {"step": 0, "params_only": True, "imported_from": str(hf_dir.absolute()),
+            "architecture": arch, "mesh": "-",
+            "data": {"source": exp.data.source, "seed": exp.seed, "next_step": 0,
+                     "samples_seen": 0},
+            "config": json.loads(exp.model_dump_json())}
+    # The host holds the model once while orbax writes it: a cap just above the
+    # largest array keeps orbax to one array in flight, and chunks written one file
+    # each (not into OCDBT, which keeps a whole array's encoded chunks until it is
+    # committed) keep TensorStore's encoding to a few chunks of it at a time
+    # (docs/benchmarks.md, import memory).
+    largest = max(a.nbytes for a in jax.tree.leaves(params))
+    ckpts = Checkpoints(tmp / "checkpoints", keep=exp.checkpoint.keep, async_save=False,
+                        save_concurrent_gb=(largest + 2**20) / 1e9, file_per_chunk=True)
+    ckpts.save(0, {"params": params}, meta, chunk_bytes=IMPORT_CHUNK_BYTES)
+    ckpts.wait()
+    ckpts.close()
 
 
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
@@ -266,9 +282,14 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
     try:
         host = jax.tree.map(np.asarray, params)
         del params
-        tensors = {name: np.ascontiguousarray(a.astype(np_dtype))
-                   for name, a in layout.to_hf(cfg, host)}
-        save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
+        total = sum(a.size for a in jax.tree.leaves(host)) * np.dtype(np_dtype).itemsize
+        tensors = {}
+        with Ticker("plait export: converting", total, size_text) as ticker:
+            for name, a in layout.to_hf(cfg, host):
+                tensors[name] = np.ascontiguousarray(a.astype(np_dtype))
+                ticker.advance(tensors[name].nbytes)
+            ticker.phase(f"plait export: writing {SINGLE}")
+            save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in TOKENIZER_FILES:
             if (run_dir / name).is_file():
