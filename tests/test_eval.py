@@ -58,13 +58,21 @@ def test_held_out_loss_equals_a_hand_computation(mesh, tmp_path):
     np.testing.assert_allclose(evaluated[8]["eval_loss"], np.mean(losses), rtol=2e-5)
 
 
-def _windows_loss(task, params, tokens: np.ndarray, seq: int, n: int) -> float:
-    """The mean loss of the first n consecutive windows, by hand on one device."""
+def _windows_loss(task, params, tokens: np.ndarray, seq: int) -> float:
+    """The mean loss over every target of the file's consecutive windows, by hand on one
+    device: the whole windows together, a short last one (if any) alone at its length."""
     import jax
 
-    rows = np.stack([tokens[w * seq: w * seq + seq + 1] for w in range(n)]).astype(np.int32)
-    logits = np.asarray(jax.jit(task.model.apply)(params, rows[:, :-1]))
-    return _softmax_xent(logits[..., : task.exp.model.vocab], rows[:, 1:])
+    vocab = task.exp.model.vocab
+    full = (len(tokens) - 1) // seq
+    rows = np.stack([tokens[w * seq: w * seq + seq + 1] for w in range(full)]).astype(np.int32)
+    logits = np.asarray(jax.jit(task.model.apply)(params, rows[:, :-1]))[..., :vocab]
+    losses = [(_softmax_xent(logits, rows[:, 1:]), rows[:, 1:].size)]
+    tail = tokens[full * seq:].astype(np.int32)[None]
+    if tail.shape[1] > 1:
+        logits = np.asarray(task.model.apply(params, tail[:, :-1]))[..., :vocab]
+        losses.append((_softmax_xent(logits, tail[:, 1:]), tail.shape[1] - 1))
+    return sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
 
 
 SCORED_MODEL = {"layers": 2}  # the scored run's: a layer per stage of pipeline=2
@@ -73,10 +81,11 @@ SCORED_MODEL = {"layers": 2}  # the scored run's: a layer per stage of pipeline=
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
     """A tiny GPT trained 4 steps (checkpoints at 2 and 4) and a held-out file of 41
-    windows."""
+    windows of 32 targets and a 42nd of 13."""
     tmp = tmp_path_factory.mktemp("eval")
     held_out = tmp / "val.bin"
-    write_tokens(np.random.default_rng(3).integers(0, 256, 41 * 32 + 1), held_out, "uint16")
+    write_tokens(np.random.default_rng(3).integers(0, 256, 41 * 32 + 13 + 1), held_out,
+                 "uint16")
     exp = tiny(model=SCORED_MODEL, train={"steps": 4},
                checkpoint={"enabled": True, "every_steps": 2, "async_save": False})
     run(exp, "data=2", tmp / "r")
@@ -96,14 +105,15 @@ def test_plait_eval_scores_every_window_as_a_hand_computation(scored, mesh, tmp_
     assert main(["eval", str(run_dir), "--data", str(held_out), "--mesh", mesh,
                  "--batch", "8", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
-    # 41 windows of 32 tokens: 5 batches of 8, the last window short of a batch.
-    assert (got["step"], got["windows"], got["short_windows"], got["tokens"]) == (
-        4, 40, 1, 40 * 32)
+    # 42 windows, the last of 13 targets: 6 batches of 8, the last part-full; every
+    # target scored (the two windows past the 5th batch had been left out).
+    assert (got["step"], got["windows"], got["batches"], got["tokens"]) == (
+        4, 42, 6, 41 * 32 + 13)
     with ocp.StandardCheckpointer() as reader:
         params = reader.restore(run_dir / "checkpoints" / "4" / "state")["params"]
     task = make_task(tiny(model=SCORED_MODEL), make_mesh("data=1"))
     tokens = np.fromfile(held_out, np.uint16)
-    np.testing.assert_allclose(got["loss"], _windows_loss(task, params, tokens, 32, 40),
+    np.testing.assert_allclose(got["loss"], _windows_loss(task, params, tokens, 32),
                                rtol=2e-5)
     assert got["perplexity"] == pytest.approx(np.exp(got["loss"]))
 
@@ -147,8 +157,8 @@ def test_plait_eval_of_an_imported_model_is_transformers_loss(tmp_path):
         shutil.copyfile(fixture / "tokenizer.json", sidecar(path))
         out = tmp_path / f"row{row}.json"
         assert main(["eval", str(tmp_path / "ft"), "--data", str(path), "--batch", "1",
-                     "--mesh", "data=1", "--json", str(out)]) == 0
-        got = json.loads(out.read_text())
+                     "--mesh", "data=1", "--max-batches", "1", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())  # the first window (the row's 11th target next)
         assert (got["step"], got["tokens"]) == (0, 10)
         np.testing.assert_allclose(got["loss"], _softmax_xent(logits[:10], ids[1:11]),
                                    rtol=1e-5)
@@ -185,7 +195,7 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
     with ocp.StandardCheckpointer() as reader:
         center = reader.restore(run_dir / "checkpoints" / "4" / "state")["sync"]["center"]
     task = make_task(tiny(), make_mesh("data=1"))
-    want = _windows_loss(task, center, np.fromfile(held_out, np.uint16), 32, 8)
+    want = _windows_loss(task, center, np.fromfile(held_out, np.uint16), 32)
     np.testing.assert_allclose(json.loads(out.read_text())["loss"], want, rtol=2e-5)
     # The step-4 held-out loss: the center (met at step 4) on the first held-out batch.
     import jax
@@ -201,7 +211,6 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
 @pytest.mark.parametrize("args, needle", [
     ([], "has no data.eval_path; pass --data"),
     (["--data", "{tmp}/none.bin"], "not found (--data)"),
-    (["--data", "{val}", "--batch", "64"], "fewer than one batch of 64; pass --batch 41"),
     (["--data", "{val}", "--step", "3"], "--step 3: no checkpoint of step 3"),
     (["--data", "{bpe}"], "was tokenized with val_bpe.bin.tokenizer.json, not as the run"),
     (["--data", "{val}", "--batch", "3", "--mesh", "data=2"],

@@ -72,11 +72,9 @@ def cmd_eval(args) -> int:
         return 0
     if got["note"]:
         print(f"plait: {got['note']}", file=sys.stderr)
-    w, short = got["windows"], got["short_windows"]
-    left = (f"; the first {got['batches']} of {got['full_batches']} batches"
-            if got["batches"] < got["full_batches"] else
-            f"; the last {short} window{'s' * (short != 1)}, short of a batch, left out"
-            if short else "")
+    w = got["windows"]
+    left = (f"; the first {got['batches']} of {got['all_batches']} batches"
+            if got["batches"] < got["all_batches"] else "")
     if step == "all":
         from plait.views import evaluation
 

@@ -6,9 +6,12 @@ fine-tuning, a run after it) on every token of a file once. The file is read as
 consecutive windows of model.seq_len + 1 tokens, each starting on the previous
 one's last token, so every token after the first is a target exactly once. Batches
 of --batch windows run on the mesh with the task and loss that training uses (its
-layouts, pipeline and context axes included); windows that do not fill a last
-batch are left out and counted. The checkpoint is read without touching the run
-directory, so a run may go on training beside it.
+layouts, pipeline and context axes included). The last window may be short and the
+last batch part-full: they are filled out with targets the loss leaves out (~0, as
+a loss mask stores them), so every target is scored and none is counted twice (the
+windows a batch could not hold had been left out: 14 of 78 of a small file at the
+default batch). The checkpoint is read without touching the run directory, so a
+run may go on training beside it.
 """
 
 from __future__ import annotations
@@ -25,16 +28,28 @@ from plait.errors import UserError
 
 class Windows:
     """A token file as consecutive windows: row r of batch k is window k * rows + r,
-    tokens [w * seq, w * seq + seq + 1) (those its loss mask leaves out as ~id)."""
+    tokens [w * seq, w * seq + seq + 1) (those its loss mask leaves out as ~id); the
+    last window's missing tokens, and the rows past the last window, are ~0: targets
+    the loss leaves out, read as id 0 after the row's real tokens (causal attention
+    keeps them from the real ones)."""
 
     def __init__(self, file: TokenFile, seq_len: int, rows: int):
         self.file, self.seq_len, self.per_batch = file, seq_len, rows
-        self.count = (len(file.tokens) - 1) // seq_len
+        self.targets = len(file.tokens) - 1
+        self.count = -(-self.targets // seq_len)  # the last one may be short
+
+    def targets_in(self, batches: int) -> int:
+        """Targets of the file in the first `batches` batches."""
+        return min(batches * self.per_batch * self.seq_len, self.targets)
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         s, first = self.seq_len, step * self.per_batch
-        return np.stack([self.file.window(w * s, s + 1)
-                         for w in range(first + start, first + stop)])
+        out = np.full((stop - start, s + 1), ~0, np.int32)
+        for i, w in enumerate(range(first + start, first + stop)):
+            if w < self.count:
+                length = min(s + 1, self.targets + 1 - w * s)
+                out[i, :length] = self.file.window(w * s, length)
+        return out
 
 
 def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> TokenFile:
@@ -52,7 +67,7 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = Non
              batch: int | None = None, max_batches: int | None = None,
              dtype: str | None = None, seq_len: int | None = None,
              progress: bool = True) -> dict:
-    """{"step", "loss", "perplexity", "tokens", "windows", "short_windows", "curve", ...}
+    """{"step", "loss", "perplexity", "tokens", "windows", "batches", "curve", ...}
     of the run's checkpoint (the newest, `step`, or with step "all" every kept one: the
     figures are then the best one's, "curve" has them all) on `data` (default: the
     run's data.eval_path) on `mesh`, in windows of `seq_len` tokens (default: the run's;
@@ -82,12 +97,8 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = Non
         raise UserError(f"--max-batches must be at least 1, got {max_batches}")
     windows = Windows(_tokens(Path(path), run_dir, exp, dtype or exp.data.dtype),
                       exp.model.seq_len, rows)
-    full = windows.count // rows
-    n = full if max_batches is None else min(full, max_batches)
-    if n == 0:
-        raise UserError(f"'{path}' holds {windows.count} window(s) of model.seq_len + 1 = "
-                        f"{exp.model.seq_len + 1} tokens, fewer than one batch of {rows}; "
-                        f"pass --batch {max(windows.count, 1)} or less, or a longer file")
+    whole = -(-windows.count // rows)  # the last batch may be part-full
+    n = whole if max_batches is None else min(whole, max_batches)
     # One model, whatever the run's replicas: a local-SGD checkpoint gives its center.
     exp = exp.model_copy(update={
         "train": exp.train.model_copy(update={"global_batch": rows}),
@@ -128,9 +139,9 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = Non
     for c in curve:
         c.pop("kept", None)
     return {"run_dir": str(run_dir), "data": str(path), **best, "curve": curve,
-            "tokens": n * rows * exp.model.seq_len, "kept_targets": kept, "windows": n * rows,
-            "short_windows": windows.count - full * rows, "batch": rows,
-            "seq_len": exp.model.seq_len, "batches": n, "full_batches": full,
+            "tokens": windows.targets_in(n), "kept_targets": kept,
+            "windows": min(n * rows, windows.count), "batch": rows,
+            "seq_len": exp.model.seq_len, "batches": n, "all_batches": whole,
             "mesh": hosts.mesh_text(mesh), "note": "; ".join(notes) or None}
 
 
