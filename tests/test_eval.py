@@ -211,6 +211,7 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
 @pytest.mark.parametrize("args, needle", [
     ([], "has no data.eval_path; pass --data"),
     (["--data", "{tmp}/none.bin"], "not found (--data)"),
+    (["--data", "{tmp}/one.bin"], "holds fewer than 2 tokens: nothing to score"),
     (["--data", "{val}", "--step", "3"], "--step 3: no checkpoint of step 3"),
     (["--data", "{bpe}"], "was tokenized with val_bpe.bin.tokenizer.json, not as the run"),
     (["--data", "{val}", "--batch", "3", "--mesh", "data=2"],
@@ -230,6 +231,7 @@ def test_plait_eval_mistakes_are_one_line(scored, tmp_path, capsys, args, needle
     shutil.copyfile(held_out, bpe)
     shutil.copyfile(Path(__file__).parent / "data" / "hf" / "llama3" / "tokenizer.json",
                     sidecar(bpe))
+    write_tokens(np.array([7]), tmp_path / "one.bin", "uint16")
     subs = {"{tmp}": str(tmp_path), "{val}": str(held_out), "{bpe}": str(bpe)}
     args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
     assert main(["eval", str(run_dir), *args]) == 2

@@ -58,7 +58,12 @@ def _tokens(path: Path, run_dir: Path, exp: Experiment, dtype: str) -> TokenFile
 
     if path.is_file():  # a missing file: TokenFile's line
         check_tokenized_as_run(path, run_dir, f"'{path}'")
-    return TokenFile(path, dtype, exp.model.seq_len, exp.seed, exp.model.vocab,
+        if path.stat().st_size < 2 * np.dtype(dtype).itemsize:
+            raise UserError(f"'{path}' (--data) holds fewer than 2 tokens: nothing to score "
+                            "(a target needs a token before it)")
+    # Windows are Windows' own (a file shorter than one is one short window): the file
+    # is read for its tokens, its mask and its document starts.
+    return TokenFile(path, dtype, 1, exp.seed, exp.model.vocab,
                      key="--data", spare=0, row_start="anywhere",
                      document_mask=exp.data.document_mask, dtype_key="--dtype")
 
