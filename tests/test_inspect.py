@@ -112,3 +112,18 @@ def test_inspect_cli_json(tmp_path):
     assert set(report["collectives"]) == set(analysis.COLLECTIVE_KINDS)
     assert {"argument_bytes", "output_bytes", "temp_bytes"} <= set(report["memory"])
     assert report["mesh"] == "data=2,fsdp=2,tensor=2"
+
+
+def test_inspect_says_what_it_compiled_for_settings_this_device_cannot_run():
+    """plait inspect on a CPU compiled model.attention = "cudnn" as XLA's attention and
+    FP8 as its quantize-dequantize ops without a word (plait train refuses both there);
+    its notes now say so, as plait train's start-up lines do (no compile here)."""
+    from plait.inspect import _notes
+    from plait.tasks import make_task
+
+    exp = tiny(model={"attention": "cudnn"}, precision={"matmul": "fp8"})
+    mesh = make_mesh("data=2")
+    notes = _notes(make_task(exp, mesh), exp, mesh)
+    assert notes[0].startswith('attention xla (model.attention = "cudnn", no cuDNN on cpu)')
+    assert 'precision.matmul = "fp8" compiled for cpu, which has no FP8 matrix units' in \
+        notes[-1]

@@ -36,6 +36,7 @@ def inspect_step(exp: Experiment, mesh: Mesh, hw: Hardware | None = None) -> dic
         model_flops_per_device=flops * task.units_per_step / n if flops else None,
         compile_s=compile_s, tensor_mode="none")
     report.update(task.report(report))
+    report["notes"] = _notes(task, exp, mesh)
     phases = task.phases()
     if phases:
         # Steps that differ (a local step, a sync step): each one's collectives.
@@ -52,6 +53,27 @@ def inspect_step(exp: Experiment, mesh: Mesh, hw: Hardware | None = None) -> dic
         for part in [report, *report.get("phases", {}).values()]:
             part["link_seconds"] = link_times(part["collective_ops"], hw, width)
     return report
+
+
+def _notes(task, exp: Experiment, mesh: Mesh) -> list[str]:
+    """What a decoder's step runs here, as plait train's start-up lines say it (the
+    attention kernel, scanned layers, experts): a setting this device cannot run
+    (model.attention = "cudnn" on a CPU) is compiled as it would be read here, and
+    plait train refuses it; said, not silent."""
+    if not is_decoder(exp.model):
+        return []
+    notes = [line.removeprefix("plait: ") for line in task.describe(task.layout.abstract())]
+    if exp.precision.matmul == "fp8":
+        from plait.models import fp8
+
+        try:
+            fp8.check_devices(mesh.devices.flat)
+        except UserError:
+            notes.append(f"precision.matmul = \"fp8\" compiled for "
+                         f"{mesh.devices.flat[0].platform}, which has no FP8 matrix units "
+                         "(its quantize-dequantize ops compiled, the matmuls in the "
+                         "compute dtype; plait train refuses it here)")
+    return notes
 
 
 def tensor_mode_meshes(n: int) -> list[tuple[str, dict[str, int]]]:

@@ -39,6 +39,8 @@ def render(r: dict) -> None:
     c.print(f"[bold]{r['experiment']}[/bold] on mesh {r['mesh']} ({r['devices']} "
             f"{r['platform']} devices), {r['parameters'] / 1e6:.2f}M parameters, "
             f"{r['units_per_step']:,} {r['unit']}/step, compiled in {r['compile_s']:.1f}s")
+    for note in r.get("notes") or []:
+        c.print(note)
     if r.get("model_flops_per_device"):
         c.print(f"FLOPs per device per step: {r['flops_per_device']:.4g} from the HLO matmuls "
                 f"(model FLOPs {r['model_flops_per_device']:.4g})")
