@@ -139,3 +139,18 @@ def test_extending_a_finished_run_keeps_its_learning_rate_schedule(tmp_path, cap
     lrs = [json.loads(x)["lr"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(lrs) == 12 and all(b <= a + 1e-12 for a, b in zip(lrs[2:], lrs[3:], strict=False))
     assert lrs[-1] == pytest.approx(lrs[8]) == pytest.approx(raw.optimizer.lr * 0.1)
+
+
+def test_a_resume_with_another_seed_says_so(tmp_path, capsys):
+    """The batches after a resume follow this run's seed; one that differs from the
+    checkpoint's had been taken silently."""
+    from plait.cli import main
+
+    exp = write_experiment(tmp_path / "t.toml", tiny(checkpoint=CKPT, train={"steps": 2},
+                                                     log={"console": "line"}))
+    args = ["train", str(exp), "--mesh", "data=2", "--run-dir", str(tmp_path / "r")]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args + ["--steps", "3", "--set", "seed=9"]) == 0
+    assert ("the checkpoint's batches were drawn with seed = 0; from step 3 on this run "
+            "draws them with seed = 9") in capsys.readouterr().out

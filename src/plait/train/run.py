@@ -132,6 +132,12 @@ class Run:
         state, meta = restored
         start = int(meta["step"])
         self.last_saved = start
+        seed = (meta.get("data") or {}).get("seed")
+        if not meta.get("params_only") and seed is not None and seed != self.exp.seed:
+            said = (f"the checkpoint's batches were drawn with seed = {seed}; from step "
+                    f"{start + 1} on this run draws them with seed = {self.exp.seed}")
+            self.restore_note = f"{self.restore_note}; {said}" if self.restore_note else \
+                f"plait: {said}"
         if meta.get("params_only"):  # imported weights: the optimizer starts fresh
             return self.task.init_state(state["params"]), start, True
         return self.task.from_checkpoint(adapt(state)), start, True
