@@ -48,7 +48,9 @@ def all_keys(model: type[BaseModel] = Experiment, prefix: str = "") -> list[str]
     return keys
 
 
-def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: str) -> None:
+def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: str,
+                        kind: str = "gpt") -> None:
+    """`kind`: the experiment's model kind, whose [model] keys may be suggested."""
     if model is Experiment and isinstance(raw.get("model"), dict):
         kind = raw["model"].get("kind", "gpt")
         if not isinstance(kind, str):  # else every key of [model] was called unknown
@@ -60,20 +62,20 @@ def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: 
         if key not in model.model_fields:
             siblings = [f"{prefix}{k}" for k in model.model_fields]
             # Suggestions from the whole schema, but not another model kind's keys.
-            others = [k for k in all_keys() if not k.startswith("model.") or
-                      k.startswith(prefix) and prefix.startswith("model.") and k in siblings]
+            others = [k for k in all_keys() if not k.startswith("model.")] + (
+                all_keys(model_class(kind), "model.") if kind in kinds.kinds() else [])
             close = (difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.6)
                      or difflib.get_close_matches(dotted, others, n=1, cutoff=0.6))
             alias = ALIASES.get(key)
             if alias:
                 close = [alias]
             hint = f"; did you mean '{close[0]}'?" if close else "; see docs/config.md for the keys"
-            kind = f" (a {raw['kind']} model)" if prefix == "model." and "kind" in raw else ""
+            which = f" (a {raw['kind']} model)" if prefix == "model." and "kind" in raw else ""
             owners = _kinds_with(key) if prefix == "model." else []
             if owners:
                 hint = (f"; it is a key of {' and '.join(owners)} models, not of this one: drop "
                         "it, or set model.kind")
-            raise UserError(f"unknown config key '{dotted}'{kind} in {source}{hint}")
+            raise UserError(f"unknown config key '{dotted}'{which} in {source}{hint}")
         section = _section_class(model, key, value)
         if section is not None:
             if not isinstance(value, dict):
@@ -81,7 +83,7 @@ def _check_unknown_keys(raw: dict, model: type[BaseModel], prefix: str, source: 
                     f"config key '{dotted}' in {source} must be a table ([{dotted}]), "
                     f"got {type(value).__name__}"
                 )
-            _check_unknown_keys(value, section, f"{dotted}.", source)
+            _check_unknown_keys(value, section, f"{dotted}.", source, kind)
 
 
 def _type_name(value: Any) -> str:
