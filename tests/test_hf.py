@@ -291,11 +291,35 @@ def test_import_and_export_say_how_far_they_are_off_a_terminal(imported, tmp_pat
     out = tmp_path / "hf"
     assert main(["export", str(imported["llama3"]), "--out", str(out)]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert any(x.startswith("plait export: converting: ") and " of " in x for x in err), err
-    assert "plait export: writing model.safetensors ..." in err
+    assert any(x.startswith("plait export: converting and writing: ") and " of " in x
+               for x in err), err
     assert main(["import", str(out), "--run-dir", str(tmp_path / "again")]) == 0
     err = capsys.readouterr().err.splitlines()
     last = [x for x in err if x.startswith("plait import: converting: ")][-1]
     done, total = last.split(": ")[2].split(" (")[0].split(" of ")
     assert done == total, last  # the count reaches the parameters' whole size
     assert "plait import: writing the step-0 checkpoint ..." in err
+
+
+def test_an_export_past_the_shard_size_is_shards_and_an_index_that_import_reads(
+        imported, tmp_path, monkeypatch, capsys):
+    """transformers writes at most 5 GB a file (one 140 GB file for a 70B model had been
+    plait's); shards of at most convert.SHARD_BYTES, 100 kB here, each written as it
+    fills, named and indexed as transformers names them: import reads them back
+    bit for bit."""
+    from plait.hf import convert
+
+    monkeypatch.setattr(convert, "SHARD_BYTES", 100_000)
+    out = tmp_path / "hf"
+    assert main(["export", str(imported["llama3"]), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    index = json.loads((out / convert.INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files
+    assert not (out / convert.SINGLE).exists() and f"in {len(files)} files" in said
+    sizes = [(out / f).stat().st_size for f in files]
+    assert index["metadata"]["total_size"] <= sum(sizes)
+    assert main(["import", str(out), "--run-dir", str(tmp_path / "again")]) == 0
+    jax.tree.map(np.testing.assert_array_equal, _params(tmp_path / "again"),
+                 _params(imported["llama3"]))

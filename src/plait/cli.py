@@ -118,8 +118,10 @@ def cmd_export(args) -> int:
     from plait.hf.convert import export_run
 
     got = export_run(args.run_dir, args.out, args.step, args.dtype)
+    files = len(got["files"])
     print(f"plait: exported step {got['step']} as {got['architecture']} ({got['tensors']} "
-          f"tensors, {got['bytes'] / 2**20:,.1f} MiB {args.dtype}) to {args.out}")
+          f"tensors{f' in {files} files' if files > 1 else ''}, "
+          f"{got['bytes'] / 2**20:,.1f} MiB {args.dtype}) to {args.out}")
     return 0
 
 

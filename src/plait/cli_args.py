@@ -221,7 +221,7 @@ def parser() -> argparse.ArgumentParser:
                          "context, at most 2048)")
     ex = sub.add_parser(
         "export", help="a decoder run's checkpoint -> a directory transformers loads "
-        "(config.json, model.safetensors, tokenizer.json)",
+        "(config.json, model.safetensors or 5 GB shards, tokenizer.json)",
         usage="plait export RUN_DIR --out DIR [--step N] [--dtype float32|bfloat16]")
     ex.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a plait train run")
     ex.add_argument("--out", required=True, help="the directory to create")

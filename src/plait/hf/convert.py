@@ -15,7 +15,9 @@ a temporary name and renamed when complete: an interrupted import leaves
 nothing that looks like a run.
 
 Export writes what `transformers.AutoModelForCausalLM.from_pretrained` loads:
-config.json, model.safetensors (float32 or bfloat16) and the run's tokenizer files.
+config.json, model.safetensors (float32 or bfloat16; past 5 GB, shards of at most
+that and their index, as transformers writes them) and the run's tokenizer files.
+Each file is written as it fills, so the host holds the parameters and one file.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ TOKENIZER = "tokenizer.json"
 # special tokens and chat template (plait data --chat, plait sample --chat).
 TOKENIZER_FILES = (TOKENIZER, *chat.FILES)
 IMPORT_CHUNK_BYTES = 64 * 2**20  # the checkpoint's chunks: TensorStore encodes one at a time
+SHARD_BYTES = 5 * 10**9  # an export's largest safetensors file (transformers' "5GB")
 
 
 class Tensors:
@@ -262,11 +265,10 @@ def _write_import(tmp: Path, exp, hf_dir: Path, arch: str, params: dict) -> None
 
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
                dtype: str = "float32") -> dict[str, Any]:
-    """Write OUT (config.json, model.safetensors, tokenizer.json) from a decoder run's
-    checkpoint (the newest, or `step`)."""
+    """Write OUT (config.json, model.safetensors or its 5 GB shards and their index,
+    tokenizer.json) from a decoder run's checkpoint (the newest, or `step`)."""
     import jax
     import ml_dtypes
-    from safetensors.numpy import save_file
 
     from plait.sample import load
 
@@ -283,13 +285,14 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
         host = jax.tree.map(np.asarray, params)
         del params
         total = sum(a.size for a in jax.tree.leaves(host)) * np.dtype(np_dtype).itemsize
-        tensors = {}
-        with Ticker("plait export: converting", total, size_text) as ticker:
+        shards = _Shards(tmp)
+        with Ticker("plait export: converting and writing", total, size_text) as ticker:
             for name, a in layout.to_hf(cfg, host):
-                tensors[name] = np.ascontiguousarray(a.astype(np_dtype))
-                ticker.advance(tensors[name].nbytes)
-            ticker.phase(f"plait export: writing {SINGLE}")
-            save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
+                converted = np.ascontiguousarray(a.astype(np_dtype))
+                del a
+                shards.add(name, converted)
+                ticker.advance(converted.nbytes)
+            shards.close()
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in TOKENIZER_FILES:
             if (run_dir / name).is_file():
@@ -298,5 +301,50 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"step": at, "architecture": config["architectures"][0], "tensors": len(tensors),
-            "bytes": sum(t.nbytes for t in tensors.values())}
+    return {"step": at, "architecture": config["architectures"][0],
+            "tensors": len(shards.weight_map), "bytes": shards.total, "files": shards.files}
+
+
+class _Shards:
+    """Tensors written into safetensors files of at most SHARD_BYTES each as they come
+    (a file is written when the next tensor would overflow it, so the host holds one
+    file's worth besides the parameters): one file is model.safetensors, more are
+    model-0000k-of-0000n.safetensors with their index, as transformers writes them."""
+
+    def __init__(self, out: Path):
+        self.out, self.pending, self.size = out, {}, 0
+        self.weight_map: dict[str, str] = {}
+        self.written: list[Path] = []
+        self.files: list[str] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: np.ndarray) -> None:
+        if self.pending and self.size + tensor.nbytes > SHARD_BYTES:
+            self._write()
+        self.pending[name] = tensor
+        self.size += tensor.nbytes
+        self.total += tensor.nbytes
+
+    def _write(self) -> None:
+        from safetensors.numpy import save_file
+
+        path = self.out / f".shard-{len(self.written) + 1:05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(self.pending, path.name))
+        self.written.append(path)
+        self.pending, self.size = {}, 0
+
+    def close(self) -> None:
+        """The last file written, all named, the index beside them if there are more."""
+        if self.pending or not self.written:
+            self._write()
+        n = len(self.written)
+        names = {p.name: SINGLE if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
+                 for k, p in enumerate(self.written, 1)}
+        for p in self.written:
+            p.rename(self.out / names[p.name])
+        self.weight_map = {t: names[f] for t, f in self.weight_map.items()}
+        self.files = sorted(set(names.values()))
+        if n > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+            (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
