@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,8 +28,8 @@ from plait.data.tokens import loss_mask_path
 from plait.errors import UserError
 from plait.models import gpt, gpt_counts
 from plait.models.gpt import abstract_model
-from plait.parallel import context, formulas, hierarchical, local_sgd, router_grad
-from plait.tasks import gpt_data, gpt_sweep
+from plait.parallel import context, hierarchical, local_sgd, router_grad
+from plait.tasks import gpt_data, gpt_report, gpt_sweep
 from plait.tasks.base import Evaluator, Source, Task
 from plait.tasks.gpt_checkpoint import DecoderCheckpoints
 from plait.tasks.gpt_checks import check_fits, context_attention, decoder_rules, memory_fixes
@@ -343,46 +342,8 @@ class GPTTask(DecoderCheckpoints, Task):
     def describe(self, state: dict) -> list[str]:
         return start_up_lines(self)
 
-    def param_bytes_per_device(self) -> int:
-        """Bytes of this device's shards of the parameters (fp32 master weights)."""
-        total = 0
-        for shape, sh in zip(jax.tree.leaves(self.layout.shapes["params"]),
-                             jax.tree.leaves(self.layout.params), strict=True):
-            total += math.prod(sh.shard_shape(shape.shape)) * shape.dtype.itemsize
-        return total
-
     def report(self, analysis: dict) -> dict:
-        sizes = dict(self.mesh.shape)
-        platform = self.mesh.devices.flat[0].platform
-        wire = formulas.tensor_wire_bytes(analysis)
-        mode = mesh_lib.MODE_NAMES[mesh_lib.tensor_mode(sizes)]
-        # The formulas describe the dense decoder's tensor parallelism without a pipeline:
-        # a mixture's expert layers move tokens their own way over the tensor axes
-        # (capacity slots or routed rows, parallel/experts.py), which they do not count.
-        unmodelled = ("a pipeline" if self.pipeline else
-                      "mixture-of-experts layers" if self.exp.model.moe is not None else None)
-        formula = None if unmodelled else formulas.tensor_bytes(self.exp, sizes, platform)
-        out = {"tensor_mode": mode, "tensor_wire_bytes": wire, "tensor_formula_bytes": formula,
-               "tensor_formula_unmodelled": unmodelled,
-               "param_bytes_per_device": self.param_bytes_per_device(),
-               "pipeline": self.pipeline.figures if self.pipeline else None}
-        if sizes.get("expert", 1) > 1:
-            dispatch = "all-to-all" if self.exp.model.moe.capacity_factor else "all-gather"
-            # (no formula with a pipeline: a stage holds some of the layers, and its
-            # microbatches are the schedule's; expert_bytes and context_bytes count
-            # neither)
-            out["experts"] = {"size": sizes["expert"], "dispatch": dispatch,
-                              "wire_bytes": formulas.expert_wire_bytes(analysis, dispatch),
-                              "formula_bytes": None if self.pipeline else
-                              formulas.expert_bytes(self.exp, sizes, platform)}
-        if sizes.get("context", 1) > 1:
-            exp = self.exp.model_copy(update={"context": self.exp.context.model_copy(
-                update={"attention": self.context_attention})})
-            out["context"] = {"size": sizes["context"], "attention": self.context_attention,
-                              "wire_bytes": formulas.context_wire_bytes(analysis),
-                              "formula_bytes": None if self.pipeline else
-                              formulas.context_bytes(exp, sizes, platform)}
-        return out
+        return gpt_report.figures(self, analysis)
 
     # ------------------------------------------------------------------ sweep
     @classmethod
