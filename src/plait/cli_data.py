@@ -10,11 +10,16 @@ from plait import output_paths
 from plait.errors import UserError
 
 
+def _record_flags(args) -> list[tuple[str, str | None]]:
+    """The flags only JSON Lines / Parquet records read (None where not given)."""
+    return [("--prompt-field", args.prompt_field), ("--chat", args.chat),
+            ("--field", args.field), ("--eos", args.eos),
+            ("--chat-template", args.chat_template)]
+
+
 def _token_flags(args) -> list[tuple[str, str | None]]:
-    """The flags only token files read (None where not given)."""
-    return [("--field", args.field), ("--prompt-field", args.prompt_field),
-            ("--chat", args.chat), ("--chat-template", args.chat_template),
-            ("--eos", args.eos), ("--tokenizer", args.tokenizer), ("--dtype", args.dtype)]
+    """The flags only token files read: records' and any text's."""
+    return [*_record_flags(args), ("--tokenizer", args.tokenizer), ("--dtype", args.dtype)]
 
 
 def cmd_data(args) -> int:
@@ -89,9 +94,7 @@ def cmd_data(args) -> int:
         raise UserError("plait data takes TEXT_FILE OUT.bin (a token file), documents "
                         "(*.jsonl / *.parquet ...) OUT.bin, or criteo DAY.tsv ... --out DIR")
     text, out = args.inputs
-    for flag, value in (("--prompt-field", args.prompt_field), ("--chat", args.chat),
-                        ("--field", args.field), ("--eos", args.eos),
-                        ("--chat-template", args.chat_template)):
+    for flag, value in _record_flags(args):
         if value is not None:
             raise UserError(f"{flag} reads JSON Lines or Parquet records (*.jsonl, *.parquet); "
                             f"a text file is one document: drop {flag}, or pass the records")
