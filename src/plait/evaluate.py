@@ -154,8 +154,9 @@ def _score(task, ckpts, run_dir: Path, step: int | None, windows: Windows, n: in
            rows: int, progress: bool) -> tuple[float, int, str | None, int]:
     """(mean loss, step, notice, targets counted) of one checkpoint over the first n
     batches."""
-    from rich.progress import track
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
+    from plait.progress import Display
     from plait.sample import read_params
     from plait.train.loop import host_value
 
@@ -164,15 +165,17 @@ def _score(task, ckpts, run_dir: Path, step: int | None, windows: Windows, n: in
     params = task.laid_out_params(params)
     total = kept = 0.0  # the loss summed over the kept targets, and how many
     # A bar on a terminal; elsewhere (logs, nohup) a line every tenth of the batches.
-    lines = progress and n >= 4 and not sys.stderr.isatty()
-    for k in track(range(n), description=f"step {at}: scoring {n} batches of {rows} windows",
-                   transient=True, disable=not progress or n < 4 or lines):
-        loss, count = task.eval_loss_fn(params, task.batch(windows, k))
-        count = float(host_value(count))
-        total, kept = total + float(host_value(loss)) * count, kept + count
-        if lines and ((k + 1) % max(n // 10, 1) == 0 or k + 1 == n):
-            print(f"plait eval: step {at}: {k + 1}/{n} batches, loss so far "
-                  f"{total / max(kept, 1):.4f}", file=sys.stderr, flush=True)
+    with Display(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                 TimeRemainingColumn(), shown=progress and n >= 4) as shown:
+        bar = shown.bar.add_task(f"step {at}: scoring {n} batches of {rows} windows", total=n)
+        for k in range(n):
+            loss, count = task.eval_loss_fn(params, task.batch(windows, k))
+            count = float(host_value(count))
+            total, kept = total + float(host_value(loss)) * count, kept + count
+            shown.bar.advance(bar)
+            if (k + 1) % max(n // 10, 1) == 0 or k + 1 == n:
+                shown.say(f"plait eval: step {at}: {k + 1}/{n} batches, loss so far "
+                          f"{total / max(kept, 1):.4f}")
     if not kept:
         raise UserError(f"the loss mask of '{windows.file.path}' keeps no target in the "
                         f"{n} batch(es) scored; score more of it (--max-batches) or another "

@@ -31,7 +31,6 @@ import gzip
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ import numpy as np
 
 from plait import output_paths
 from plait.errors import UserError
+from plait.progress import Display
 
 FORMAT = "plait-criteo-1"
 DENSE, CATEGORICAL = 13, 26
@@ -239,11 +239,9 @@ def _natural(name: str) -> list:
 
 def _convert_one(source: Path, dest: Path, name: str, malformed: str, size: int,
                  report: Callable[[str], None]) -> dict:
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
-        Progress,
         TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
@@ -256,28 +254,22 @@ def _convert_one(source: Path, dest: Path, name: str, malformed: str, size: int,
     t0 = time.perf_counter()
     # A gzip file's size is compressed bytes: its bar counts uncompressed ones.
     total = None if source.suffix == ".gz" else size
-    # A bar on a terminal (stderr); off one (logs, nohup) a line every 10 s instead,
-    # and no bar (rich would end it with a stray blank line).
-    lines = not sys.stderr.isatty()
-    said = time.monotonic()
     with contextlib.ExitStack() as stack:
         files = {k: stack.enter_context(open(partial / f, "wb")) for k, f in FILES.items()}
-        bar = stack.enter_context(Progress(
+        shown = stack.enter_context(Display(
             TextColumn(f"plait: {source.name}"), BarColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
-            console=Console(stderr=True), disable=lines))
-        task = bar.add_task("convert", total=total)
+            TransferSpeedColumn(), TimeRemainingColumn()))
+        task = shown.bar.add_task("convert", total=total)
         for chunk in _chunks(source, malformed, counts):
             for key, f in files.items():
                 f.write(np.ascontiguousarray(chunk[key]).tobytes())
             counts["rows"] += len(chunk["labels"])
-            bar.update(task, completed=counts["bytes"])
-            if lines and time.monotonic() - said >= 10.0:
-                said = time.monotonic()
+            shown.bar.update(task, completed=counts["bytes"])
+            if shown.due():
                 read = counts["bytes"] / 2**20
-                print(f"plait data: {source.name}: {counts['rows']:,} rows, {read:,.0f} "
-                      + (f"of {total / 2**20:,.0f} " if total else "") + "MiB read "
-                      f"({read / (said - t0):,.0f} MiB/s)", file=sys.stderr, flush=True)
+                shown.say(f"plait data: {source.name}: {counts['rows']:,} rows, {read:,.0f} "
+                          + (f"of {total / 2**20:,.0f} " if total else "") + "MiB read "
+                          f"({read / shown.elapsed:,.0f} MiB/s)")
     if counts["rows"] == 0:
         shutil.rmtree(partial)
         raise UserError(f"{source}: no line parses as a Criteo line; check the file")

@@ -12,8 +12,6 @@ nothing) removes the temporary files and leaves what the user had untouched.
 from __future__ import annotations
 
 import os
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,48 +19,39 @@ import numpy as np
 from plait.data.tokenizer import HFTokenizer, drop_sidecar, keep_beside
 from plait.data.tokens import index_path, loss_mask_path
 from plait.errors import UserError
+from plait.progress import Display
 
 CHUNK_BYTES = 1 << 24  # a text file read byte-level 16 MiB at a time
 LINES = 1024  # lines encoded together (tokenizers' encode_batch uses every core)
 
 
-class Status:
-    """How far `plait data` is, with rates: a line rich redraws on a terminal (stderr);
-    off one (logs, nohup), where rich draws nothing, a printed line every 10 s."""
+class Status(Display):
+    """How far `plait data` is, with rates, as one line (progress.Display: redrawn on a
+    terminal, printed every 10 s off one)."""
 
     def __init__(self):
-        from rich.console import Console
-        from rich.progress import Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import TextColumn, TimeElapsedColumn
 
-        self.lines = not sys.stderr.isatty()
-        self.progress = Progress(TextColumn("{task.description}"), TimeElapsedColumn(),
-                                 transient=True, console=Console(stderr=True),
-                                 disable=self.lines)
-        self.t0 = self.said = time.monotonic()
+        super().__init__(TextColumn("{task.description}"), TimeElapsedColumn())
 
     def __enter__(self) -> Status:
-        self.progress.__enter__()
-        self.task = self.progress.add_task("")
+        super().__enter__()
+        self.task = self.bar.add_task("")
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
 
     def show(self, docs: int | None, tokens: int, name: str, read: tuple[int, int] | None = None
              ) -> None:
         """`docs` documents (None: a text file, `read` = (bytes read, its size)) and
         `tokens` tokens so far, tokenized with `name`."""
-        now = time.monotonic()
-        took = max(now - self.t0, 1e-9)
+        took = max(self.elapsed, 1e-9)
         done = (f"{docs:,} documents" if docs is not None
                 else f"{read[0] / 2**20:,.0f} of {read[1] / 2**20:,.0f} MiB")
         rate = (f"{docs / took:,.0f} docs/s, " if docs is not None else "")
         line = (f"tokenizing with {name}: {done}, {tokens:,} tokens ({rate}"
                 f"{tokens / took:,.0f} tokens/s)")
-        self.progress.update(self.task, description=line)
-        if self.lines and now - self.said >= 10.0:
-            print(f"plait data: {line}", file=sys.stderr, flush=True)
-            self.said = now
+        self.bar.update(self.task, description=line)
+        if self.due():
+            self.say(f"plait data: {line}")
 
 
 class TokenWriter:

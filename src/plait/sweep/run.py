@@ -13,6 +13,7 @@ from plait import mesh as mesh_lib
 from plait.config import Experiment
 from plait.errors import UserError
 from plait.hardware import Hardware
+from plait.progress import Display
 from plait.sweep import compiled, cost
 from plait.sweep.shapes import Candidate, anchors, enumerate_shapes, program_key
 
@@ -79,18 +80,17 @@ def _compile_all(exp: Experiment, n: int, programs: list[Program], workers: int,
     abort ends plait)."""
     from rich.progress import Progress
 
-    # Off a terminal rich draws no bar: a line per program instead (logs, CI, nohup).
-    lines = progress and not sys.stderr.isatty()
     done = 0
 
     def note(prog: Program, seconds: float) -> None:
         nonlocal done
         done += 1
-        if lines:
-            print(f"plait sweep: compiled {done}/{len(programs)} {_label(prog)} ({seconds:.1f}s)",
-                  file=sys.stderr, flush=True)
+        # Off a terminal, a line per program instead of the bar (logs, CI, nohup).
+        shown.say(f"plait sweep: compiled {done}/{len(programs)} {_label(prog)} "
+                  f"({seconds:.1f}s)")
 
-    with Progress(disable=not progress or lines, transient=True) as bar:
+    with Display(*Progress.get_default_columns(), shown=progress) as shown:
+        bar = shown.bar
         task = bar.add_task(f"compiling {len(programs)} programs", total=len(programs))
         if workers == 1:
             for prog in programs:
@@ -306,11 +306,11 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
               f"times read from {journal} (measured by an earlier --run of this sweep on "
               "this machine; --fresh measures them again)", file=sys.stderr, flush=True)
     cands = [candidate_of(r, n) for r in rows]
-    lines = progress and not sys.stderr.isatty()
     of_round = f" of {rounds} rounds" if rounds > 1 else ""
     # Visits to make: none of a shape that failed, in an earlier round or before.
     total = sum(1 for _, i in todo if "measured_error" not in rows[i])
-    with Progress(disable=not progress or lines, transient=True) as bar:
+    with Display(*Progress.get_default_columns(), shown=progress) as shown:
+        bar = shown.bar
         task = bar.add_task(f"training {total} shapes{of_round}", total=total)
         done = 0
         for pos, (round_, i) in enumerate(todo):
@@ -331,9 +331,8 @@ def measure_runs(exp: Experiment, rows: list[dict], n: int, steps: int = 6,
                 times[i][round_] = got
                 if book:
                     book.add(r, round_, label, got)
-                if lines:
-                    print(f"plait sweep: trained {done}/{total} rank {r['rank']} ({label})"
-                          f"{at}: {1e3 * got:.1f} ms a step", file=sys.stderr, flush=True)
+                shown.say(f"plait sweep: trained {done}/{total} rank {r['rank']} ({label})"
+                          f"{at}: {1e3 * got:.1f} ms a step")
             bar.advance(task)
     for r, got in zip(rows, times, strict=True):
         if "measured_error" in r or not got:
