@@ -109,6 +109,21 @@ def test_held_out_mistakes_are_one_line(corpus, tmp_path, capsys, fraction, mess
     assert not out.exists() and not (tmp_path / "x.val.bin").exists()
 
 
+def test_a_glob_reads_its_files_in_natural_order(tmp_path, capsys):
+    """shard2 before shard10, as criteo's days (a plain sort put shard10 first); a file
+    whose name only looks like a glob is itself."""
+    names = ["shard10.jsonl", "shard2.jsonl", "run[1].jsonl"]
+    for name in names:
+        (tmp_path / name).write_text(json.dumps({"text": name}) + "\n")
+    out = tmp_path / "out.bin"
+    assert main(["data", str(tmp_path / "shard*.jsonl"), str(tmp_path / "run[1].jsonl"),
+                 str(out)]) == 0
+    assert "3 documents from 3 file(s)" in capsys.readouterr().out
+    ids = np.fromfile(out, np.uint16)
+    assert bytes(ids[ids < 256].astype(np.uint8)).decode() == \
+        "shard2.jsonlshard10.jsonlrun[1].jsonl"
+
+
 def test_criteo_days_are_held_out_whole(tmp_path, capsys):
     assert main(["data", "criteo", str(tmp_path / "day.tsv"), "--out", str(tmp_path / "c"),
                  "--held-out", "0.1"]) == 2

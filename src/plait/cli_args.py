@@ -129,7 +129,8 @@ def parser() -> argparse.ArgumentParser:
               "[--malformed skip|stop]")
     d.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="TEXT_FILE OUT.bin; JSON Lines / Parquet files or quoted globs then "
-                        "OUT.bin; or the word criteo and Criteo TSV day files")
+                        "OUT.bin; or the word criteo and Criteo TSV day files (a glob's "
+                        "files are read in natural order: part2 before part10)")
     d.add_argument("--field", metavar="NAME",
                    help="documents: the text field of each JSON record / Parquet column "
                         "(default: text)")

@@ -71,9 +71,10 @@ def cmd_data(args) -> int:
             raise UserError(f"--eos {args.eos!r} names a token of --tokenizer; byte-level ids "
                             "have no end-of-text token: pass the tokenizer, or drop --eos")
         output_paths.file(out, "OUT.bin", ".bin")
-        _keep_inputs(out, [*expand(inputs), args.chat_template], args.tokenizer)
-        got = encode_corpus(inputs, out, field, args.dtype, args.tokenizer, args.eos, held,
-                            args.prompt_field, args.chat, args.chat_template)
+        paths = expand(inputs)
+        _keep_inputs(out, [*paths, args.chat_template], args.tokenizer)
+        got = encode_corpus(paths, ", ".join(inputs), out, field, args.dtype, args.tokenizer,
+                            args.eos, held, args.prompt_field, args.chat, args.chat_template)
         end = (f", each ended by id {got['eos']}" if got["eos"] is not None
                else ", each ended by its chat template" if args.chat is not None
                else " (byte-level: no end-of-text id)")

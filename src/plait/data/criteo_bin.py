@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from plait import output_paths
+from plait.data.inputs import matches
 from plait.errors import UserError
 from plait.progress import Display
 
@@ -213,28 +214,15 @@ def convert(sources: list[str], out: str, malformed: str = "skip",
 
 
 def _expanded(sources: list[str]) -> list[str]:
-    """Each source; a quoted glob as the files it matches, day_2 before day_10 (their
-    order is the parts' order, which a shell's sort puts day_10 first in)."""
-    import glob
-
+    """Each source; a quoted glob as the files it matches (data.inputs: day_2 before
+    day_10, the parts' order)."""
     out = []
     for s in sources:
-        if glob.has_magic(s):
-            found = sorted(glob.glob(s), key=_natural)
-            if not found:
-                raise UserError(f"'{s}' matches no file; pass Criteo TSV day files (.tsv or "
-                                ".gz)")
-            out.extend(found)
-        else:
-            out.append(s)
+        found = matches(s)
+        if not found:
+            raise UserError(f"'{s}' matches no file; pass Criteo TSV day files (.tsv or .gz)")
+        out.extend(found)
     return out
-
-
-def _natural(name: str) -> list:
-    """day_2 before day_10."""
-    import re
-
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def _convert_one(source: Path, dest: Path, name: str, malformed: str, size: int,

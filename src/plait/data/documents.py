@@ -10,13 +10,13 @@ every core. A progress line shows documents, tokens and their rates.
 
 from __future__ import annotations
 
-import glob
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from plait.data import inputs
 from plait.data.tokenizer import Bytes, HFTokenizer
 from plait.errors import UserError
 
@@ -32,11 +32,11 @@ def is_corpus(paths: list[str]) -> bool:
 
 
 def expand(patterns: list[str]) -> list[Path]:
-    """Files in the order given, each glob sorted; a pattern that matches nothing is an
-    error."""
+    """Files in the order given, each glob's in natural order (data.inputs); a pattern
+    that matches nothing is an error."""
     out: list[Path] = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        matches = inputs.matches(pattern)
         if not matches or not Path(matches[0]).is_file():
             raise UserError(f"input '{pattern}' matches no file; check the path")
         bad = [m for m in matches if not m.endswith(SUFFIXES)]
@@ -118,13 +118,14 @@ def is_held_out(index: int, fraction: float) -> bool:
     return fraction > 0 and int((index + 1) * fraction) > int(index * fraction)
 
 
-def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: str,
+def encode_corpus(paths: list[Path], source: str, out_path: str | Path, field: str, dtype: str,
                   tokenizer: str | Path | None, eos: str | None = None,
                   held_out: float = 0.0, prompt_field: str | None = None,
                   chat: str | None = None, chat_template: str | Path | None = None) -> dict:
-    """Tokenize every document of the inputs into OUT (a flat binary of ids); returns
-    counts. The tokenizer is kept beside OUT, as for text files. With `held_out`, that
-    fraction of the documents (`is_held_out`) goes to OUT.val.bin instead.
+    """Tokenize every document of `paths` (`expand`ed from the patterns `source` names)
+    into OUT (a flat binary of ids); returns counts. The tokenizer is kept beside OUT,
+    as for text files. With `held_out`, that fraction of the documents (`is_held_out`)
+    goes to OUT.val.bin instead.
 
     With `prompt_field`, each record is a prompt and its response (`field`): the
     prompt encoded as a document starts (the tokenizer's begin-of-text token, if it
@@ -135,7 +136,6 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
     masked to keep the assistant's turns."""
     from plait.data.writer import Status, TokenWriter, held_out_path
 
-    paths = expand(patterns)
     if chat is not None and not tokenizer:
         raise UserError("--chat renders conversations with the model's chat template; pass "
                         "its tokenizer with --tokenizer (e.g. RUN/tokenizer.json after plait "
@@ -156,7 +156,6 @@ def encode_corpus(patterns: list[str], out_path: str | Path, field: str, dtype: 
                       if prompt_field is None else {prompt_field: "--prompt-field",
                                                     field: "--field"})
     masked = chat is not None or prompt_field is not None
-    source = ", ".join(patterns)
     # Written as they are made: OUT, and with held_out OUT.val.bin.
     train = TokenWriter(out_path, dtype, source, masked, indexed=True)
     held = (TokenWriter(held_out_path(out_path), dtype, source, masked, indexed=True)
