@@ -285,7 +285,7 @@ def cmd_sweep(args) -> int:
         print(f"plait: XLA aborted compiling {len(failed)} program(s), whose shapes are not "
               f"ranked: {'; '.join(failed)} (a compiler failure, not a shape that does not "
               "fit; `plait inspect` on one of these meshes shows it)")
-    print(f"plait: {len(rows)} shapes in {elapsed:.0f}s; wrote {out}/sweep.csv, sweep.json, "
+    print(f"plait: {len(rows)} shapes in {elapsed:.0f}s; wrote {out / 'sweep.csv'}, sweep.json, "
           "sweep.png")
     return 0
 
