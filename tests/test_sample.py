@@ -86,6 +86,9 @@ def test_sample_from_a_chosen_step_leaves_the_run_untouched(trained, capsys):
     (["--step", "5"], "--step 5: no checkpoint of step 5"),
     (["--tokens", "40"], "plus --tokens 40 is more than model.seq_len = 32"),
     (["--prompt", ""], "the prompt is empty"),
+    # longer than the context alone: was "ask for at most 0 tokens"
+    (["--prompt", "a" * 40], "the prompt is 40 tokens, model.seq_len = 32 with room for one "
+                             "generated: shorten it to at most 31 tokens"),
     (["--temperature", "-1"], "--temperature must be a number >= 0"),
     (["--temperature", "nan"], "--temperature must be a number >= 0"),  # sampled before
     (["--seed", str(2**64)], "--seed must be between 0 and 2**63 - 1"),  # OverflowError

@@ -118,8 +118,10 @@ def parser() -> argparse.ArgumentParser:
     sc.add_argument("--json", action="store_true", help="print one JSON object")
     sc.add_argument("--png", help="also draw the table into this PNG file")
     d = sub.add_parser(
-        "data", help="prepare data: a text file -> a token file (byte-level ids), or Criteo "
-        "TSV days -> a directory training memory-maps",
+        "data", help="prepare data: a text file, or JSON Lines / Parquet documents, prompt "
+        "and response records or conversations -> a token file (byte-level ids or a "
+        "tokenizer's; a loss mask beside it), or Criteo TSV days -> a directory training "
+        "memory-maps",
         usage="plait data TEXT_FILE OUT.bin [--tokenizer tokenizer.json] [--dtype uint16|uint32] "
               "[--held-out FRACTION]\n"
               "       plait data DOCS.jsonl|DOCS.parquet|'GLOB' [...] OUT.bin [--field text] "
@@ -163,7 +165,8 @@ def parser() -> argparse.ArgumentParser:
                    help="criteo: skip lines that do not parse (counted; the default) or stop "
                         "at the first")
     sp = sub.add_parser(
-        "sample", help="generate text from a GPT run's checkpoint (KV cache, one device)",
+        "sample", help="generate text from a decoder run's checkpoint (GPT or Llama; KV "
+        "cache, one device)",
         usage="plait sample RUN_DIR (--prompt TEXT | --chat) [--chat] [--system TEXT] "
               "[--tokens N] "
               "[--temperature T] "
@@ -211,7 +214,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     processes(ev)
     im = sub.add_parser(
-        "import", help="a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2) -> a run "
+        "import", help=f"a Hugging Face model directory ({_architectures()}) -> a run "
         "directory whose step-0 checkpoint plait train continues",
         usage="plait import HF_DIR --run-dir RUN [--seq-len N]")
     im.add_argument("hf_dir", metavar="HF_DIR",
@@ -230,3 +233,11 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype of the written weights")
     return ap
+
+
+def _architectures() -> str:
+    """The Hugging Face architectures plait import reads, by their names' stems."""
+    from plait.hf.config_json import ARCHITECTURES
+
+    return ", ".join(a.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
+                     for a in ARCHITECTURES)

@@ -224,10 +224,13 @@ class _Model:
         if not ids:
             raise UserError("the prompt is empty; give --prompt some text")
         room = self.exp.model.seq_len
+        if len(ids) >= room:
+            raise UserError(f"the prompt is {len(ids)} tokens, model.seq_len = {room} with "
+                            f"room for one generated: shorten it to at most {room - 1} tokens")
         if not self.fits(ids):
             raise UserError(f"the prompt ({len(ids)} tokens) plus {self.said} {self.tokens} is "
                             f"more than model.seq_len = {room}; ask for at most "
-                            f"{max(room - len(ids), 0)} tokens or shorten the prompt")
+                            f"{room - len(ids)} tokens or shorten the prompt")
         if max(ids) >= self.exp.model.vocab:
             raise UserError(f"the prompt has token id {max(ids)} >= model.vocab = "
                             f"{self.exp.model.vocab} (tokenizer: {self.codec.name})")
