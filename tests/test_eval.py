@@ -218,6 +218,9 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
      "--batch 3 does not split over data = 2"),
     (["--data", "{val}", "--seq-len", "64"], "learned position table holds model.seq_len = 32"),
     (["--data", "{val}", "--png", "{tmp}/c.png"], "--png draws the loss of every kept"),
+    # matplotlib's ValueError, after every checkpoint was scored
+    (["--data", "{val}", "--step", "all", "--png", "{tmp}/c.txt"],
+     "a picture is written in the format its name ends in, and '.txt' is none"),
     (["--data", "{val}", "--step", "last"], "--step takes a checkpoint's step or 'all'"),
 ])
 def test_plait_eval_mistakes_are_one_line(scored, tmp_path, capsys, args, needle):

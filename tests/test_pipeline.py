@@ -96,6 +96,15 @@ def test_schedule_command_json_and_png(tmp_path, capsys):
     assert out["bubble"] == pytest.approx(2 / 10) and out["ticks"] == 10
     assert len(out["peak_inflight"]) == 4
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the format is the name's: an SVG; a suffix matplotlib does not write was its
+    # ValueError's traceback
+    assert main(["schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--png",
+                 str(tmp_path / "c.svg")]) == 0
+    assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    capsys.readouterr()
+    assert main(["schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--png",
+                 str(tmp_path / "c.txt")]) == 2
+    assert "name it e.g. '" + str(tmp_path / "c.png") in capsys.readouterr().err
     assert out["executor"]["stash_slots_per_rank"] == out["peak_inflight"] == [3, 4, 4, 3]
     assert main(["schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--recompute",
                  "--json"]) == 0

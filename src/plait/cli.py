@@ -58,9 +58,11 @@ def cmd_eval(args) -> int:
         raise UserError("--png draws the loss of every kept checkpoint; add --step all")
     run_dir = Path(args.run_dir)
     exp, _ = decoder_run(run_dir, "plait eval scores")
-    for flag, path, suffix in (("--png", args.png, ".png"), ("--json", args.json, ".json")):
-        if path:  # written after the scoring: refused, if it must be, before it
-            output_paths.file(path, flag, suffix)
+    # Written after the scoring: refused, if they must be, before it.
+    if args.png:
+        output_paths.picture(args.png, "--png")
+    if args.json:
+        output_paths.file(args.json, "--json", ".json")
     cluster.join(args)
     mesh = _mesh(args, exp, f"the [mesh] of {run_dir / 'config.toml'}")
     import jax
@@ -320,7 +322,7 @@ def cmd_schedule(args) -> int:
 
     s = schedules.build(args.name, args.stages, args.microbatches, args.virtual_stages or 0)
     if args.png:
-        output_paths.file(args.png, "--png", ".png")
+        output_paths.picture(args.png, "--png")
     show(s, args.json, args.png, args.recompute)
     return 0
 

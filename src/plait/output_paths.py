@@ -35,6 +35,20 @@ def file(path: str | Path, flag: str, suffix: str) -> Path:
     return path
 
 
+def picture(path: str | Path, flag: str) -> Path:
+    """`file` for a plot: its name's suffix is the picture's format (matplotlib's: .png,
+    .svg, .pdf ...; none is a PNG), checked now rather than by savefig after the work."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = file(path, flag, ".png")
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix and path.suffix[1:].lower() not in kinds:
+        raise UserError(f"{flag} '{path}': a picture is written in the format its name ends "
+                        f"in, and '{path.suffix}' is none (.png, .svg, .pdf, .jpg ...); name "
+                        f"it e.g. '{path.with_suffix('.png')}'")
+    return path
+
+
 def parent(path: Path, flag: str) -> None:
     """The directory `path` goes in, made now with its parents."""
     _make(path.parent, f"the directory of {flag} '{path}'", flag)
