@@ -81,3 +81,19 @@ def test_marked_blocks_run_as_written(tmp_path, name, index):
 
 def test_some_blocks_are_marked_to_run():
     assert len(RUNNABLE) >= 2
+
+
+def test_every_hand_written_usage_line_names_each_flag():
+    """A subcommand whose usage line is written out (data, sample, eval, import, export)
+    names every flag it takes: `plait eval`'s had lost --dtype and --devices."""
+    import argparse
+
+    from plait.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    written = {name: p for name, p in sub.choices.items() if p.usage}
+    assert {"data", "sample", "eval", "import", "export"} <= set(written)
+    for name, p in written.items():
+        flags = [o for a in p._actions for o in a.option_strings
+                 if o.startswith("--") and o != "--help"]
+        assert [f for f in flags if f not in p.usage] == [], name

@@ -216,6 +216,14 @@ def test_a_local_sgd_run_is_read_as_its_center(tmp_path, capsys):
     (["--data", "{bpe}"], "was tokenized with val_bpe.bin.tokenizer.json, not as the run"),
     (["--data", "{val}", "--batch", "3", "--mesh", "data=2"],
      "--batch 3 does not split over data = 2"),
+    # without --batch: was "train.global_batch = 16 ... make global_batch a multiple of 3"
+    (["--data", "{val}", "--mesh", "data=3"],
+     "--batch 16 (the run's train.global_batch) does not split over data = 3 in each of "
+     "train.microbatches = 1; pass --batch a multiple of 3"),
+    # a text file: its bytes read as ids past the vocabulary
+    (["--data", "{tmp}/corpus.txt"], "'{tmp}/corpus.txt' (--data) is text, not a token file; "
+                                     "make one with `plait data {tmp}/corpus.txt "
+                                     "{tmp}/corpus.bin`"),
     (["--data", "{val}", "--seq-len", "64"], "learned position table holds model.seq_len = 32"),
     (["--data", "{val}", "--png", "{tmp}/c.png"], "--png draws the loss of every kept"),
     # matplotlib's ValueError, after every checkpoint was scored
@@ -235,10 +243,12 @@ def test_plait_eval_mistakes_are_one_line(scored, tmp_path, capsys, args, needle
     shutil.copyfile(Path(__file__).parent / "data" / "hf" / "llama3" / "tokenizer.json",
                     sidecar(bpe))
     write_tokens(np.array([7]), tmp_path / "one.bin", "uint16")
+    (tmp_path / "corpus.txt").write_text("a text, not its tokens\n" * 20)
     subs = {"{tmp}": str(tmp_path), "{val}": str(held_out), "{bpe}": str(bpe)}
     args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in args]
     assert main(["eval", str(run_dir), *args]) == 2
     err = capsys.readouterr().err.strip()
+    needle = needle.replace("{tmp}", str(tmp_path))
     assert needle in err and "\n" not in err and "Traceback" not in err
 
 

@@ -193,7 +193,9 @@ def parser() -> argparse.ArgumentParser:
         "eval", help="a language-model run's loss and perplexity on every token of a token "
         "file, on any mesh",
         usage="plait eval RUN_DIR [--data TOKENS.bin] [--step N|all [--png FILE]] [--mesh SPEC] "
-              "[--batch ROWS] [--max-batches N] [--seq-len N] [--json FILE]")
+              "[--devices N] [--batch ROWS] [--max-batches N] [--seq-len N] "
+              "[--dtype uint16|uint32] [--json FILE] [--coordinator HOST:PORT --num-processes "
+              "P --process-id I]")
     ev.add_argument("run_dir", metavar="RUN_DIR",
                     help="the --run-dir of a plait train run or a plait import")
     ev.add_argument("--data", help="token file to score, made with the run's tokenizer "

@@ -110,11 +110,10 @@ def evaluate(run_dir: Path, data: str | None, mesh, step: int | str | None = Non
         "sync": exp.sync.model_copy(update={"method": "allreduce"}), "mesh": None})
     try:
         task = make_task(exp, mesh)
-    except UserError as e:  # the batch is the user's --batch here, not train.global_batch
-        if batch is None:
-            raise
-        raise UserError(str(e).replace(f"train.global_batch = {rows}", f"--batch {rows}")
-                        .replace("make global_batch", "make --batch")) from None
+    except UserError as e:  # the batch is --batch here (by default the run's global batch)
+        said = f"--batch {rows}" + (" (the run's train.global_batch)" if batch is None else "")
+        raise UserError(str(e).replace(f"train.global_batch = {rows}", said)
+                        .replace("make global_batch", "pass --batch")) from None
     ckpts = Checkpoints(ckpt_dir, keep=max(1, exp.checkpoint.keep), async_save=False,
                         read_only=True)
     steps: list[int | None] = [step] if step != "all" else sorted(ckpts.steps())

@@ -52,7 +52,7 @@ class TokenFile:
         itemsize = np.dtype(dtype).itemsize
         size = path.stat().st_size
         if size % itemsize:
-            raise UserError(
+            raise UserError(_text_given(path, key) or
                 f"data file '{path}' is {size} bytes, not a whole number of {dtype} tokens; "
                 f"check {dtype_key}"
             )
@@ -119,10 +119,24 @@ class TokenFile:
         top = int(ids.max()) if ids.size else 0
         if top >= self.vocab:
             at = offset + int(np.argmax(np.asarray(ids) >= self.vocab))
-            raise UserError(f"data file '{self.path}' ({self.key}) has token id {top} >= "
+            raise UserError(_text_given(self.path, self.key) or
+                            f"data file '{self.path}' ({self.key}) has token id {top} >= "
                             f"model.vocab = {self.vocab} (the first at token {at:,}); raise "
                             f"model.vocab or re-tokenize, or check {self.dtype_key} "
                             f"({self.dtype}: the file's id width)")
+
+
+TEXT_SUFFIXES = (".txt", ".md", ".json", ".jsonl", ".parquet", ".csv", ".tsv")
+
+
+def _text_given(path: Path, key: str) -> str:
+    """The message for a file of text or records given where a token file goes (whose
+    bytes then read as ids past the vocabulary, or as a part of one), by its name."""
+    if path.suffix.lower() not in TEXT_SUFFIXES:
+        return ""
+    return (f"data file '{path}' ({key}) is text, not a token file; make one with `plait "
+            f"data {path} {path.with_suffix('.bin')}` (with the run's --tokenizer, if it "
+            "has one) and pass that")
 
 
 def loss_mask_path(token_file: str | Path) -> Path:
