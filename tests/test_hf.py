@@ -266,6 +266,12 @@ def test_import_refuses_a_run_directory_in_use(imported, capsys, tmp_path):
     assert main(["import", str(FIXTURES / "gpt2"), "--run-dir", str(run)]) == 2
     assert "already exists and is not empty" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_text() == "{}\n"
+    # a file where a directory goes, either way: was "not found" / "is not empty"
+    assert main(["import", str(run / "metrics.jsonl"), "--run-dir", str(tmp_path / "x")]) == 2
+    assert f"model directory '{run / 'metrics.jsonl'}' is a file;" in capsys.readouterr().err
+    assert main(["import", str(FIXTURES / "gpt2"), "--run-dir", str(run / "metrics.jsonl")]) \
+        == 2
+    assert f"--run-dir {run / 'metrics.jsonl'} is a file;" in capsys.readouterr().err
 
 
 def test_import_and_export_from_the_command_line(tmp_path):

@@ -119,8 +119,9 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
 def _check_fresh(path: Path, flag: str) -> None:
     """`path` holds nothing yet, and the directory it goes in is made."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise UserError(f"{flag} {path} already exists and is not empty; choose a new "
-                        "directory (nothing there was touched)")
+        what = "is a file" if not path.is_dir() else "already exists and is not empty"
+        raise UserError(f"{flag} {path} {what}; choose a new directory (nothing there was "
+                        "touched)")
     output_paths.parent(path, flag)
 
 
@@ -181,8 +182,9 @@ def import_model(hf_dir: str | Path, run_dir: str | Path, seq_len: int | None = 
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
     config = hf_dir / "config.json"
     if not hf_dir.is_dir():
-        raise UserError(f"model directory '{hf_dir}' not found; pass a local Hugging Face "
-                        "model directory")
+        raise UserError(f"model directory '{hf_dir}' " + (
+            "is a file" if hf_dir.exists() else "not found") + "; pass a local Hugging Face "
+                        "model directory (config.json, *.safetensors, tokenizer.json)")
     if not config.is_file():
         raise UserError(f"'{hf_dir}' has no config.json; pass a Hugging Face model directory")
     try:
