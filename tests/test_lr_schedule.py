@@ -79,6 +79,12 @@ def test_a_run_logs_the_schedule_it_steps_by(tmp_path):
     # The run's header says it in words.
     assert schedule_text(exp.optimizer, 6) == (
         "adamw, lr 0.01: warmup 1 steps, then held to step 3, then linear to 0 at step 6")
+    # A run shorter than its warmup (a smoke test of a long config) never reaches the lr:
+    # said, with the most it reaches (step 4 trains at the schedule's step 3: 3/8 of it).
+    short = exp.optimizer.model_copy(update={"warmup_steps": 8})
+    assert schedule_text(short, 4).endswith(
+        "(the run's 4 steps end inside the warmup: the lr reaches 0.00375 at most)")
+    assert "inside the warmup" not in schedule_text(short, 9)
 
 
 def test_a_wsd_run_extended_from_before_its_cooldown_holds_then_cools_down_later(tmp_path,
