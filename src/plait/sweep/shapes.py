@@ -123,8 +123,11 @@ def enumerate_shapes(exp: Experiment, n: int, combos: list[dict[str, Any]] | Non
     for combo in combos or [{}]:
         e = Candidate({}, combo).experiment(exp)
         for sizes in factorisations(n, task.sweep_axes_for(e)):
+            try:  # a grid that is not square, a cube that is not a cube: not a shape at
+                mesh_lib.tensor_mode(sizes)  # all, and no reason this model fits none
+            except UserError:
+                continue
             try:
-                mesh_lib.tensor_mode(sizes)
                 variants = task.sweep_variants(e, sizes)
             except UserError as err:
                 reasons[str(err)] = reasons.get(str(err), 0) + 1
