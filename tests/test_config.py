@@ -32,6 +32,9 @@ def test_set_values_are_toml():
     raw = {}
     apply_override(raw, "model.layers=4")
     assert raw == {"model": {"layers": 4}}
+    for wrong in ("model.layers", "=3", " =3"):  # '=3' was "unknown config key ''"
+        with pytest.raises(UserError, match=f"--set expects key=value, got '{wrong}'"):
+            apply_override(raw, wrong)
 
 
 def test_unknown_key_suggests_the_closest():

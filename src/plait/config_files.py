@@ -153,10 +153,10 @@ def parse_value(text: str) -> Any:
 
 def apply_override(raw: dict, assignment: str, named: str | None = None) -> None:
     """Set KEY=VALUE in `raw`; `named`: how the user gave it (default "--set KEY")."""
-    if "=" not in assignment:
-        raise UserError(f"--set expects key=value, got '{assignment}' (e.g. --set train.steps=50)")
-    key, text = assignment.split("=", 1)
+    key, _, text = assignment.partition("=")
     key = key.strip()
+    if "=" not in assignment or not key:
+        raise UserError(f"--set expects key=value, got '{assignment}' (e.g. --set train.steps=50)")
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
