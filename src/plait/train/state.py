@@ -64,7 +64,8 @@ def schedule_text(opt: OptimizerConfig, steps: int) -> str:
             f"linear to {end}"}.get(opt.schedule, f"{opt.schedule} to {end}")
     # A short run of a long config (a smoke test, --steps 10 with warmup 2000) never
     # reaches the lr it names; a loss that barely moves is then no sign of a bug.
-    short = (f" (the run's {steps} steps end inside the warmup: the lr reaches "
+    short = (f" (the run's {steps} step{'s end' if steps > 1 else ' ends'} inside the "
+             f"warmup: the lr reaches "
              f"{opt.lr * (steps - 1) / opt.warmup_steps:.3g} at most)"
              if 0 < steps <= opt.warmup_steps else "")
     return f"{opt.name}, lr {opt.lr:.3g}: {warm}{rest}{short}"
