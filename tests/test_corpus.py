@@ -148,8 +148,12 @@ def test_corpus_mistakes_are_one_line(corpus, tmp_path, capsys, args, message, m
 @pytest.mark.parametrize("args,message", [
     # OUT.bin or a file beside it is an input: `plait data t.txt t.txt` had replaced the
     # text with its own tokens
-    (["t.txt", "t.txt"], "OUT.bin 't.txt' is the input 't.txt': writing would overwrite it"),
-    (["d.jsonl", "d.jsonl"], "OUT.bin 'd.jsonl' is the input 'd.jsonl'"),
+    (["notes", "notes"], "OUT.bin 'notes' is the input 'notes': writing would overwrite it"),
+    # OUT.bin named as text (where a token file goes, a .txt is read as text)
+    (["t.txt", "t.txt"], "OUT.bin 't.txt' is named as text (.txt), but a token file is "
+                         "binary ids; name it e.g. 't.bin'"),
+    (["d.jsonl", "d.jsonl"], "OUT.bin 'd.jsonl' is named as text (.jsonl)"),
+    (["t.txt", "new/out.txt"], "OUT.bin 'new/out.txt' is named as text"),  # new/ not made
     (["d.jsonl", "out.bin", "--tokenizer", "out.bin.loss_mask"],
      "OUT.bin's out.bin.loss_mask 'out.bin.loss_mask' is the input"),
     # flags a text file does not read, and an end-of-text token without a tokenizer, had
@@ -166,6 +170,7 @@ def test_data_refuses_what_it_would_overwrite_or_ignore(tmp_path, capsys, monkey
                                                         message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.txt").write_text("some text")
+    (tmp_path / "notes").write_text("some text")
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "a doc"}) + "\n")
     (tmp_path / "out.bin.loss_mask").write_text("{}")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}

@@ -70,7 +70,7 @@ def cmd_data(args) -> int:
         if args.eos is not None and args.tokenizer is None:
             raise UserError(f"--eos {args.eos!r} names a token of --tokenizer; byte-level ids "
                             "have no end-of-text token: pass the tokenizer, or drop --eos")
-        output_paths.file(out, "OUT.bin", ".bin")
+        _token_file_out(out)
         paths = expand(inputs)
         _keep_inputs(out, [*paths, args.chat_template], args.tokenizer)
         got = encode_corpus(paths, ", ".join(inputs), out, field, args.dtype, args.tokenizer,
@@ -99,7 +99,7 @@ def cmd_data(args) -> int:
         if value is not None:
             raise UserError(f"{flag} reads JSON Lines or Parquet records (*.jsonl, *.parquet); "
                             f"a text file is one document: drop {flag}, or pass the records")
-    output_paths.file(out, "OUT.bin", ".bin")
+    _token_file_out(out)
     _keep_inputs(out, [text], args.tokenizer)
     written = encode_text_file(text, out, args.dtype, args.tokenizer, held)
     if args.tokenizer:
@@ -143,3 +143,15 @@ def _keep_inputs(out: str, inputs: list, tokenizer: str | None) -> None:
                 what = "OUT.bin" if path == Path(out) else f"OUT.bin's {path.name}"
                 raise UserError(f"{what} '{path}' is the input '{path_in}': writing would "
                                 "overwrite it; pass another OUT.bin")
+
+
+def _token_file_out(out: str) -> None:
+    """OUT.bin, checked before the work: a file of ids, never named as text (where a
+    token file goes, plait reads a .txt or .jsonl as text and says so: data.tokens)."""
+    from plait.data.tokens import TEXT_SUFFIXES
+
+    path = Path(out)
+    if path.suffix.lower() in TEXT_SUFFIXES:
+        raise UserError(f"OUT.bin '{out}' is named as text ({path.suffix}), but a token file "
+                        f"is binary ids; name it e.g. '{path.with_suffix('.bin')}'")
+    output_paths.file(out, "OUT.bin", ".bin")
