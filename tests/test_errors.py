@@ -156,6 +156,18 @@ def test_a_launch_port_that_is_not_a_port_is_one_line(exp_file, capsys):
     assert "--port 70000 is not a TCP port; use one from 1 to 65535" in line, line
 
 
+@pytest.mark.parametrize("command,needle", [
+    (["sweep"], "plait sweep runs in one process; run it without plait launch"),
+    (["sample", "RUN"], "plait sample runs in one process"),
+    (["plait", "train", "EXP"], "plait launch takes the command without 'plait': drop it"),
+    (["trian"], "plait launch needs a command after --, one of train, inspect, plan, eval"),
+])
+def test_a_command_launch_does_not_start_is_one_line(capsys, command, needle):
+    """Before any process starts: each of these read 'needs a command after --'."""
+    line = fails(capsys, "launch", "--processes", "2", "--", *command)
+    assert needle in line, line
+
+
 def test_a_mistake_every_launched_process_makes_is_said_once(exp_file, capsys):
     """Not 'process 0 of 2 failed first': each process refused the same mesh."""
     line = fails(capsys, "launch", "--processes", "2", "--", "train", exp_file, "--mesh",
