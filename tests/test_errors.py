@@ -156,6 +156,27 @@ def test_a_launch_port_that_is_not_a_port_is_one_line(exp_file, capsys):
     assert "--port 70000 is not a TCP port; use one from 1 to 65535" in line, line
 
 
+@pytest.mark.parametrize("argv,line", [
+    # the top-level usage (3 lines) and no hint of --steps
+    (["train", "x.toml", "--stepz", "3"], "plait train: error: unrecognized arguments: "
+     "--stepz 3 (did you mean --steps?); see plait train --help"),
+    (["eval", "RUN", "--maxbatches=2"], "plait eval: error: unrecognized arguments: "
+     "--maxbatches=2 (did you mean --max-batches?); see plait eval --help"),
+    # the subcommand's usage (5 lines) before the line
+    (["train", "x.toml", "--steps", "abc"], "plait train: error: argument --steps: invalid "
+     "int value: 'abc'; see plait train --help"),
+    (["sweep", "x.toml"], "plait sweep: error: the following arguments are required: "
+     "--devices; see plait sweep --help"),
+])
+def test_a_command_line_argparse_refuses_is_one_line(capsys, argv, line):
+    from plait.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
 @pytest.mark.parametrize("command,needle", [
     (["sweep"], "plait sweep runs in one process; run it without plait launch"),
     (["sample", "RUN"], "plait sample runs in one process"),

@@ -4,6 +4,7 @@ handlers live in plait.cli)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 
 import plait
 
@@ -25,8 +26,29 @@ def common(p: argparse.ArgumentParser) -> None:
     processes(p)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with plait's one-line mistakes: the problem, a flag it may have meant,
+    and where the usage is (not the usage itself, many lines of it, and for a mistyped
+    flag the top-level command's rather than the subcommand's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+    def parse_args(self, args=None, namespace=None):
+        got, extra = self.parse_known_args(args, namespace)
+        if extra:
+            sub = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction))
+            command = sub.choices[got.command]
+            flags = [o for a in command._actions for o in a.option_strings]
+            meant = [m for x in extra if x.startswith("-")
+                     for m in difflib.get_close_matches(x.split("=")[0], flags, n=1)]
+            command.error(f"unrecognized arguments: {' '.join(extra)}"
+                          + (f" (did you mean {', '.join(meant)}?)" if meant else ""))
+        return got
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="plait", description="Train one model over any device mesh.")
+    ap = Parser(prog="plait", description="Train one model over any device mesh.")
     ap.add_argument("--version", action="version", version=f"plait {plait.version()}")
     sub = ap.add_subparsers(dest="command", required=True)
 
