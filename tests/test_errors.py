@@ -167,6 +167,9 @@ def test_a_launch_port_that_is_not_a_port_is_one_line(exp_file, capsys):
      "int value: 'abc'; see plait train --help"),
     (["sweep", "x.toml"], "plait sweep: error: the following arguments are required: "
      "--devices; see plait sweep --help"),
+    (["trian", "x.toml"], "plait: error: argument command: invalid choice: 'trian' (choose "
+     "from 'train', 'inspect', 'sweep', 'plan', 'launch', 'schedule', 'data', 'sample', "
+     "'eval', 'import', 'export') (did you mean 'train'?); see plait --help"),
 ])
 def test_a_command_line_argparse_refuses_is_one_line(capsys, argv, line):
     from plait.cli import main

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 
 import plait
 
@@ -32,6 +33,11 @@ class Parser(argparse.ArgumentParser):
     flag the top-level command's rather than the subcommand's)."""
 
     def error(self, message: str):
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if wrong:  # a mistyped subcommand: the closest (a few choices are read at once)
+            choices = re.findall(r"'([^']*)'", wrong[2])
+            close = difflib.get_close_matches(wrong[1], choices, 1) if len(choices) > 3 else []
+            message += f" (did you mean '{close[0]}'?)" if close else ""
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
     def parse_args(self, args=None, namespace=None):
