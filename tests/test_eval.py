@@ -37,12 +37,16 @@ def test_held_out_loss_equals_a_hand_computation(mesh, tmp_path):
     write_tokens(rng.integers(0, 256, 5000), held_out, "uint16")
     exp = tiny(data={"eval_path": str(held_out), "eval_batches": 2, "eval_every_steps": 4},
                checkpoint={"enabled": True, "every_steps": 4, "keep": 5, "async_save": False},
-               train={"steps": 8, "global_batch": 16, "microbatches": 2})
+               train={"steps": 8, "global_batch": 16, "microbatches": 2},
+               log={"every_steps": 3})
     run_dir = tmp_path / "r"
     summary = run(exp, mesh, run_dir)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = {r["step"]: r for r in records if "eval_loss" in r}
+    # every 4 steps though the log is every 3 (the log steps that are multiples of 4 were
+    # evaluated: step 8 alone); a log record where an evaluation falls
     assert sorted(evaluated) == [4, 8]
+    assert [r["step"] for r in records] == [1, 3, 4, 6, 8]
     assert summary["records"][-1]["eval_perplexity"] == pytest.approx(
         np.exp(summary["records"][-1]["eval_loss"]))
     # By hand: the step-8 parameters, the model applied on one device, numpy's xent.
