@@ -137,6 +137,7 @@ def test_xla_runtime_error_is_one_line_and_keeps_the_last_checkpoint(tmp_path, c
 
 def test_xla_defaults_yield_to_the_users_flags():
     from plait import xla_flags
+    from plait.errors import UserError
 
     env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x"}
     added = xla_flags.apply_defaults(env)
@@ -147,6 +148,9 @@ def test_xla_defaults_yield_to_the_users_flags():
     assert xla_flags.apply_defaults(env) == []  # idempotent
     off = {"PLAIT_XLA_DEFAULTS": "0"}
     assert xla_flags.apply_defaults(off) == [] and "XLA_FLAGS" not in off
+    # a value that is neither (a letter O for a zero) was taken as on, silently
+    with pytest.raises(UserError, match="PLAIT_XLA_DEFAULTS='O' is neither on nor off"):
+        xla_flags.apply_defaults({"PLAIT_XLA_DEFAULTS": "O"})
 
 
 def test_a_steps_time_runs_from_the_previous_steps_end_to_its_own(tmp_path, monkeypatch):

@@ -330,13 +330,17 @@ def cmd_schedule(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     quiet.quiet_libraries()
-    xla_flags.apply_defaults()  # before any device is touched
     command = {"train": cmd_train, "inspect": cmd_inspect, "data": cmd_data,
                "schedule": cmd_schedule, "sweep": cmd_sweep, "plan": cmd_plan,
                "launch": cmd_launch, "sample": cmd_sample, "eval": cmd_eval,
                "import": cmd_import,
                "export": cmd_export}[args.command]
-    return reported("plait", lambda: command(args))
+
+    def run() -> int:
+        xla_flags.apply_defaults()  # before any device is touched
+        return command(args)
+
+    return reported("plait", run)
 
 
 def entry() -> None:

@@ -19,6 +19,8 @@ import os
 import re
 from collections.abc import MutableMapping
 
+from plait.errors import UserError
+
 DEFAULTS: dict[str, str] = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
     "xla_gpu_enable_while_loop_double_buffering": "true",
@@ -33,8 +35,12 @@ def _named(flags: str) -> set[str]:
 
 def apply_defaults(environ: MutableMapping[str, str] = os.environ) -> list[str]:
     """Add the default flags the user has not set to `XLA_FLAGS`; returns those added."""
-    if environ.get("PLAIT_XLA_DEFAULTS", "1").strip().lower() in ("0", "false", "no", "off"):
+    setting = environ.get("PLAIT_XLA_DEFAULTS", "1").strip().lower()
+    if setting in ("0", "false", "no", "off"):
         return []
+    if setting not in ("1", "true", "yes", "on", ""):
+        raise UserError(f"PLAIT_XLA_DEFAULTS={environ['PLAIT_XLA_DEFAULTS']!r} is neither on "
+                        "nor off; set it to 1 (plait's XLA flags, the default) or 0 (none)")
     current = environ.get("XLA_FLAGS", "")
     taken = _named(current)
     added = [f"--{k}={v}" for k, v in DEFAULTS.items() if k not in taken]
