@@ -165,3 +165,21 @@ def test_compare_tensor_modes_command(tmp_path, capsys):
     for r in rows.values():
         assert 1.0 <= r["tensor_wire_bytes"] / r["tensor_formula_bytes"] <= 1.1, r
         assert r["param_bytes_per_device"] > 0 and r["temp_bytes"] > 0
+
+
+def test_compare_tensor_modes_takes_its_device_count_from_devices(tmp_path, capsys,
+                                                                  monkeypatch):
+    """`--compare-tensor-modes --devices 4` compares the modes on 4 devices, whatever the
+    experiment's [mesh] (one of 8 refused it: 'needs 8 devices but 4 are in use')."""
+    from helpers import write_experiment
+
+    from plait import inspect
+    from plait.cli import main
+
+    asked = []
+    monkeypatch.setattr(inspect, "compare_tensor_modes", lambda exp, n: asked.append(n) or [])
+    path = write_experiment(tmp_path / "tiny.toml", tiny(mesh={"data": 2, "fsdp": 2,
+                                                               "tensor": 2}))
+    assert main(["inspect", str(path), "--compare-tensor-modes", "--devices", "4",
+                 "--json"]) == 0
+    assert asked == [4] and json.loads(capsys.readouterr().out)["devices"] == 4

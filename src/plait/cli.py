@@ -185,6 +185,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    if args.compare_tensor_modes and args.devices is not None and not args.mesh:
+        # the modes' meshes of --devices devices, not the experiment's [mesh] (whose size
+        # refused --devices 4 for an 8-device mesh)
+        args.mesh = "data=-1"
     exp, mesh = _setup(args)
     from plait.inspect import compare_tensor_modes, inspect_step
     from plait.views.inspect import render, render_comparison
