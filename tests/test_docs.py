@@ -86,16 +86,13 @@ def test_some_blocks_are_marked_to_run():
 def test_the_readmes_usage_names_each_flag_of_each_command():
     """README's Usage block names every flag of every subcommand (its sweep had lost
     --vary, --run-steps, --run-rounds and --set; its eval --dtype)."""
-    import argparse
-
-    from plait.cli import parser
+    from plait.cli_args import parser, subcommands
 
     text = (ROOT / "README.md").read_text()
     usage = text[text.index("## Usage"):]
     usage = usage[:usage.index("```", usage.index("```sh") + 5)]
     entries = re.split(r"\n(?=plait )", usage)
-    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
-    for name, p in sub.choices.items():
+    for name, p in subcommands(parser()).items():
         said = " ".join(e for e in entries
                         if re.match(rf"plait (\S+\|)*{name}(\|\S+)* ", e))
         flags = [o for a in p._actions for o in a.option_strings
@@ -106,12 +103,9 @@ def test_the_readmes_usage_names_each_flag_of_each_command():
 def test_every_hand_written_usage_line_names_each_flag():
     """A subcommand whose usage line is written out (data, sample, eval, import, export)
     names every flag it takes: `plait eval`'s had lost --dtype and --devices."""
-    import argparse
+    from plait.cli_args import parser, subcommands
 
-    from plait.cli import parser
-
-    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
-    written = {name: p for name, p in sub.choices.items() if p.usage}
+    written = {name: p for name, p in subcommands(parser()).items() if p.usage}
     assert {"data", "sample", "eval", "import", "export"} <= set(written)
     for name, p in written.items():
         flags = [o for a in p._actions for o in a.option_strings

@@ -43,14 +43,18 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         got, extra = self.parse_known_args(args, namespace)
         if extra:
-            sub = next(a for a in self._actions if isinstance(a, argparse._SubParsersAction))
-            command = sub.choices[got.command]
+            command = subcommands(self)[got.command]
             flags = [o for a in command._actions for o in a.option_strings]
             meant = [m for x in extra if x.startswith("-")
                      for m in difflib.get_close_matches(x.split("=")[0], flags, n=1)]
             command.error(f"unrecognized arguments: {' '.join(extra)}"
                           + (f" (did you mean {', '.join(meant)}?)" if meant else ""))
         return got
+
+
+def subcommands(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each subcommand's parser, by name."""
+    return next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
 def parser() -> argparse.ArgumentParser:

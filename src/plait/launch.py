@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from plait.cli_args import parser, subcommands
 from plait.cluster import check_port
 from plait.errors import UserError
 
@@ -30,16 +31,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _subcommands() -> set[str]:
-    """plait's subcommands (those plait launch does not start among them)."""
-    import argparse
-
-    from plait.cli_args import parser
-
-    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return set(sub.choices)
-
-
 def launch(processes: int, command: list[str], port: int | None = None) -> int:
     if command and command[0] == "--":
         command = command[1:]
@@ -48,7 +39,7 @@ def launch(processes: int, command: list[str], port: int | None = None) -> int:
     if command and command[0] == "plait" and command[1:2] and command[1] in LAUNCHABLE:
         raise UserError(f"plait launch takes the command without 'plait': drop it after -- "
                         f"(plait launch --processes {processes} -- {' '.join(command[1:3])} ...)")
-    if command and command[0] not in LAUNCHABLE and command[0] in _subcommands():
+    if command and command[0] not in LAUNCHABLE and command[0] in subcommands(parser()):
         raise UserError(f"plait {command[0]} runs in one process; run it without plait "
                         f"launch (plait launch starts {', '.join(LAUNCHABLE)})")
     if not command or command[0] not in LAUNCHABLE:
