@@ -15,7 +15,8 @@ EVERY_S = 10.0  # off a terminal, a line at most this often (a quicker command s
 
 class Display:
     """A rich Progress of `columns` on a terminal; `lines` is True where the caller's
-    lines replace it. `shown=False` (a caller's --quiet, a short job) shows neither."""
+    lines replace it. `shown=False` (a process that does not report, a job too short
+    to need it) shows neither."""
 
     def __init__(self, *columns, shown: bool = True):
         from rich.console import Console

@@ -130,10 +130,9 @@ def _steps(run: Run, compiled, state: dict, start: int, log: MetricsLog, stop: S
             guard.after(metrics, step)
             profiler.after(step, state)
             # An evaluation is due on its own schedule, and logged where it falls.
-            evaluating = evaluate is not None and eval_every and step % eval_every == 0
-            if step % every == 0 or step == total or step == start + 1 or evaluating:
-                with_eval = evaluate is not None and (not eval_every or step % eval_every == 0
-                                                      or step == total)
+            due = evaluate is not None and eval_every and step % eval_every == 0
+            if step % every == 0 or step == total or step == start + 1 or due:
+                with_eval = evaluate is not None and (not eval_every or due or step == total)
                 done = ends.submit(metrics)
                 if with_eval or step == total:
                     emit(step, metrics, with_eval, done)
