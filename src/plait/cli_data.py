@@ -148,7 +148,7 @@ def _keep_inputs(out: str, inputs: list, tokenizer: str | None) -> None:
 def _token_file_out(out: str) -> None:
     """OUT.bin, checked before the work: a file of ids, never named as text (where a
     token file goes, plait reads a .txt or .jsonl as text and says so: data.tokens)."""
-    from plait.data.tokens import TEXT_SUFFIXES
+    from plait.data.inputs import TEXT_SUFFIXES
 
     path = Path(out)
     if path.suffix.lower() in TEXT_SUFFIXES:

@@ -20,7 +20,7 @@ from plait.data import inputs
 from plait.data.tokenizer import Bytes, HFTokenizer
 from plait.errors import UserError
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = inputs.RECORD_SUFFIXES
 # End-of-text tokens by the names the common tokenizers give them, in order of preference.
 END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 BATCH = 1024

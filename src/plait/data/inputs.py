@@ -8,6 +8,11 @@ import glob
 import os
 import re
 
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")  # plait data's documents
+# Names of text or of records, never of a token file (plait data refuses to write one
+# so named; where one is read, such a name is said to be text).
+TEXT_SUFFIXES = (".txt", ".md", ".csv", ".tsv", *RECORD_SUFFIXES)
+
 
 def matches(pattern: str) -> list[str]:
     """The files `pattern` names; [] for a glob that matches none. A name that only

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from plait.data.inputs import TEXT_SUFFIXES
 from plait.data.tokenizer import HFTokenizer, sidecar
 from plait.errors import UserError
 from plait.loss_mask import DOC_START
@@ -124,9 +125,6 @@ class TokenFile:
                             f"model.vocab = {self.vocab} (the first at token {at:,}); raise "
                             f"model.vocab or re-tokenize, or check {self.dtype_key} "
                             f"({self.dtype}: the file's id width)")
-
-
-TEXT_SUFFIXES = (".txt", ".md", ".json", ".jsonl", ".parquet", ".csv", ".tsv")
 
 
 def _text_given(path: Path, key: str) -> str:
