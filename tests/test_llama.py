@@ -78,6 +78,22 @@ def test_no_collective_permute_in_a_tick(spec, schedule):
     assert not hlo.ops_in_branches(mod, "collective-permute")
 
 
+def test_a_key_value_head_too_few_for_the_grid_trains_like_one_device():
+    """One key/value head, replicated over the head axis of 2-D (tensor_col: its
+    projection's product was typed as varying over the columns and shard_map refused
+    the step, a traceback) and of 3-D (tensor_y: its tokens had been laid over y as
+    well, and attention gathered its scores); through a pipeline too."""
+    from helpers import step_in_process
+
+    want, _ = step_in_process(llama(model={"kv_heads": 1}), "data=1", 3)
+    for spec, pipeline in (("data=2,tensor_row=2,tensor_col=2", {}),
+                           ("tensor_x=2,tensor_y=2,tensor_z=2", {}),
+                           ("pipeline=2,tensor_row=2,tensor_col=2",
+                            {"pipeline": {"schedule": "1f1b", "microbatches": 2}})):
+        got, _ = step_in_process(llama(model={"kv_heads": 1}, **pipeline), spec, 3)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=spec)
+
+
 def test_zb_h1_trains_a_gqa_decoder_split_over_tensor(tmp_path):
     """What hung: ZB-H1 on pipeline=2,tensor=2 with the kv heads split; its losses equal
     one device's (and its step, compiled, has no permute in a tick, or plait train would
@@ -148,16 +164,22 @@ def test_formulas_count_gqa_and_swiglu():
         assert got == pytest.approx(want, rel=1e-9), model
 
 
-@pytest.mark.parametrize("spec,kv", [("tensor=2", 2), ("tensor=4", 2), ("tensor=4", 1),
-                                     ("tensor_row=2,tensor_col=2", 2)],
-                         ids=["1d-split", "1d-replicated", "1d-mqa", "2d"])
-def test_tensor_bytes_equal_the_formula_with_gqa(spec, kv):
+@pytest.mark.parametrize("spec,kv,remat", [
+    ("tensor=2", 2, "none"), ("tensor=4", 2, "none"), ("tensor=4", 1, "none"),
+    ("tensor_row=2,tensor_col=2", 2, "full"),
+    ("tensor_depth=2,tensor_row=2,tensor_col=2", 1, "none"),
+    ("tensor_x=2,tensor_y=2,tensor_z=2", 1, "full")],
+    ids=["1d-split", "1d-replicated", "1d-mqa", "2d-remat", "2.5d-mqa", "3d-mqa-remat"])
+def test_tensor_bytes_equal_the_formula_with_gqa(spec, kv, remat):
     """Compiled tensor-axis wire bytes against parallel.formulas: key/value heads split
-    (the q and k/v projections' input gradients reduced apart) and replicated (their
-    heads gathered forward, their gradients summed over the ranks sharing one)."""
+    (the q and k/v projections' input gradients reduced apart; on a grid the k/v
+    projection shares the queries' gathers of its input, remat's too) and replicated
+    (their heads gathered forward, their gradients summed over the ranks sharing one;
+    on a grid the one head's product laid out with the queries' tokens: 3-D had moved
+    1.7x the formula, gathering attention's scores)."""
     from plait.inspect import inspect_step
 
     # The q/k norms' statistics add small all-reduces the papers' formulas do not count.
-    exp = llama(model={"kv_heads": kv, "qkv_bias": False, "qk_norm": False})
+    exp = llama(model={"kv_heads": kv, "qkv_bias": False, "qk_norm": False, "remat": remat})
     r = inspect_step(exp, make_mesh(spec))
     assert r["tensor_wire_bytes"] == pytest.approx(r["tensor_formula_bytes"], rel=0.015)

@@ -40,6 +40,10 @@ class Rules:
     inputs: Mapping[str, MeshAxes] = field(default_factory=dict)
     # How attention spans the `context` axis ([context] attention: ring | allgather).
     context_attention: str = "ring"
+    # Logical names whose dimension is not split but whose mesh axes no other dimension
+    # of the same value takes either (act_batch's fill): key/value heads replicated over
+    # the axis the query heads split, so the keys and values keep the queries' tokens.
+    held: Mapping[str, MeshAxes] = field(default_factory=dict)
 
     def param_axes(self, logical: Sequence[str], fan_in: Sequence[str] = ()) -> list:
         return [self.inputs.get(n, self.names.get(n)) if n in fan_in else self.names.get(n)
@@ -152,13 +156,14 @@ def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def axes_spec(per_dim: Sequence[MeshAxes], mesh: Mesh, fill_last: Sequence[bool] = ()) -> P:
+def axes_spec(per_dim: Sequence[MeshAxes], mesh: Mesh, fill_last: Sequence[bool] = (),
+              held: Iterable[str] = ()) -> P:
     """PartitionSpec from mesh axes per dimension; size-1 axes and repeats dropped.
 
     Dimensions flagged in `fill_last` are resolved after the others, so they
-    take only the axes the others left free.
+    take only the axes the others (and `held`) left free.
     """
-    used: set[str] = set()
+    used: set[str] = set(held)
     out: list = [None] * len(per_dim)
     flags = list(fill_last) + [False] * (len(per_dim) - len(fill_last))
     order = [i for i in range(len(per_dim)) if not flags[i]] + \
@@ -173,8 +178,9 @@ def axes_spec(per_dim: Sequence[MeshAxes], mesh: Mesh, fill_last: Sequence[bool]
 
 def spec(logical: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
     """PartitionSpec for logical names; size-1 mesh axes and repeats are dropped."""
+    held = [a for n in logical if n in rules.held for a in axes_tuple(rules.held[n])]
     return axes_spec([rules.get(n) if n is not None else None for n in logical], mesh,
-                     [n == _FILL_LAST for n in logical])
+                     [n == _FILL_LAST for n in logical], held)
 
 
 def param_spec(logical: Sequence[str], fan_in: Sequence[str], rules: Rules, mesh: Mesh) -> P:

@@ -90,7 +90,17 @@ def tensor_elements(exp: Experiment, sizes: dict[str, int]) -> Counts:
         layer = 0.0
         for k, n, shared in linears:
             x_term, w_term = g * T * k / d, g * k * n
-            layer += x_term * ((3 if remat else 2) - shared) + w_term * (M + w_sets)
+            if shared and m.n_kv_heads % q:
+                # key/value heads replicated over the columns: the projection reads the
+                # queries' gathered input and its input gradient is a slice of a value
+                # the columns share, but each column's query heads add to the keys' and
+                # values' gradient, summed over the columns; its weight [k/q, n] is q
+                # times a split one's
+                layer += 2 * g * T * n / d + q * (w_term * (M + w_sets) + M * depth * k * n)
+                continue
+            # forward gather, input gradient's reduce-scatter, remat's gather again;
+            # a projection reading another's gathered input shares both gathers
+            layer += x_term * (1 if shared else 3 if remat else 2) + w_term * (M + w_sets)
             layer += M * depth * k * n
         # Lookup scatter + head input gather, forward and backward; table gathers
         # (one shared by lookup and head when tied) and gradient reductions.
@@ -104,6 +114,16 @@ def tensor_elements(exp: Experiment, sizes: dict[str, int]) -> Counts:
     layer = 0.0
     for i, (k, n, shared) in enumerate(linears):
         x_term, w_term, y_term = g * T * k, g * k * n, g * T * n
+        if shared and m.n_kv_heads % q:
+            # key/value heads replicated over tensor_y (measured, as the 2-D case): the
+            # input is not gathered; the product, reduce-scattered over z, is moved to
+            # the queries' tokens (x, z) by a gather over y and two permutes, and its
+            # gradient gathered back over z; the keys' and values' gradient is summed
+            # over y (each rank's query heads add to it), and so is the weight's; the
+            # weight [k/q^2, n] is q times a split one's. remat: the forward's three again.
+            layer += (7 + (3 if remat else 0)) * y_term + 2 * w_term * M \
+                + q * w_term * (M + w_sets)
+            continue
         layer += (2 - shared) * x_term + 2 * y_term + w_term * (M + w_sets)
         if remat:
             layer += x_term * (not shared) + (y_term if i != len(linears) - 1 else 0.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -343,8 +344,11 @@ def _dense(x: jax.Array, w: nnx.Variable, value: jax.Array) -> jax.Array:
         return jnp.einsum(eq, x, value)
     mesh, rules = ctx
     x_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in fan_in], rules, mesh)
+    # The product's own layout; a held name's value is laid out as held by the model's
+    # constraint after it (3-D: key/value heads replicated over tensor_y, a gather of the
+    # small product rather than of what attention makes of it).
     out_spec = spec(["act_batch"] + [None] * (lead - 1) + [f"act_{n}" for n in out_names],
-                    rules, mesh)
+                    replace(rules, held={}), mesh)
     w_spec = axes_spec(_gathered_axes(w, rules), mesh)
     contracted = [logical.index(n) for n in fan_in]
     return tensor.gathered_matmul(eq, x, value, mesh=mesh, x_spec=x_spec, w_spec=w_spec,

@@ -32,6 +32,11 @@ from jax.sharding import PartitionSpec as P
 
 from plait.sharding import vary_over
 
+try:
+    from jax.lax import all_gather_invariant
+except ImportError:  # jax 0.10 has it, not yet under jax.lax
+    from jax._src.lax.parallel import all_gather_invariant
+
 
 def _dims(spec: P, ndim: int) -> list[tuple[str, ...]]:
     out = []
@@ -45,12 +50,17 @@ def _spec(dims: Sequence[tuple[str, ...]]) -> P:
     return P(*(None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims))
 
 
-def _gather(x: jax.Array, dims: list[tuple[str, ...]], axis: str, dim: int) -> jax.Array:
-    """all_gather `axis` on `dim`; it must be the dimension's minor axis (tiled order)."""
+def _gather(x: jax.Array, dims: list[tuple[str, ...]], axis: str, dim: int,
+            invariant: frozenset[str] = frozenset()) -> jax.Array:
+    """all_gather `axis` on `dim`; it must be the dimension's minor axis (tiled order).
+    Over an axis in `invariant` the gathered value is typed the same on every rank of
+    it (its gradient is then the rank's slice, no reduction): what the product makes of
+    it is replicated there."""
     if dims[dim][-1] != axis:
         raise AssertionError(f"cannot gather {axis} from {dims[dim]}: not the minor axis")
     dims[dim] = dims[dim][:-1]
-    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+    gather = all_gather_invariant if axis in invariant else jax.lax.all_gather
+    return gather(x, axis, axis=dim, tiled=True)
 
 
 def _nested() -> bool:
@@ -120,7 +130,6 @@ def gathered_matmul(eq: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, x_spec: 
     ax_c = {a for i in x_contracted for a in xd[i]}
     aw_c = {a for i in w_contracted for a in wd[i]}
     aw_o = {a for i in w_out for a in wd[i]}
-    vary = {a for d in xd for a in d} - {a for d in wd for a in d}
     partial = sorted(ax_c & aw_c)
 
     # The layout the body produces, for shard_map's out_specs.
@@ -133,13 +142,20 @@ def gathered_matmul(eq: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, x_spec: 
         res[target[0]] = res[target[0]] + (axis,)
     if _spec(res) != _spec(_dims(out_spec, len(res))):
         raise AssertionError(f"gathered matmul makes {_spec(res)}, wanted {out_spec}")
+    # An operand's contracted axis the other lacks and the product is replicated over
+    # (a weight's output not split over the axis its input's features are: key/value
+    # heads too few for tensor_col) is gathered invariant, or the product would be
+    # typed varying over it.
+    in_res = {a for d in res for a in d}
+    invariant = frozenset((ax_c - aw_c) | (aw_c - ax_c)) - in_res
+    vary = {a for d in xd for a in d} - {a for d in wd for a in d} - invariant
 
     def body(xb: jax.Array, wb: jax.Array) -> jax.Array:
         xdims, wdims = list(xd), list(wd)
         for i in x_contracted:
             for a in reversed(xd[i]):
                 if a not in aw_c:
-                    xb = _gather(xb, xdims, a, i)
+                    xb = _gather(xb, xdims, a, i, invariant)
         for i in x_lead:
             for a in reversed(xd[i]):
                 if a in aw_o:
@@ -148,7 +164,7 @@ def gathered_matmul(eq: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, x_spec: 
         for i in w_contracted:
             for a in reversed(wd[i]):
                 if a not in ax_c:
-                    wb = _gather(wb, wdims, a, i)
+                    wb = _gather(wb, wdims, a, i, invariant)
         y = jnp.einsum(eq, xb, wb)
         for axis in partial:
             dim = next(i for i, d in enumerate(res) if axis in d)

@@ -49,7 +49,8 @@ def decoder_rules(sizes: dict[str, int], model: GPTConfig,
     rules = replace(sharding.rules_for_sizes(sizes), context_attention=context_attention)
     split = [a for a in sharding.axes_tuple(rules.get("kv_heads")) if sizes.get(a, 1) > 1]
     if model.n_kv_heads % math.prod(sizes[a] for a in split):
-        return sharding.with_names(rules, {"kv_heads": None, "act_kv_heads": None})
+        return replace(sharding.with_names(rules, {"kv_heads": None, "act_kv_heads": None}),
+                       held={"act_kv_heads": rules.get("act_kv_heads")})
     return rules
 
 
