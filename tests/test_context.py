@@ -40,8 +40,12 @@ def loss_and_grads(model: str, attention: str, spec: str):
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("attention", ["ring", "allgather"])
-@pytest.mark.parametrize("spec", ["context=4", "data=2,context=2,tensor=2", "fsdp=2,context=4"])
+@pytest.mark.parametrize("spec", ["context=4", "data=2,context=2,tensor=2", "fsdp=2,context=4",
+                                  "context=2,tensor=4"])  # 2 key/value heads on 4 ranks
 def test_loss_and_gradients_equal_the_run_without_the_axis(model, attention, spec):
+    """context=2,tensor=4: the Llama's key/value heads are replicated over tensor; the
+    ring's per-block conditional had held their gradients' sum over the query heads'
+    ranks, and plait train refused the step (parallel.context.attend)."""
     want_loss, want = loss_and_grads(model, "ring", "data=1")
     got_loss, got = loss_and_grads(model, attention, spec)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
@@ -103,13 +107,24 @@ def ring_step():
 
 
 def test_compiled_ring_bytes_equal_the_formula(ring_step):
+    from plait import analysis, hlo
     from plait.parallel import formulas
+    from plait.tasks import make_task
 
     exp, mesh, report = ring_step
     got = formulas.context_wire_bytes(report)
     want = formulas.context_bytes(exp, dict(mesh.shape), "cpu")
     assert got["collective-permute"] == want["collective-permute"]
     assert report["context"]["formula_bytes"] == want  # what plait inspect prints
+    # Key/value heads replicated over tensor: one sent round per query head, and no
+    # sum over the query heads' ranks inside the ring's per-block conditional, which
+    # XLA:CPU does not order against the ring's sends (plait train refused the step).
+    mesh = make_mesh("context=2,tensor=4")
+    compiled = make_task(exp, mesh).compile()
+    assert hlo.unordered_beside_conditionals(hlo.parse_hlo(compiled.as_text())) == []
+    got = formulas.context_wire_bytes(analysis.analyze(compiled, dict(mesh.shape)))
+    assert got["collective-permute"] == \
+        formulas.context_bytes(exp, dict(mesh.shape), "cpu")["collective-permute"]
 
 
 def test_compiled_allgather_bytes_equal_the_formula():

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from plait.loss_mask import segments, starts, token_ids
-from plait.sharding import active
+from plait.sharding import active, constrain
 
 AXIS = "context"
 _HIDDEN = -1e30  # a masked score: exp() of it minus any finite max is 0, never NaN
@@ -108,6 +108,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, pos: np.ndarray | None,
     mesh, rules = active()
     if rules.context_attention == "allgather":
         return _gathered(q, k, v, pos, seg)
+    if "act_kv_heads" in rules.held:
+        # Key/value heads too few to split over tensor, so replicated there: each rank's
+        # query heads would add to every key/value head's gradient inside the ring's
+        # per-block `lax.cond` (an all-reduce in a branch: XLA:CPU hangs, plait refused
+        # the step). As many as the query heads instead, split like them (each rank
+        # sends its heads' keys round the ring), their gradients summed once after it.
+        heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+        k, v = (constrain(jnp.repeat(x, q.shape[2] // x.shape[2], axis=2), heads)
+                for x in (k, v))
     return _ring(q, k, v, pos, mesh, seg)
 
 
@@ -120,8 +129,6 @@ def _gathered(q, k, v, pos: np.ndarray, seg: jax.Array | None = None) -> jax.Arr
     """Keys and values gathered over the axis (GSPMD: all-gather forward, reduce-scatter
     of their gradients backward); queries stay split, so each rank's scores are [seq / C,
     seq]."""
-    from plait.sharding import constrain
-
     full = ("act_batch", None, "act_kv_heads", "act_head_dim")
     heads = ("act_batch", None, "act_heads", "act_head_dim")
     names = full if k.shape[2] != q.shape[2] else heads

@@ -177,16 +177,17 @@ def context_elements(exp: Experiment, sizes: dict[str, int]) -> dict[str, float]
     collective that carries it (parallel.context; measured equal to the compiled step).
 
     A block is one rank's keys (or values): B T / C tokens x its key/value heads x head
-    size, B the rows of its data replica. Ring: the forward sends C - 1 key blocks and
-    C - 1 value blocks round; the backward's key/value sends are the same values in the
-    same order, which XLA shares with the forward's (sent again under remat or stacked
-    layers),
-    and the float32 key/value gradients travel C - 1 steps with them and one home:
-    2(C - 1) [+ 2(C - 1) with remat or stacked layers] blocks in the compute dtype, 2C in
-    float32. All-gather: 2(C - 1) blocks gathered forward (again under remat; stacked
-    layers keep the gathered blocks for the backward); the gradients of
-    the gathered keys and values are all-reduced over the axis, 2 x 2(C - 1) blocks,
-    in the step's all-reduces (XLA fuses them with the weight-gradient reduction)."""
+    size, B the rows of its data replica (a ring with key/value heads too few to split
+    over tensor sends one per query head: parallel.context.attend). Ring: the forward
+    sends C - 1 key blocks and C - 1 value blocks round; the backward's key/value sends
+    are the same values in the same order, which XLA shares with the forward's (sent
+    again under remat or stacked layers), and the float32 key/value gradients travel
+    C - 1 steps with them and one home: 2(C - 1) [+ 2(C - 1) with remat or stacked
+    layers] blocks in the compute dtype, 2C in float32. All-gather: 2(C - 1) blocks
+    gathered forward (again under remat; stacked layers keep the gathered blocks for the
+    backward); the gradients of the gathered keys and values are all-reduced over the
+    axis, 2 x 2(C - 1) blocks, in the step's all-reduces (XLA fuses them with the
+    weight-gradient reduction)."""
     m = exp.model
     C = sizes.get("context", 1)
     if C == 1:
@@ -194,13 +195,16 @@ def context_elements(exp: Experiment, sizes: dict[str, int]) -> dict[str, float]
     p = sizes.get("tensor", 1)
     kv = m.n_kv_heads
     per_rank = kv / p if kv % p == 0 else kv
+    ring = exp.context.attention == "ring" and sizes.get("pipeline", 1) == 1
+    if ring and kv % p:
+        per_rank = m.heads / p  # a ring sends a key/value head per query head then
     rows = exp.train.global_batch / (sizes.get("data", 1) * sizes.get("fsdp", 1))
     block = rows * m.seq_len / C * per_rank * m.head_size
     # Sent again in the backward: under remat; a ring's also in a scan over stacked
     # layers (the backward's scan cannot share the forward's sends).
     remat = m.remat != "none"
     L = m.layers
-    if exp.context.attention == "ring" and sizes.get("pipeline", 1) == 1:
+    if ring:
         again = 2 if remat or m.scan_layers is True else 1
         return {"kv": L * block * 2 * (C - 1) * again, "kv_grad_f32": L * block * 2 * C}
     return {"kv": L * block * 2 * (C - 1) * (2 if remat else 1),
