@@ -38,10 +38,11 @@ def loss_and_grads(model: str, attention: str, spec: str):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("attention", ["ring", "allgather"])
-@pytest.mark.parametrize("spec", ["context=4", "data=2,context=2,tensor=2", "fsdp=2,context=4",
-                                  "context=2,tensor=4"])  # 2 key/value heads on 4 ranks
+@pytest.mark.parametrize("model,attention,spec", [
+    *((m, a, s) for s in ("context=4", "data=2,context=2,tensor=2", "fsdp=2,context=4")
+      for a in ("ring", "allgather") for m in MODELS),
+    # the Llama's 2 key/value heads on 4 tensor ranks: replicated there
+    ("llama", "ring", "context=2,tensor=4"), ("llama", "allgather", "context=2,tensor=4")])
 def test_loss_and_gradients_equal_the_run_without_the_axis(model, attention, spec):
     """context=2,tensor=4: the Llama's key/value heads are replicated over tensor; the
     ring's per-block conditional had held their gradients' sum over the query heads'
