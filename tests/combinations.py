@@ -1,0 +1,264 @@
+"""Random combinations of axes, schedules and model options, trained against one device.
+
+    python tests/combinations.py [--runs N] [--seed S] [--mode fresh|resume|data|dlrm]
+                                 [--out FILE.jsonl]
+
+The suite holds losses equal across meshes for the combinations someone wrote down;
+this draws others. Each run draws a model (GPT-2's layout; a Llama with 1, 2 or 4
+key/value heads for 4 query heads, q/k norms, tied or not; a mixture of experts,
+capacity or dropless, with a shared expert or not), a mesh of 8 simulated CPU devices
+(pipeline; no tensor mode, 1-D, 2-D, 2.5-D or 3-D; context with ring or all-gather
+attention; expert; fsdp; data), a remat policy, stacked layers or not, loss pieces, and
+microbatches or a pipeline schedule, and runs `plait train` for 4 steps. Each step's
+loss must equal that of the same model on one device (rtol 1e-4); a refusal must be
+one line with exit status 2. Modes: `fresh` as above; `resume` trains 2 steps on one
+draw and resumes to 4 on another (the checkpoint moved between meshes and layouts);
+`data` trains on a fine-tuning token file (loss mask, document index) with a random
+`data.row_start` and `data.document_mask`; `dlrm` draws table placements, optimizers
+and features of experiments/dlrm-tiny.toml over data x fsdp.
+
+Every run is one line of JSON in --out; the end prints the failures. Not part of the
+suite (minutes per dozen runs on 2 cores); run it after changing a parallel mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from helpers import ROOT, subprocess_env
+
+RTOL = 1e-4
+
+
+def _model(rng: random.Random, mode: str) -> tuple[str, dict]:
+    kind = rng.choice(["gpt", "llama", "moe"])
+    s: dict = {"train.global_batch": 16, "optimizer.warmup_steps": 0,
+               "optimizer.decay_steps": 4, "model.layers": rng.choice([2, 4]),
+               "model.d_model": 64, "model.heads": 4, "model.d_ff": 128, "model.vocab": 256,
+               "model.seq_len": 64, "model.kind": '"gpt"' if kind == "gpt" else '"llama"'}
+    if kind != "gpt":
+        s.update({"model.kv_heads": rng.choice([1, 2, 4]), "model.rope_theta": 10000.0,
+                  "model.qk_norm": rng.choice(["false", "true"]),
+                  "model.tie_embeddings": rng.choice(["false", "true"])})
+    if kind == "moe":
+        s.update({"model.moe.experts": 4, "model.moe.top_k": 2, "model.moe.z_weight": 0.001,
+                  "model.moe.capacity_factor": rng.choice([0.0, 2.0]),
+                  "model.moe.shared_d_ff": rng.choice([0, 32])})
+    if mode == "data":
+        s.update({"data.source": '"tokens"',
+                  "data.row_start": rng.choice(['"anywhere"', '"document"', '"auto"']),
+                  "data.document_mask": rng.choice(["false", "true"])})
+    return kind, s
+
+
+def _mesh(rng: random.Random, kind: str, layers: int) -> dict[str, int]:
+    axes: dict[str, int] = {}
+    left = 8
+    p = rng.choice([1, 1, 2, 4] if layers == 4 else [1, 1, 2])
+    if p > 1:
+        axes["pipeline"], left = p, left // p
+    tensor = rng.choice(["none", "1d", "1d", "2d", "3d", "2.5d"])
+    if tensor == "1d" and left >= 2:
+        axes["tensor"] = rng.choice([x for x in (2, 4) if left % x == 0])
+        left //= axes["tensor"]
+    elif tensor == "2d" and left >= 4:
+        axes.update(tensor_row=2, tensor_col=2)
+        left //= 4
+    elif tensor in ("3d", "2.5d") and left >= 8:
+        axes.update({"3d": dict(tensor_x=2, tensor_y=2, tensor_z=2),
+                     "2.5d": dict(tensor_depth=2, tensor_row=2, tensor_col=2)}[tensor])
+        left //= 8
+    for axis, chance, sizes in (("context", 0.3, (2,)), ("expert", 0.6, (2, 4)),
+                                ("fsdp", 0.5, (2, 4, 8))):
+        if (axis != "expert" or kind == "moe") and left >= 2 and rng.random() < chance:
+            axes[axis] = rng.choice([x for x in sizes if left % x == 0])
+            left //= axes[axis]
+    if left > 1:
+        axes["data"] = left
+    return axes or {"data": 1}
+
+
+def _options(rng: random.Random, axes: dict[str, int]) -> tuple[dict, int]:
+    o: dict = {"model.remat": rng.choice(['"none"', '"full"', '"save_dots"',
+                                          '"save_attention"', '"save_qkv"']),
+               "model.scan_layers": rng.choice(["false", "true"]),
+               "model.loss_chunks": rng.choice([1, 2, 4])}
+    if "pipeline" in axes:
+        o["pipeline.schedule"] = rng.choice(['"gpipe"', '"1f1b"', '"interleaved"',
+                                             '"chimera"', '"zb-h1"'])
+        o["pipeline.microbatches"] = rng.choice([2, 4])
+        o["pipeline.recompute"] = rng.choice(["false", "true"])
+        micro = o["pipeline.microbatches"]
+    else:
+        micro = o["train.microbatches"] = rng.choice([1, 1, 2])
+    if "context" in axes:
+        o["context.attention"] = rng.choice(['"ring"', '"allgather"'])
+    return o, micro
+
+
+def _dlrm(rng: random.Random) -> tuple[dict, dict, dict[str, int]]:
+    s = {"embedding.optimizer": rng.choice(['"sgd"', '"adagrad"', '"adam"']),
+         "optimizer.name": rng.choice(['"adagrad"', '"sgd"', '"adamw"']),
+         "model.pooling": rng.choice(['"sum"', '"mean"']),
+         "model.cross_layers": rng.choice([0, 0, 2]),
+         "data.ids_fixed": rng.choice(["true", "false"]),
+         "data.popularity": rng.choice(['"uniform"', '"powerlaw"']), "data.eval_batches": 0}
+    kinds = ["table", "row", "column", "replicated"]
+    o = {"embedding.sharding": rng.choice(['"auto"'] + [f'"{k}"' for k in kinds])}
+    if rng.random() < 0.4:
+        o["embedding.overrides"] = "{" + ", ".join(
+            f'"{i}" = "{rng.choice(kinds)}"' for i in range(4) if rng.random() < 0.5) + "}"
+    fsdp = rng.choice([1, 2, 4, 8])
+    return s, o, {k: v for k, v in (("fsdp", fsdp), ("data", 8 // fsdp)) if v > 1} or {"data": 1}
+
+
+class Runner:
+    def __init__(self, work: Path, experiment: Path, data: Path | None):
+        self.work, self.experiment, self.data = work, experiment, data
+        self.refs: dict[str, list[float]] = {}
+
+    def train(self, sets: dict, axes: dict[str, int], run_dir: Path, devices: int = 8,
+              steps: int = 4, checkpoints: bool = False):
+        mesh = ",".join(f"{k}={v}" for k, v in axes.items())
+        cmd = [sys.executable, "-m", "plait", "train", str(self.experiment), "--run-dir",
+               str(run_dir), "--steps", str(steps), "--mesh", mesh, "--devices", str(devices),
+               "--set", "log.every_steps=1", "--set", "log.tensorboard=false",
+               "--set", 'log.console="line"', "--set", "checkpoint.async_save=false",
+               "--set", f"checkpoint.enabled={'true' if checkpoints else 'false'}"]
+        if self.data is not None and "data.source" in sets:
+            cmd += ["--set", f'data.path="{self.data}"']
+        for k, v in sets.items():
+            cmd += ["--set", f"{k}={v}"]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
+                             timeout=900)
+        losses = None
+        if out.returncode == 0:
+            recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            by_step = {r["step"]: r["loss"] for r in recs if "loss" in r}
+            losses = [by_step[k] for k in sorted(by_step)]
+        return out, losses
+
+    def reference(self, sets: dict) -> list[float] | str:
+        key = json.dumps(sets, sort_keys=True)
+        if key not in self.refs:
+            run_dir = self.work / f"ref-{hashlib.md5(key.encode()).hexdigest()[:10]}"
+            out, losses = self.train(sets, {"data": 1}, run_dir, devices=1)
+            if losses is None:
+                return out.stderr.strip()[-600:]
+            self.refs[key] = losses
+        return self.refs[key]
+
+
+def _judge(rec: dict, out, losses, ref) -> dict:
+    if losses is not None:
+        rec["rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=False))
+        rec["bad"] = rec["rel"] > RTOL or len(losses) != len(ref)
+        if rec["bad"]:
+            rec["losses"], rec["ref"] = losses, ref
+        return rec
+    lines = [x for x in out.stderr.strip().splitlines() if x.strip()]
+    one_line = out.returncode == 2 and len(lines) == 1
+    rec["error"] = lines[-1] if one_line else out.stderr.strip()[-1500:]
+    rec["bad"] = not one_line
+    return rec
+
+
+def one_run(rng: random.Random, mode: str, runner: Runner, n: int) -> dict | None:
+    run_dir = runner.work / f"run-{n}"
+    if mode == "dlrm":
+        s, o, axes = _dlrm(rng)
+        ref = runner.reference(s)
+        rec = {"n": n, "mesh": axes, "sets": {**s, **o}}
+        if isinstance(ref, str):
+            return {**rec, "bad": True, "error": f"the one-device run failed: {ref}"}
+        out, losses = runner.train({**s, **o}, axes, run_dir)
+        return _judge(rec, out, losses, ref)
+    kind, s = _model(rng, mode)
+    axes = _mesh(rng, kind, s["model.layers"])
+    o, micro = _options(rng, axes)
+    # a router's balancing loss is taken per microbatch: the reference splits as the run
+    ref_sets = {**s, "train.microbatches": micro} if kind == "moe" else s
+    rec = {"n": n, "kind": kind, "mesh": axes, "sets": {**s, **o}}
+    if mode == "resume":
+        axes2 = _mesh(rng, kind, s["model.layers"])
+        o2, micro2 = _options(rng, axes2)
+        if kind == "moe" and micro2 != micro:
+            return None
+        rec.update(then_mesh=axes2, then_sets=o2)
+    ref = runner.reference(ref_sets)
+    if isinstance(ref, str):
+        return {**rec, "bad": True, "error": f"the one-device run failed: {ref}"}
+    if mode == "resume":
+        out, losses = runner.train({**s, **o}, axes, run_dir, steps=2, checkpoints=True)
+        if out.returncode == 0:
+            out, losses = runner.train({**s, **o2}, axes2, run_dir, checkpoints=True)
+    else:
+        out, losses = runner.train({**s, **o}, axes, run_dir)
+    return _judge(rec, out, losses, ref)
+
+
+def _fine_tuning_file(work: Path) -> Path:
+    """A token file of 400 prompt/response records with its loss mask and index."""
+    rng = random.Random(0)
+    words = ("the", "mesh", "of", "devices", "trains", "one", "model", "with", "every",
+             "kind", "parallelism", "data", "tensor", "pipeline", "context", "expert")
+    docs = work / "docs.jsonl"
+    with docs.open("w") as f:
+        for i in range(400):
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
+            f.write(json.dumps({"prompt": f"Q{i}: {prompt}?", "text": text}) + "\n")
+    out = work / "sft.bin"
+    subprocess.run([sys.executable, "-m", "plait", "data", str(docs), str(out),
+                    "--prompt-field", "prompt", "--field", "text"], check=True,
+                   capture_output=True, env=subprocess_env())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=["fresh", "resume", "data", "dlrm"], default="fresh")
+    ap.add_argument("--out", type=Path, default=Path("combinations.jsonl"))
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="plait-combinations-") as tmp:
+        work = Path(tmp)
+        data = _fine_tuning_file(work) if args.mode == "data" else None
+        name = "dlrm-tiny.toml" if args.mode == "dlrm" else "quickstart.toml"
+        runner = Runner(work, ROOT / "experiments" / name, data)
+        failures, n, t0 = [], 0, time.time()
+        with args.out.open("w") as f:
+            while n < args.runs:
+                rec = one_run(rng, args.mode, runner, n + 1)
+                if rec is None:
+                    continue
+                n += 1
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                verdict = ("FAILED" if rec["bad"] else
+                           f"rel {rec['rel']:.1e}" if "rel" in rec else "refused")
+                meshes = " -> ".join(",".join(f"{k}={v}" for k, v in rec[m].items())
+                                     for m in ("mesh", "then_mesh") if m in rec)
+                print(f"combinations: {n}/{args.runs} ({time.time() - t0:.0f}s) {verdict}: "
+                      f"{meshes}", file=sys.stderr, flush=True)
+                if rec["bad"]:
+                    failures.append(rec)
+                subprocess.run(["rm", "-rf", str(work / f"run-{n}")])
+    for rec in failures:
+        print(json.dumps(rec))
+    print(f"combinations: {n} runs, {len(failures)} failed ({args.out})")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
