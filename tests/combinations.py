@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from helpers import ROOT, subprocess_env
+from helpers import losses as logged_losses
 
 RTOL = 1e-4
 
@@ -139,12 +140,7 @@ class Runner:
             cmd += ["--set", f"{k}={v}"]
         out = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
                              timeout=900)
-        losses = None
-        if out.returncode == 0:
-            recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            by_step = {r["step"]: r["loss"] for r in recs if "loss" in r}
-            losses = [by_step[k] for k in sorted(by_step)]
-        return out, losses
+        return out, (logged_losses(run_dir).tolist() if out.returncode == 0 else None)
 
     def reference(self, sets: dict) -> list[float] | str:
         key = json.dumps(sets, sort_keys=True)

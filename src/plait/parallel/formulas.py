@@ -194,10 +194,9 @@ def context_elements(exp: Experiment, sizes: dict[str, int]) -> dict[str, float]
         return {}
     p = sizes.get("tensor", 1)
     kv = m.n_kv_heads
-    per_rank = kv / p if kv % p == 0 else kv
     ring = exp.context.attention == "ring" and sizes.get("pipeline", 1) == 1
-    if ring and kv % p:
-        per_rank = m.heads / p  # a ring sends a key/value head per query head then
+    # replicated over tensor where they do not split; a ring then sends one per query head
+    per_rank = kv / p if kv % p == 0 else m.heads / p if ring else kv
     rows = exp.train.global_batch / (sizes.get("data", 1) * sizes.get("fsdp", 1))
     block = rows * m.seq_len / C * per_rank * m.head_size
     # Sent again in the backward: under remat; a ring's also in a scan over stacked

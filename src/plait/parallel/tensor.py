@@ -147,7 +147,7 @@ def gathered_matmul(eq: str, x: jax.Array, w: jax.Array, *, mesh: Mesh, x_spec: 
     # heads too few for tensor_col) is gathered invariant, or the product would be
     # typed varying over it.
     in_res = {a for d in res for a in d}
-    invariant = frozenset((ax_c - aw_c) | (aw_c - ax_c)) - in_res
+    invariant = frozenset(ax_c ^ aw_c) - in_res
     vary = {a for d in xd for a in d} - {a for d in wd for a in d} - invariant
 
     def body(xb: jax.Array, wb: jax.Array) -> jax.Array:
