@@ -86,7 +86,7 @@ def test_some_blocks_are_marked_to_run():
 def test_the_readmes_usage_names_each_flag_of_each_command():
     """README's Usage block names every flag of every subcommand (its sweep had lost
     --vary, --run-steps, --run-rounds and --set; its eval --dtype)."""
-    from plait.cli_args import parser, subcommands
+    from plait.cli_args import options, parser, subcommands
 
     text = (ROOT / "README.md").read_text()
     usage = text[text.index("## Usage"):]
@@ -95,19 +95,17 @@ def test_the_readmes_usage_names_each_flag_of_each_command():
     for name, p in subcommands(parser()).items():
         said = " ".join(e for e in entries
                         if re.match(rf"plait (\S+\|)*{name}(\|\S+)* ", e))
-        flags = [o for a in p._actions for o in a.option_strings
-                 if o.startswith("--") and o != "--help"]
+        flags = [o for o in options(p) if o.startswith("--") and o != "--help"]
         assert [f for f in flags if f not in said] == [], name
 
 
 def test_every_hand_written_usage_line_names_each_flag():
     """A subcommand whose usage line is written out (data, sample, eval, import, export)
     names every flag it takes: `plait eval`'s had lost --dtype and --devices."""
-    from plait.cli_args import parser, subcommands
+    from plait.cli_args import options, parser, subcommands
 
     written = {name: p for name, p in subcommands(parser()).items() if p.usage}
     assert {"data", "sample", "eval", "import", "export"} <= set(written)
     for name, p in written.items():
-        flags = [o for a in p._actions for o in a.option_strings
-                 if o.startswith("--") and o != "--help"]
+        flags = [o for o in options(p) if o.startswith("--") and o != "--help"]
         assert [f for f in flags if f not in p.usage] == [], name

@@ -44,12 +44,17 @@ class Parser(argparse.ArgumentParser):
         got, extra = self.parse_known_args(args, namespace)
         if extra:
             command = subcommands(self)[got.command]
-            flags = [o for a in command._actions for o in a.option_strings]
+            flags = options(command)
             meant = [m for x in extra if x.startswith("-")
                      for m in difflib.get_close_matches(x.split("=")[0], flags, n=1)]
             command.error(f"unrecognized arguments: {' '.join(extra)}"
                           + (f" (did you mean {', '.join(meant)}?)" if meant else ""))
         return got
+
+
+def options(p: argparse.ArgumentParser) -> list[str]:
+    """Every option string a (sub)command's parser takes."""
+    return [o for a in p._actions for o in a.option_strings]
 
 
 def subcommands(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
