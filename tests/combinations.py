@@ -37,26 +37,51 @@ from helpers import ROOT, subprocess_env
 from helpers import losses as logged_losses
 
 RTOL = 1e-4
+BF16_RTOL = 2e-2  # bfloat16 compute: the layouts' reduction orders round differently
 
 
 def _model(rng: random.Random, mode: str) -> tuple[str, dict]:
-    kind = rng.choice(["gpt", "llama", "moe"])
+    kinds = ["gpt", "llama"] if mode == "sync" else ["gpt", "llama", "moe"]
+    kind = rng.choice(kinds)
     s: dict = {"train.global_batch": 16, "optimizer.warmup_steps": 0,
                "optimizer.decay_steps": 4, "model.layers": rng.choice([2, 4]),
-               "model.d_model": 64, "model.heads": 4, "model.d_ff": 128, "model.vocab": 256,
-               "model.seq_len": 64, "model.kind": '"gpt"' if kind == "gpt" else '"llama"'}
+               "model.d_model": 64, "model.heads": 4, "model.d_ff": 128,
+               "model.vocab": rng.choice([256, 256, 250]), "model.seq_len": 64,
+               "model.kind": '"gpt"' if kind == "gpt" else '"llama"'}
+    if rng.random() < 0.3:  # the less travelled model options
+        s.update({"model.head_dim": rng.choice([8, 16, 32]),
+                  "model.qkv_bias": rng.choice(["false", "true"]),
+                  "model.bias": rng.choice(["false", "true"]),
+                  "model.mlp": rng.choice(['"gelu"', '"swiglu"']),
+                  "model.vocab_multiple": rng.choice([1, 8, 128])})
+    if rng.random() < 0.3:
+        s.update({"optimizer.name": rng.choice(['"adamw"', '"sgd"', '"adagrad"']),
+                  "optimizer.schedule": rng.choice(['"cosine"', '"linear"', '"wsd"',
+                                                    '"constant"']),
+                  "optimizer.grad_clip": rng.choice([0.0, 0.05, 1.0])})
+    if rng.random() < 0.2:  # rounding differs between layouts: compared at BF16_RTOL
+        s["precision.compute"] = '"bfloat16"'
     if kind != "gpt":
         s.update({"model.kv_heads": rng.choice([1, 2, 4]), "model.rope_theta": 10000.0,
                   "model.qk_norm": rng.choice(["false", "true"]),
                   "model.tie_embeddings": rng.choice(["false", "true"])})
     if kind == "moe":
-        s.update({"model.moe.experts": 4, "model.moe.top_k": 2, "model.moe.z_weight": 0.001,
+        s.update({"model.moe.experts": 4, "model.moe.top_k": rng.choice([1, 2]),
+                  "model.moe.z_weight": 0.001,
                   "model.moe.capacity_factor": rng.choice([0.0, 2.0]),
-                  "model.moe.shared_d_ff": rng.choice([0, 32])})
+                  "model.moe.shared_d_ff": rng.choice([0, 32]),
+                  "model.moe.every": rng.choice([1, 1, 2]),
+                  "model.moe.d_ff": rng.choice([32, 64]),
+                  "model.moe.shared_gate": rng.choice(["false", "true"]),
+                  "model.moe.renormalize": rng.choice(["false", "true"]),
+                  "model.moe.grouped": rng.choice(['"auto"', '"tiles"', '"ragged_dot"'])})
     if mode == "data":
         s.update({"data.source": '"tokens"',
                   "data.row_start": rng.choice(['"anywhere"', '"document"', '"auto"']),
                   "data.document_mask": rng.choice(["false", "true"])})
+    if mode == "sync":
+        s.update({"sync.method": rng.choice(['"easgd"', '"diloco"']),
+                  "sync.period": rng.choice([1, 2, 3])})
     return kind, s
 
 
@@ -97,12 +122,26 @@ def _options(rng: random.Random, axes: dict[str, int]) -> tuple[dict, int]:
                                              '"chimera"', '"zb-h1"'])
         o["pipeline.microbatches"] = rng.choice([2, 4])
         o["pipeline.recompute"] = rng.choice(["false", "true"])
+        if o["pipeline.schedule"] == '"interleaved"' and rng.random() < 0.5:
+            o["pipeline.virtual_stages"] = rng.choice([1, 2, 4])
         micro = o["pipeline.microbatches"]
     else:
         micro = o["train.microbatches"] = rng.choice([1, 1, 2])
     if "context" in axes:
         o["context.attention"] = rng.choice(['"ring"', '"allgather"'])
     return o, micro
+
+
+def _sync_mesh(rng: random.Random, kind: str) -> tuple[dict[str, int], int]:
+    """Replicas over data and, inside each, what a replica may be split over."""
+    replicas = rng.choice([2, 4])
+    axes, left = {"data": replicas}, 8 // replicas
+    for axis, chance in (("tensor", 0.5), ("context", 0.3), ("fsdp", 0.5)):
+        if left >= 2 and rng.random() < chance:
+            axes[axis] = rng.choice([x for x in (2, 4) if left % x == 0])
+            left //= axes[axis]
+    axes["data"] *= left  # what is left over is more replicas (the reference has as many)
+    return axes, axes["data"]
 
 
 def _dlrm(rng: random.Random) -> tuple[dict, dict, dict[str, int]]:
@@ -142,13 +181,14 @@ class Runner:
                              timeout=900)
         return out, (logged_losses(run_dir).tolist() if out.returncode == 0 else None)
 
-    def reference(self, sets: dict) -> list[float] | str:
-        key = json.dumps(sets, sort_keys=True)
+    def reference(self, sets: dict, replicas: int = 1):
+        """The same model on one device, or on `replicas` devices of data alone."""
+        key = json.dumps([sets, replicas], sort_keys=True)
         if key not in self.refs:
             run_dir = self.work / f"ref-{hashlib.md5(key.encode()).hexdigest()[:10]}"
-            out, losses = self.train(sets, {"data": 1}, run_dir, devices=1)
+            out, losses = self.train(sets, {"data": replicas}, run_dir, devices=replicas)
             if losses is None:
-                return out.stderr.strip()[-600:]
+                return out
             self.refs[key] = losses
         return self.refs[key]
 
@@ -156,7 +196,8 @@ class Runner:
 def _judge(rec: dict, out, losses, ref) -> dict:
     if losses is not None:
         rec["rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=False))
-        rec["bad"] = rec["rel"] > RTOL or len(losses) != len(ref)
+        rtol = BF16_RTOL if rec["sets"].get("precision.compute") == '"bfloat16"' else RTOL
+        rec["bad"] = rec["rel"] > rtol or len(losses) != len(ref)
         if rec["bad"]:
             rec["losses"], rec["ref"] = losses, ref
         return rec
@@ -173,12 +214,16 @@ def one_run(rng: random.Random, mode: str, runner: Runner, n: int) -> dict | Non
         s, o, axes = _dlrm(rng)
         ref = runner.reference(s)
         rec = {"n": n, "mesh": axes, "sets": {**s, **o}}
-        if isinstance(ref, str):
-            return {**rec, "bad": True, "error": f"the one-device run failed: {ref}"}
+        if not isinstance(ref, list):
+            return _judge({**rec, "in": "reference"}, ref, None, None)
         out, losses = runner.train({**s, **o}, axes, run_dir)
         return _judge(rec, out, losses, ref)
     kind, s = _model(rng, mode)
-    axes = _mesh(rng, kind, s["model.layers"])
+    replicas = 1
+    if mode == "sync":
+        axes, replicas = _sync_mesh(rng, kind)
+    else:
+        axes = _mesh(rng, kind, s["model.layers"])
     o, micro = _options(rng, axes)
     # a router's balancing loss is taken per microbatch: the reference splits as the run
     ref_sets = {**s, "train.microbatches": micro} if kind == "moe" else s
@@ -189,9 +234,9 @@ def one_run(rng: random.Random, mode: str, runner: Runner, n: int) -> dict | Non
         if kind == "moe" and micro2 != micro:
             return None
         rec.update(then_mesh=axes2, then_sets=o2)
-    ref = runner.reference(ref_sets)
-    if isinstance(ref, str):
-        return {**rec, "bad": True, "error": f"the one-device run failed: {ref}"}
+    ref = runner.reference(ref_sets, replicas)
+    if not isinstance(ref, list):  # refused (or failed) on the reference's own mesh
+        return _judge({**rec, "in": "reference"}, ref, None, None)
     if mode == "resume":
         out, losses = runner.train({**s, **o}, axes, run_dir, steps=2, checkpoints=True)
         if out.returncode == 0:
@@ -223,7 +268,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mode", choices=["fresh", "resume", "data", "dlrm"], default="fresh")
+    ap.add_argument("--mode", default="fresh",
+                    choices=["fresh", "resume", "data", "dlrm", "sync"])
     ap.add_argument("--out", type=Path, default=Path("combinations.jsonl"))
     args = ap.parse_args()
     rng = random.Random(args.seed)

@@ -119,6 +119,18 @@ def test_data_axis_bytes_are_zero_on_local_steps_and_one_model_on_sync_steps(met
     assert {"reduce-scatter", "all-gather"} <= kinds
 
 
+def test_microbatches_do_not_change_what_a_replica_trains_on(tmp_path):
+    """A replica's rows of every microbatch come from its own block of the global batch,
+    as with one microbatch: accumulation is a memory setting, not another data order.
+    (Each microbatch split over the replicas had given replica r samples 2r, 2r + 1,
+    8 + 2r and 9 + 2r instead of 4r to 4r + 3: 1.2e-3 apart by step 6.)"""
+    sync = {"method": "easgd", "period": 2, "alpha": 0.25}
+    ref = losses(run(tiny(sync=sync, train={"steps": 6}), "data=4,tensor=2", tmp_path / "m1"))
+    got = losses(run(tiny(sync=sync, train={"steps": 6, "microbatches": 2}),
+                     "data=4,tensor=2", tmp_path / "m2"))
+    np.testing.assert_allclose(got, ref, rtol=2e-6)
+
+
 def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path):
     ckpt = {"enabled": True, "every_steps": 6, "keep": 2, "async_save": False}
     sync = {"method": "diloco", "period": 4}

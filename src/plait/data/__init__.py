@@ -15,20 +15,33 @@ from jax.sharding import NamedSharding
 
 
 def global_batch(source, step: int, shape: tuple[int, int, int],
-                 sharding: NamedSharding) -> jax.Array:
-    """The batch of `step` as one global array; only local shards are generated."""
-    per_micro = shape[1]
+                 sharding: NamedSharding, replicas: int = 1) -> jax.Array:
+    """The batch of `step` as one global array; only local shards are generated.
+
+    Row i of microbatch m is sample m * rows + i, except where `replicas` data replicas
+    train apart (local SGD): then each replica's rows of every microbatch come from its
+    own contiguous block of the global batch, so a replica trains on the same samples
+    whatever train.microbatches is (as it does with one microbatch)."""
+    n_micro, per_micro = shape[0], shape[1]
+    q = per_micro // replicas  # rows of one replica in one microbatch
     cache: dict[tuple, np.ndarray] = {}
 
+    def samples(m: int, start: int, stop: int) -> np.ndarray:
+        pieces, i = [], start
+        while i < stop:
+            r, end = i // q, min(stop, (i // q + 1) * q)
+            first = r * n_micro * q + m * q + i % q
+            pieces.append(source.rows(step, first, first + end - i))
+            i = end
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
     def shard(index: tuple[slice, ...]) -> np.ndarray:
-        mb = range(shape[0])[index[0]]
+        mb = range(n_micro)[index[0]]
         rows = range(per_micro)[index[1]]
         key = (mb.start, mb.stop, rows.start, rows.stop)
         if key not in cache:
-            cache[key] = np.stack([
-                source.rows(step, m * per_micro + rows.start, m * per_micro + rows.stop)
-                for m in mb
-            ])[(slice(None), slice(None), index[2])]
+            cache[key] = np.stack([samples(m, rows.start, rows.stop) for m in mb]
+                                  )[(slice(None), slice(None), index[2])]
         return cache[key]
 
     return jax.make_array_from_callback(shape, sharding, shard)

@@ -287,7 +287,8 @@ class GPTTask(DecoderCheckpoints, Task):
         return gpt_data.source(self.exp, self.documents)
 
     def batch(self, source: Source, step: int) -> jax.Array:
-        return data.global_batch(source, step, self.batch_shape, self.batch_sharding)
+        return data.global_batch(source, step, self.batch_shape, self.batch_sharding,
+                                 self.local.replicas if self.local else 1)
 
     def run_files(self, source: Source, run_dir: Path) -> dict[str, Path]:
         return gpt_data.run_files(source, run_dir)
