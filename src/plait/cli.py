@@ -7,6 +7,7 @@ and the fix, with exit status 2 and no traceback.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -188,7 +189,7 @@ def cmd_inspect(args) -> int:
     if args.compare_tensor_modes and args.devices is not None and not args.mesh:
         # the modes' meshes of --devices devices, not the experiment's [mesh] (whose size
         # refused --devices 4 for an 8-device mesh)
-        args.mesh = "data=-1"
+        args = argparse.Namespace(**{**vars(args), "mesh": "data=-1"})
     exp, mesh = _setup(args)
     from plait.inspect import compare_tensor_modes, inspect_step
     from plait.views.inspect import render, render_comparison
