@@ -1,7 +1,8 @@
 """Random combinations of axes, schedules and model options, trained against one device.
 
     python tests/combinations.py [--runs N] [--seed S]
-                                 [--mode fresh|resume|data|dlrm|sync] [--out FILE.jsonl]
+                                 [--mode fresh|resume|data|dlrm|sync|eval] [--out FILE.jsonl]
+                                 [--processes P]
 
 The suite holds losses equal across meshes for the combinations someone wrote down;
 this draws others. Each run draws a model (GPT-2's layout; a Llama with 1, 2 or 4
@@ -20,7 +21,10 @@ another (the checkpoint moved between meshes and layouts); `data` trains on a
 fine-tuning token file (loss mask, document index) with a random `data.row_start` and
 `data.document_mask`; `dlrm` draws table placements, optimizers and features of
 experiments/dlrm-tiny.toml over data x fsdp; `sync` draws EASGD or DiLoCo replicas over
-data, each split over tensor, context or fsdp, against the same replicas on data alone.
+data, each split over tensor, context or fsdp, against the same replicas on data alone;
+`eval` trains 2 steps on one device and scores the checkpoint with `plait eval` on the
+fine-tuning file, on one device and on the drawn mesh. With `--processes 2` each drawn
+mesh runs as two processes joined by jax.distributed (gloo) on localhost.
 
 Every run is one line of JSON in --out; the end prints the failures. Not part of the
 suite (minutes per dozen runs on 2 cores); run it after changing a parallel mode.
@@ -32,6 +36,7 @@ import argparse
 import hashlib
 import json
 import random
+import socket
 import subprocess
 import sys
 import tempfile
@@ -166,10 +171,35 @@ def _dlrm(rng: random.Random) -> tuple[dict, dict, dict[str, int]]:
     return s, o, {k: v for k, v in (("fsdp", fsdp), ("data", 8 // fsdp)) if v > 1} or {"data": 1}
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class Runner:
-    def __init__(self, work: Path, experiment: Path, data: Path | None):
+    def __init__(self, work: Path, experiment: Path, data: Path | None, processes: int = 1):
         self.work, self.experiment, self.data = work, experiment, data
+        self.processes = processes
         self.refs: dict[str, list[float]] = {}
+
+    def _run(self, cmd: list[str], devices: int) -> subprocess.CompletedProcess:
+        """cmd in one process, or (drawn runs, --processes P) in P joined by
+        jax.distributed on localhost: the exit status is the worst, the stderr that of
+        the first process that failed."""
+        if devices == 1 or self.processes == 1:
+            return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
+                                  timeout=900)
+        join = ["--coordinator", f"127.0.0.1:{_free_port()}",
+                "--num-processes", str(self.processes)]
+        procs = [subprocess.Popen(cmd + join + ["--process-id", str(i)], text=True,
+                                  env=subprocess_env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE) for i in range(self.processes)]
+        outs = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=900)
+            outs.append(subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr))
+        return next((o for o in outs if o.returncode), outs[0])
 
     def train(self, sets: dict, axes: dict[str, int], run_dir: Path, devices: int = 8,
               steps: int = 4, checkpoints: bool = False):
@@ -183,9 +213,17 @@ class Runner:
             cmd += ["--set", f'data.path="{self.data}"']
         for k, v in sets.items():
             cmd += ["--set", f"{k}={v}"]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
-                             timeout=900)
+        out = self._run(cmd, devices)
         return out, (logged_losses(run_dir).tolist() if out.returncode == 0 else None)
+
+    def score(self, run_dir: Path, axes: dict[str, int], devices: int = 8):
+        """`plait eval` of run_dir's newest checkpoint on the token file, over `axes`."""
+        got = run_dir / f"eval-{devices}.json"
+        cmd = [sys.executable, "-m", "plait", "eval", str(run_dir), "--data", str(self.data),
+               "--mesh", ",".join(f"{k}={v}" for k, v in axes.items()), "--devices",
+               str(devices), "--max-batches", "2", "--json", str(got)]
+        out = self._run(cmd, devices)
+        return out, ([json.loads(got.read_text())["loss"]] if out.returncode == 0 else None)
 
     def reference(self, sets: dict, replicas: int = 1):
         """The same model on one device, or on `replicas` devices of data alone."""
@@ -240,9 +278,18 @@ def one_run(rng: random.Random, mode: str, runner: Runner, n: int) -> dict | Non
         if kind == "moe" and micro2 != micro:
             return None
         rec.update(then_mesh=axes2, then_sets=o2)
-    ref = runner.reference(ref_sets, replicas)
+    ref = runner.reference(ref_sets, replicas) if mode != "eval" else []
     if not isinstance(ref, list):  # refused (or failed) on the reference's own mesh
         return _judge({**rec, "in": "reference"}, ref, None, None)
+    if mode == "eval":  # trained on one device, scored there and on the drawn mesh
+        out, _ = runner.train({**s, **o}, {"data": 1}, run_dir, devices=1, steps=2,
+                              checkpoints=True)
+        if out.returncode == 0:
+            out, ref = runner.score(run_dir, {"data": 1}, devices=1)
+        if out.returncode != 0:
+            return _judge({**rec, "in": "reference"}, out, None, None)
+        out, losses = runner.score(run_dir, axes)
+        return _judge(rec, out, losses, ref)
     if mode == "resume":
         out, losses = runner.train({**s, **o}, axes, run_dir, steps=2, checkpoints=True)
         if out.returncode == 0:
@@ -275,15 +322,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mode", default="fresh",
-                    choices=["fresh", "resume", "data", "dlrm", "sync"])
+                    choices=["fresh", "resume", "data", "dlrm", "sync", "eval"])
     ap.add_argument("--out", type=Path, default=Path("combinations.jsonl"))
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run each drawn mesh as this many processes joined by "
+                         "jax.distributed on localhost (the references run in one)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="plait-combinations-") as tmp:
         work = Path(tmp)
-        data = _fine_tuning_file(work) if args.mode == "data" else None
+        data = _fine_tuning_file(work) if args.mode in ("data", "eval") else None
         name = "dlrm-tiny.toml" if args.mode == "dlrm" else "quickstart.toml"
-        runner = Runner(work, ROOT / "experiments" / name, data)
+        runner = Runner(work, ROOT / "experiments" / name, data, args.processes)
         failures, n, t0 = [], 0, time.time()
         with args.out.open("w") as f:
             while n < args.runs:
