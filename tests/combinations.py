@@ -24,7 +24,8 @@ experiments/dlrm-tiny.toml over data x fsdp; `sync` draws EASGD or DiLoCo replic
 data, each split over tensor, context or fsdp, against the same replicas on data alone;
 `eval` trains 2 steps on one device and scores the checkpoint with `plait eval` on the
 fine-tuning file, on one device and on the drawn mesh. With `--processes 2` each drawn
-mesh runs as two processes joined by jax.distributed (gloo) on localhost.
+mesh runs under `plait launch --processes 2`: two processes joined by jax.distributed
+(gloo) on localhost.
 
 Every run is one line of JSON in --out; the end prints the failures. Not part of the
 suite (minutes per dozen runs on 2 cores); run it after changing a parallel mode.
@@ -36,7 +37,6 @@ import argparse
 import hashlib
 import json
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -171,10 +171,8 @@ def _dlrm(rng: random.Random) -> tuple[dict, dict, dict[str, int]]:
     return s, o, {k: v for k, v in (("fsdp", fsdp), ("data", 8 // fsdp)) if v > 1} or {"data": 1}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _spec(axes: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in axes.items())
 
 
 class Runner:
@@ -183,29 +181,20 @@ class Runner:
         self.processes = processes
         self.refs: dict[str, list[float]] = {}
 
-    def _run(self, cmd: list[str], devices: int) -> subprocess.CompletedProcess:
-        """cmd in one process, or (drawn runs, --processes P) in P joined by
-        jax.distributed on localhost: the exit status is the worst, the stderr that of
-        the first process that failed."""
-        if devices == 1 or self.processes == 1:
-            return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(),
-                                  timeout=900)
-        join = ["--coordinator", f"127.0.0.1:{_free_port()}",
-                "--num-processes", str(self.processes)]
-        procs = [subprocess.Popen(cmd + join + ["--process-id", str(i)], text=True,
-                                  env=subprocess_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for i in range(self.processes)]
-        outs = []
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=900)
-            outs.append(subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr))
-        return next((o for o in outs if o.returncode), outs[0])
+    def _run(self, args: list[str], devices: int) -> subprocess.CompletedProcess:
+        """`plait ARGS` in one process, or (drawn runs, --processes P) under
+        `plait launch --processes P`: P processes joined by jax.distributed on localhost,
+        whose failures it reports in one line."""
+        launch = (["launch", "--processes", str(self.processes), "--"]
+                  if devices > 1 and self.processes > 1 else [])
+        return subprocess.run([sys.executable, "-m", "plait", *launch, *args],
+                              capture_output=True, text=True, env=subprocess_env(),
+                              timeout=900)
 
     def train(self, sets: dict, axes: dict[str, int], run_dir: Path, devices: int = 8,
               steps: int = 4, checkpoints: bool = False):
-        mesh = ",".join(f"{k}={v}" for k, v in axes.items())
-        cmd = [sys.executable, "-m", "plait", "train", str(self.experiment), "--run-dir",
-               str(run_dir), "--steps", str(steps), "--mesh", mesh, "--devices", str(devices),
+        cmd = ["train", str(self.experiment), "--run-dir", str(run_dir), "--steps",
+               str(steps), "--mesh", _spec(axes), "--devices", str(devices),
                "--set", "log.every_steps=1", "--set", "log.tensorboard=false",
                "--set", 'log.console="line"', "--set", "checkpoint.async_save=false",
                "--set", f"checkpoint.enabled={'true' if checkpoints else 'false'}"]
@@ -219,8 +208,8 @@ class Runner:
     def score(self, run_dir: Path, axes: dict[str, int], devices: int = 8):
         """`plait eval` of run_dir's newest checkpoint on the token file, over `axes`."""
         got = run_dir / f"eval-{devices}.json"
-        cmd = [sys.executable, "-m", "plait", "eval", str(run_dir), "--data", str(self.data),
-               "--mesh", ",".join(f"{k}={v}" for k, v in axes.items()), "--devices",
+        cmd = ["eval", str(run_dir), "--data", str(self.data),
+               "--mesh", _spec(axes), "--devices",
                str(devices), "--max-batches", "2", "--json", str(got)]
         out = self._run(cmd, devices)
         return out, ([json.loads(got.read_text())["loss"]] if out.returncode == 0 else None)
@@ -345,8 +334,7 @@ def main() -> None:
                 f.flush()
                 verdict = ("FAILED" if rec["bad"] else
                            f"rel {rec['rel']:.1e}" if "rel" in rec else "refused")
-                meshes = " -> ".join(",".join(f"{k}={v}" for k, v in rec[m].items())
-                                     for m in ("mesh", "then_mesh") if m in rec)
+                meshes = " -> ".join(_spec(rec[m]) for m in ("mesh", "then_mesh") if m in rec)
                 print(f"combinations: {n}/{args.runs} ({time.time() - t0:.0f}s) {verdict}: "
                       f"{meshes}", file=sys.stderr, flush=True)
                 if rec["bad"]:
