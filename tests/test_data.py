@@ -132,17 +132,15 @@ def test_click_batches_are_the_same_on_every_mesh_and_made_on_the_devices(popula
 
 
 def test_click_batches_are_the_same_across_two_processes(tmp_path):
-    import socket
     import subprocess
     import sys
 
     from helpers import ROOT, subprocess_env
 
+    from plait.launch import free_port
     from plait.tasks.dlrm import DLRMTask
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = subprocess_env()
     env["PYTHONPATH"] = str(ROOT / "tests")
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "clicks_worker.py"),

@@ -1,6 +1,5 @@
 """Two processes joined by jax.distributed (gloo on CPU) train exactly like one."""
 
-import socket
 import subprocess
 import sys
 
@@ -8,13 +7,9 @@ import numpy as np
 import pytest
 from helpers import LINE_LOG, ROOT, losses, run, subprocess_env, tiny, write_experiment
 
+from plait.launch import free_port
+
 MESH = "data=2,fsdp=2,tensor=2"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -30,7 +25,7 @@ def test_two_processes_equal_one(sync, mesh, tmp_path):
                log=LINE_LOG, sync={"method": sync, "period": 4})
     path = write_experiment(tmp_path / "tiny.toml", exp)
     reference = losses(run(exp, mesh, tmp_path / "one"))
-    port = _free_port()
+    port = free_port()
     run_dir = tmp_path / "two"
     procs = [
         subprocess.Popen(
@@ -75,7 +70,7 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_rerun_resumes(lost, 
     exp = tiny(checkpoint=ckpt, log=LINE_LOG, train={"steps": 400})
     path = write_experiment(tmp_path / "tiny.toml", exp)
     run_dir = tmp_path / "two"
-    port = _free_port()
+    port = free_port()
     procs = [_start(path, run_dir, port, i) for i in range(2)]
     try:
         _wait_for_step(run_dir, 5, procs[0])
@@ -101,7 +96,7 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_rerun_resumes(lost, 
     # Rerun both processes: they resume and land on the curve of one uninterrupted run.
     short = tiny(checkpoint=ckpt, log=LINE_LOG, train={"steps": saved[-1] + 4})
     path = write_experiment(tmp_path / "tiny.toml", short)
-    port = _free_port()
+    port = free_port()
     procs = [_start(path, run_dir, port, i) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, e) in zip(procs, outs, strict=True):

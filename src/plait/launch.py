@@ -25,7 +25,8 @@ from plait.errors import UserError
 LAUNCHABLE = ("train", "inspect", "plan", "eval")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost no one listens on now (for a coordinator)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,7 +52,7 @@ def launch(processes: int, command: list[str], port: int | None = None) -> int:
                         "itself; drop them from the command")
     if port:  # 0 or none: a free one
         check_port(port, f"--port {port}")
-    address = f"127.0.0.1:{port or _free_port()}"
+    address = f"127.0.0.1:{port or free_port()}"
     procs = []
     for i in range(processes):
         argv = [sys.executable, "-m", "plait", *command, "--coordinator", address,
