@@ -181,18 +181,18 @@ class Runner:
         self.processes = processes
         self.refs: dict[str, list[float]] = {}
 
-    def _run(self, args: list[str], devices: int) -> subprocess.CompletedProcess:
-        """`plait ARGS` in one process, or (drawn runs, --processes P) under
+    def _run(self, args: list[str], drawn: bool) -> subprocess.CompletedProcess:
+        """`plait ARGS` in one process, or (a drawn mesh, --processes P) under
         `plait launch --processes P`: P processes joined by jax.distributed on localhost,
         whose failures it reports in one line."""
         launch = (["launch", "--processes", str(self.processes), "--"]
-                  if devices > 1 and self.processes > 1 else [])
+                  if drawn and self.processes > 1 else [])
         return subprocess.run([sys.executable, "-m", "plait", *launch, *args],
                               capture_output=True, text=True, env=subprocess_env(),
                               timeout=900)
 
     def train(self, sets: dict, axes: dict[str, int], run_dir: Path, devices: int = 8,
-              steps: int = 4, checkpoints: bool = False):
+              steps: int = 4, checkpoints: bool = False, drawn: bool = True):
         cmd = ["train", str(self.experiment), "--run-dir", str(run_dir), "--steps",
                str(steps), "--mesh", _spec(axes), "--devices", str(devices),
                "--set", "log.every_steps=1", "--set", "log.tensorboard=false",
@@ -202,16 +202,16 @@ class Runner:
             cmd += ["--set", f'data.path="{self.data}"']
         for k, v in sets.items():
             cmd += ["--set", f"{k}={v}"]
-        out = self._run(cmd, devices)
+        out = self._run(cmd, drawn)
         return out, (logged_losses(run_dir).tolist() if out.returncode == 0 else None)
 
-    def score(self, run_dir: Path, axes: dict[str, int], devices: int = 8):
+    def score(self, run_dir: Path, axes: dict[str, int], devices: int = 8,
+              drawn: bool = True):
         """`plait eval` of run_dir's newest checkpoint on the token file, over `axes`."""
         got = run_dir / f"eval-{devices}.json"
-        cmd = ["eval", str(run_dir), "--data", str(self.data),
-               "--mesh", _spec(axes), "--devices",
-               str(devices), "--max-batches", "2", "--json", str(got)]
-        out = self._run(cmd, devices)
+        cmd = ["eval", str(run_dir), "--data", str(self.data), "--mesh", _spec(axes),
+               "--devices", str(devices), "--max-batches", "2", "--json", str(got)]
+        out = self._run(cmd, drawn)
         return out, ([json.loads(got.read_text())["loss"]] if out.returncode == 0 else None)
 
     def reference(self, sets: dict, replicas: int = 1):
@@ -219,7 +219,8 @@ class Runner:
         key = json.dumps([sets, replicas], sort_keys=True)
         if key not in self.refs:
             run_dir = self.work / f"ref-{hashlib.md5(key.encode()).hexdigest()[:10]}"
-            out, losses = self.train(sets, {"data": replicas}, run_dir, devices=replicas)
+            out, losses = self.train(sets, {"data": replicas}, run_dir, devices=replicas,
+                                     drawn=False)
             if losses is None:
                 return out
             self.refs[key] = losses
@@ -267,18 +268,18 @@ def one_run(rng: random.Random, mode: str, runner: Runner, n: int) -> dict | Non
         if kind == "moe" and micro2 != micro:
             return None
         rec.update(then_mesh=axes2, then_sets=o2)
-    ref = runner.reference(ref_sets, replicas) if mode != "eval" else []
-    if not isinstance(ref, list):  # refused (or failed) on the reference's own mesh
-        return _judge({**rec, "in": "reference"}, ref, None, None)
     if mode == "eval":  # trained on one device, scored there and on the drawn mesh
         out, _ = runner.train({**s, **o}, {"data": 1}, run_dir, devices=1, steps=2,
-                              checkpoints=True)
+                              checkpoints=True, drawn=False)
         if out.returncode == 0:
-            out, ref = runner.score(run_dir, {"data": 1}, devices=1)
+            out, ref = runner.score(run_dir, {"data": 1}, devices=1, drawn=False)
         if out.returncode != 0:
             return _judge({**rec, "in": "reference"}, out, None, None)
         out, losses = runner.score(run_dir, axes)
         return _judge(rec, out, losses, ref)
+    ref = runner.reference(ref_sets, replicas)
+    if not isinstance(ref, list):  # refused (or failed) on the reference's own mesh
+        return _judge({**rec, "in": "reference"}, ref, None, None)
     if mode == "resume":
         out, losses = runner.train({**s, **o}, axes, run_dir, steps=2, checkpoints=True)
         if out.returncode == 0:
